@@ -1,0 +1,5 @@
+"""What runs in the training rank: the client, state capture, and the reader."""
+
+from .client import Client, SnapshotHandle
+
+__all__ = ["Client", "SnapshotHandle"]

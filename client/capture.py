@@ -1,0 +1,161 @@
+"""Turning a state tree into handles and entries, in the trainer, without copying bytes.
+
+The state is pickled once with a ``persistent_id`` hook: each leaf a registered capturer
+claims (CPU tensors, for now) becomes an entry that references shared memory, and
+everything else stays in the pickled skeleton, the object provider's payload. New kinds of
+leaves plug in by registering a capturer for their type.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from datastates.protocol.descriptors import EMPTY, SHM, EntryDesc, SourceDesc
+from datastates.protocol.errors import InvalidRequestError
+from datastates.protocol.format import PERSISTENT_TAG
+
+from .shm import share
+
+PICKLE_PROTOCOL = 5
+
+
+@dataclass
+class Capture:
+    """What one ``snapshot()`` sends: byte sources, entries, and the root entry's index."""
+
+    sources: list[SourceDesc] = field(default_factory=list)
+    entries: list[EntryDesc] = field(default_factory=list)
+    root: int = -1
+    keepalive: list[Any] = field(default_factory=list)
+    _source_index: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def add_storage(self, storage: torch.UntypedStorage) -> int:
+        """Index of ``storage`` among this capture's sources; a storage shared by views counts once."""
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            self.sources.append(SourceDesc(kind=EMPTY, handle="", nbytes=0))
+            return len(self.sources) - 1
+        key = (storage._cdata, nbytes)  # the StorageImpl: stable when sharing moves its data
+        if key not in self._source_index:
+            self.sources.append(SourceDesc(kind=SHM, handle=share(storage), nbytes=nbytes))
+            self._source_index[key] = len(self.sources) - 1
+        return self._source_index[key]
+
+    def add_entry(self, entry: EntryDesc) -> int:
+        self.entries.append(entry)
+        return len(self.entries) - 1
+
+
+class LeafCapturer(ABC):
+    """Claims leaves of some Python types and describes them as an entry of a provider."""
+
+    types: ClassVar[tuple[type, ...]]
+
+    @abstractmethod
+    def capture(self, obj: Any, name: str, cap: Capture) -> EntryDesc | None:
+        """The entry for ``obj``, or None to leave it to the pickled skeleton."""
+
+
+_CAPTURERS: dict[type, LeafCapturer] = {}
+
+
+def register_capturer(capturer: LeafCapturer) -> LeafCapturer:
+    for t in capturer.types:
+        _CAPTURERS[t] = capturer
+    return capturer
+
+
+def _capturer_for(obj: Any) -> LeafCapturer | None:
+    for t in type(obj).__mro__:
+        if t in _CAPTURERS:
+            return _CAPTURERS[t]
+    return None
+
+
+class TensorCapturer(LeafCapturer):
+    """Dense CPU tensors and Parameters: shared storage plus dtype, shape, stride and offset."""
+
+    types = (torch.Tensor,)
+
+    def capture(self, obj: torch.Tensor, name: str, cap: Capture) -> EntryDesc | None:
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            return None  # subclasses carry state of their own: let pickle keep it
+        if obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized:
+            return None
+        t = obj.detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+            cap.keepalive.append(t)
+        return EntryDesc(
+            provider="tensor",
+            name=name,
+            meta={
+                "storage": cap.add_storage(t.untyped_storage()),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "storage_offset": t.storage_offset(),
+                "requires_grad": obj.requires_grad,
+                "parameter": isinstance(obj, torch.nn.Parameter),
+            },
+        )
+
+
+register_capturer(TensorCapturer())
+
+
+def _leaf_names(state: Any, prefix: str = "", out: dict[int, str] | None = None, depth: int = 0) -> dict[int, str]:
+    """Dotted key paths of the leaves under dicts, lists and tuples, for error messages."""
+    out = {} if out is None else out
+    if depth > 64:
+        return out
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        out.setdefault(id(state), prefix or "<root>")
+        return out
+    for k, v in items:
+        _leaf_names(v, f"{prefix}.{k}" if prefix else str(k), out, depth + 1)
+    return out
+
+
+class _CapturingPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, cap: Capture, names: dict[int, str]) -> None:
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self._cap = cap
+        self._names = names
+        self._seen: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        key = id(obj)
+        if key in self._seen:
+            return (PERSISTENT_TAG, self._seen[key])
+        capturer = _capturer_for(obj)
+        if capturer is None:
+            return None
+        entry = capturer.capture(obj, self._names.get(key, f"<leaf {len(self._seen)}>"), self._cap)
+        if entry is None:
+            return None
+        self._seen[key] = self._cap.add_entry(entry)
+        self._cap.keepalive.append(obj)
+        return (PERSISTENT_TAG, self._seen[key])
+
+
+def capture(state: Any) -> Capture:
+    """Describe ``state`` as shared sources, leaf entries and a pickled root entry."""
+    cap = Capture()
+    buf = io.BytesIO()
+    try:
+        _CapturingPickler(buf, cap, _leaf_names(state)).dump(state)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise InvalidRequestError(f"state cannot be serialized: {exc}") from None
+    cap.root = cap.add_entry(EntryDesc(provider="pickle", name="<skeleton>", meta={"data": buf.getvalue()}))
+    return cap

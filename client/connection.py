@@ -1,0 +1,114 @@
+"""The client's one ZeroMQ DEALER socket, owned by one I/O thread.
+
+ZeroMQ sockets are not thread-safe, so training threads never touch the DEALER: they hand
+frames to the I/O thread over an inproc pair and get a ``concurrent.futures.Future`` back,
+resolved when the reply whose ``parent`` is their request id arrives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from datastates.protocol import messages as m
+from datastates.protocol.errors import DaemonUnavailable, DatastatesError, error_from_code
+
+log = logging.getLogger(__name__)
+
+_STOP = b"stop"
+
+
+class Connection:
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._ctx = zmq.Context()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        inproc = f"inproc://datastates-client-{uuid.uuid4().hex}"
+        self._inbox = self._ctx.socket(zmq.PAIR)
+        self._inbox.bind(inproc)
+        self._outbox = self._ctx.socket(zmq.PAIR)
+        self._outbox.connect(inproc)
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 2000)
+        self._dealer.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, name="datastates-client-io", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def request(self, body: m.Body) -> Future:
+        """Send ``body``; the future resolves to the reply body or raises the reported error."""
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise DaemonUnavailable(f"connection to {self.endpoint} is closed")
+            msg_id = next(self._ids)
+            self._pending[msg_id] = fut
+            self._outbox.send_multipart(m.encode(body, msg_id))
+        return fut
+
+    def call(self, body: m.Body, timeout: float | None) -> Any:
+        fut = self.request(body)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise DaemonUnavailable(
+                f"no reply from datastatesd at {self.endpoint} to {body.TYPE.value} within {timeout} s; "
+                "is the daemon running (datastatesd --node-config ...)?",
+                endpoint=self.endpoint,
+            ) from None
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        poller.register(self._dealer, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll():
+                if sock is self._inbox:
+                    frames = self._inbox.recv_multipart(copy=False)
+                    if len(frames) == 1 and frames[0].bytes == _STOP:
+                        self._dealer.close()
+                        self._inbox.close()
+                        return
+                    self._dealer.send_multipart(frames, copy=False)
+                else:
+                    self._deliver(self._dealer.recv_multipart())
+
+    def _deliver(self, frames: list[bytes]) -> None:
+        try:
+            header = m.decode_header(frames)
+            body = m.decode_body(header, frames[1])
+        except DatastatesError as exc:
+            log.error("dropping an unreadable reply from the daemon: %s", exc)
+            return
+        with self._lock:
+            fut = self._pending.pop(header.parent, None) if header.parent is not None else None
+        if fut is None or fut.cancelled():
+            return
+        if isinstance(body, m.Error):
+            fut.set_exception(error_from_code(body.code, body.message, body.detail))
+        else:
+            fut.set_result(body)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._outbox.send(_STOP)
+            pending, self._pending = self._pending, {}
+        self._thread.join()
+        self._outbox.close()
+        self._ctx.term()
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(DaemonUnavailable(f"connection to {self.endpoint} closed before the reply"))
+

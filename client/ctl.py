@@ -1,0 +1,102 @@
+"""``datastatesctl``: inspect and steer the node's daemon from a shell or a job script."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from datastates.protocol import messages as m
+from datastates.protocol.endpoint import resolve_endpoint
+from datastates.protocol.errors import DatastatesError
+
+from .connection import Connection
+
+POLL_S = 0.2
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def render(status: dict[str, Any]) -> str:
+    d = status["daemon"]
+    mem = d["host_memory"]
+    lines = [
+        f"datastatesd pid {d['pid']} on {d['endpoint']}  up {d['uptime_s']} s"
+        + ("  (draining)" if d["draining"] else ""),
+        f"host memory: {_size(mem['chunks_in_use'] * mem['chunk_size'])} in use of {_size(mem['budget_bytes'])}"
+        f" (peak {_size(mem['peak_in_use_bytes'])}, {mem['waiting_copies']} copies waiting)",
+        f"pending snapshots: {status['pending']}   pending commits: {status['commits_pending']}",
+        "",
+        f"clients ({len(status['clients'])}):",
+    ]
+    lines += [f"  {c['id']:<14} {c['name']:<20} pid {c['pid']:<8} {c['host']}  regions {c['regions']}" for c in status["clients"]]
+    lines += ["", "snapshots:", f"  {'id':>5} {'state':<9} {'copied':>9} {'flushed':>9} {'total':>10} {'rate':>11}  tag / path"]
+    for s in status["snapshots"]:
+        total = s["total_bytes"] or 1
+        lines.append(
+            f"  {s['id']:>5} {s['state']:<9} {100 * s['copied_bytes'] / total:>8.0f}% {100 * s['flushed_bytes'] / total:>8.0f}%"
+            f" {_size(s['total_bytes']):>10} {_size(s['throughput_bps']) + '/s':>11}  {s['tag']}  {s['path']}"
+            + (f"\n        error: {s['error']}" if s["error"] else "")
+        )
+    lines += ["", "committed tags:"]
+    lines += [f"  {c['tag']:<24} {c['files']} file(s)  {c['marker']}" for c in status["committed"]]
+    return "\n".join(lines)
+
+
+def _status(conn: Connection, timeout: float) -> dict[str, Any]:
+    return conn.call(m.Status(), timeout).status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="datastatesctl", description="Inspect and control the node's datastatesd.")
+    parser.add_argument("--endpoint", help="daemon endpoint (default: $DATASTATES_ENDPOINT, else the default node config's)")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="how long to wait for the daemon to answer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_status = sub.add_parser("status", help="clients, pending snapshots with progress, committed tags")
+    p_status.add_argument("--json", action="store_true", help="machine-readable output")
+    p_wait = sub.add_parser("wait", help="wait until no snapshot or commit is pending")
+    p_wait.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after S seconds (exit 1)")
+    sub.add_parser("shutdown", help="drain every pending snapshot, then stop the daemon")
+    args = parser.parse_args(argv)
+
+    conn = Connection(resolve_endpoint(args.endpoint))
+    try:
+        if args.command == "status":
+            status = _status(conn, args.connect_timeout)
+            print(json.dumps(status, indent=1) if args.json else render(status))
+        elif args.command == "wait":
+            deadline = None if args.timeout is None else time.monotonic() + args.timeout
+            while True:
+                status = _status(conn, args.connect_timeout)
+                if not status["pending"] and not status["commits_pending"]:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    print(f"datastatesctl: still pending after {args.timeout} s: {status['pending']} snapshot(s), "
+                          f"{status['commits_pending']} commit(s)", file=sys.stderr)
+                    return 1
+                time.sleep(POLL_S)
+            failed = [s for s in status["snapshots"] if s["state"] == "failed"]
+            for s in failed:
+                print(f"datastatesctl: snapshot {s['id']} of {s['path']} failed: {s['error']}", file=sys.stderr)
+            return 1 if failed else 0
+        elif args.command == "shutdown":
+            conn.call(m.Shutdown(), None)
+            print("datastatesd drained and stopped")
+    except DatastatesError as exc:
+        print(f"datastatesctl: error: {exc.message}", file=sys.stderr)
+        return 2
+    finally:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

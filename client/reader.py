@@ -1,0 +1,167 @@
+"""Reading checkpoints back: ``load`` a file, bitwise, and find the ``latest`` committed tag."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from datastates.daemon.providers import get_provider
+from datastates.protocol.errors import CorruptCheckpointError, DatastatesError, UnsupportedFormatError
+from datastates.protocol.format import (
+    MARKER_PREFIX,
+    MARKER_SUFFIX,
+    PREAMBLE_SIZE,
+    CommitMarker,
+    FileHeader,
+    checksum,
+    data_offset,
+    parse_header,
+    parse_preamble,
+    segments,
+)
+
+MapLocation = str | torch.device | None
+
+
+def _read_exact(fd: int, buf: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class _Restore:
+    """The RestoreContext of one file: its storages, read and checked once, and its entries."""
+
+    def __init__(self, path: str, fd: int, header: FileHeader, base: int, verify: bool, device: torch.device | None) -> None:
+        self.path = path
+        self._fd = fd
+        self._header = header
+        self._base = base
+        self._verify = verify
+        self._device = device
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        self._entries: dict[int, Any] = {}
+        self._users: dict[int, list[str]] = {}
+        for e in header.entries:
+            if isinstance(e.meta.get("storage"), int):
+                self._users.setdefault(e.meta["storage"], []).append(e.name)
+
+    def _fail(self, index: int, why: str) -> CorruptCheckpointError:
+        names = ", ".join(repr(n) for n in self._users.get(index, [])[:4]) or f"storage {index}"
+        return CorruptCheckpointError(f"{self.path}: tensor {names}: {why}", path=self.path, tensor=names)
+
+    def storage(self, index: int) -> torch.UntypedStorage:
+        if index in self._storages:
+            return self._storages[index]
+        if not 0 <= index < len(self._header.storages):
+            raise self._fail(index, "refers to a storage the index does not have")
+        rec = self._header.storages[index]
+        flat = torch.empty(rec.nbytes, dtype=torch.uint8)
+        storage = flat.untyped_storage()
+        if rec.nbytes:
+            buf = memoryview(flat.numpy())
+            got = _read_exact(self._fd, buf, self._base + rec.offset)
+            if got != rec.nbytes:
+                raise self._fail(index, f"file ends after {got} of its {rec.nbytes} bytes (truncated)")
+            if self._verify:
+                self._check(index, rec, buf)
+        self._storages[index] = storage
+        return storage
+
+    def _check(self, index: int, rec: Any, buf: memoryview) -> None:
+        segs = segments(rec.offset, rec.nbytes, self._header.piece_size)
+        if len(segs) != len(rec.checksums):
+            raise self._fail(index, "the index has the wrong number of checksums")
+        for (start, length), want in zip(segs, rec.checksums):
+            lo = start - rec.offset
+            if checksum(buf[lo:lo + length]) != want:
+                raise self._fail(index, f"checksum mismatch in bytes {lo}..{lo + length} (the data is corrupt)")
+
+    def entry(self, index: int) -> Any:
+        if index not in self._entries:
+            if not 0 <= index < len(self._header.entries):
+                raise CorruptCheckpointError(f"{self.path}: reference to entry {index}, which does not exist")
+            entry = self._header.entries[index]
+            provider = get_provider(entry.provider)
+            if provider is None:
+                raise UnsupportedFormatError(f"{self.path}: entry {entry.name!r} needs provider {entry.provider!r}, not installed")
+            self._entries[index] = provider.restore(entry, self)
+        return self._entries[index]
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self._device is None or self._device.type == "cpu" else tensor.to(self._device)
+
+
+def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: bool = True) -> Any:
+    """The state saved at ``path``, bitwise as it was snapshotted.
+
+    Refuses, with CorruptCheckpointError naming the file and the tensor, a file of the
+    wrong size, a truncated one, or one whose header or data checksums do not match.
+    """
+    path = os.fspath(path)
+    device = torch.device(map_location) if map_location is not None else None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, 0), path)
+        if PREAMBLE_SIZE + header_len > size:
+            raise CorruptCheckpointError(f"{path}: file is truncated inside its header ({size} bytes)", path=path)
+        header = parse_header(os.pread(fd, header_len, PREAMBLE_SIZE), header_hash, path)
+        base = data_offset(header_len)
+        expected = header.file_size(base)
+        if size != expected:
+            raise CorruptCheckpointError(
+                f"{path}: file is {size} bytes but its header declares {expected}"
+                + (" (truncated)" if size < expected else " (bytes appended)"),
+                path=path,
+            )
+        return _Restore(path, fd, header, base, verify, device).entry(header.root)
+    finally:
+        os.close(fd)
+
+
+def _markers(root: str) -> list[str]:
+    found = []
+    for folder in [root] + [os.path.join(root, d) for d in sorted(os.listdir(root))]:
+        if not os.path.isdir(folder):
+            continue
+        found.extend(
+            os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX)
+        )
+    return found
+
+
+def read_marker(path: str) -> CommitMarker | None:
+    """The marker at ``path`` if it is whole and every file it lists has the size it lists."""
+    try:
+        with open(path, "rb") as f:
+            marker = CommitMarker.decode(f.read())
+    except (OSError, ValueError, DatastatesError):
+        return None
+    folder = os.path.dirname(path)
+    for rec in marker.files:
+        try:
+            if os.stat(os.path.join(folder, rec.path)).st_size != rec.size:
+                return None
+        except OSError:
+            return None
+    return marker
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The newest tag under ``root`` (in it or one folder down) with a valid commit marker."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return None
+    best: CommitMarker | None = None
+    for path in _markers(root):
+        marker = read_marker(path)
+        if marker is not None and (best is None or marker.committed_ns > best.committed_ns):
+            best = marker
+    return best.tag if best else None

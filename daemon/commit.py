@@ -1,0 +1,69 @@
+"""Commit: a tag becomes committed when all its files are durable and its marker is in place.
+
+The marker lists every file of the tag with its size; it is written under a temporary
+name, fsynced and renamed into the folder that holds the tag's files. Readers trust
+nothing else (client/reader.py). Commits are per client for now: a tag's marker lists
+the files that client snapshotted under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import time
+from typing import Any
+
+from datastates.protocol import messages as m
+from datastates.protocol.errors import CommitError
+from datastates.protocol.format import CommitMarker, MarkerFile, marker_name
+from datastates.protocol.version import COMMIT_VERSION
+
+from .engine import Engine
+from .job import SnapshotJob
+from .storage import writer_for
+
+HISTORY = 64
+
+
+class CommitLedger:
+    def __init__(self, engine: Engine, roots: list[str]) -> None:
+        self._engine = engine
+        self._roots = roots
+        self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
+        self.committed: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
+        self.pending = 0
+
+    def add(self, job: SnapshotJob) -> None:
+        self._open.setdefault((job.client_id, job.tag), []).append(job)
+
+    async def commit(self, client_id: str, tag: str) -> m.Committed:
+        jobs = self._open.pop((client_id, tag), None)
+        if not jobs:
+            raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
+        self.pending += 1
+        try:
+            results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
+            failed = [(j, r) for j, r in zip(jobs, results) if isinstance(r, BaseException)]
+            if failed:
+                job, exc = failed[0]
+                raise CommitError(
+                    f"tag {tag!r} not committed: {len(failed)} of its {len(jobs)} snapshot(s) failed; first: {job.path}: {exc}",
+                    tag=tag,
+                )
+            files = {j.path: j.file_size for j in jobs}
+            folder = os.path.commonpath([os.path.dirname(p) for p in files])
+            if not any(folder == r or folder.startswith(r.rstrip("/") + "/") for r in self._roots):
+                raise CommitError(f"tag {tag!r} spans folders with no common folder inside the roots", tag=tag)
+            marker = CommitMarker(
+                version=COMMIT_VERSION,
+                tag=tag,
+                committed_ns=time.time_ns(),
+                files=[MarkerFile(path=os.path.relpath(p, folder), size=n) for p, n in files.items()],
+            )
+            path = os.path.join(folder, marker_name(tag))
+            await self._engine.flush(writer_for(path).publish, path, marker.encode())
+            self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(files), "committed_ns": marker.committed_ns})
+            return m.Committed(tag=tag, marker=path, files=list(files))
+        finally:
+            self.pending -= 1

@@ -1,0 +1,138 @@
+"""node.yaml: the daemon's every knob, checked once at start.
+
+With no file, the defaults below serve a single-node job out of the box. An unknown key
+or a bad value stops the daemon with a ConfigError that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from datastates.protocol.endpoint import default_endpoint
+from datastates.protocol.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+ALIGN = 4096
+
+
+def parse_size(value: Any, key: str) -> int:
+    """Bytes from an int or a string such as '2GiB' or '512MB'."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE_RE.match(str(value)) if isinstance(value, str) else None
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{key}: {value!r} is not a size (use bytes, or e.g. 512MiB, 2GiB)", key=key)
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _default_roots() -> list[str]:
+    return [os.path.realpath(os.getcwd()), os.path.realpath(tempfile.gettempdir())]
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    roots: list[str] = field(default_factory=_default_roots)
+    """Folders a client may write under; anything else is refused."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    endpoint: str = field(default_factory=default_endpoint)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    host_memory: int = 2 << 30
+    """The most host memory the daemon ever holds for copies; copies wait for flushes beyond it."""
+    chunk_size: int = 64 << 20
+    """The unit of copying and writing; the host pool is host_memory / chunk_size of them."""
+    copy_threads: int = 2
+    flush_threads: int = 2
+    log_level: str = "info"
+
+    @property
+    def chunks(self) -> int:
+        return self.host_memory // self.chunk_size
+
+
+_SIZES = {"host_memory", "chunk_size"}
+_LEVELS = {"debug", "info", "warning", "error"}
+
+
+def _check_keys(data: dict, cls: type, where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})", key=unknown[0])
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key}: {value!r} is not a positive integer", key=key)
+    return value
+
+
+def from_mapping(data: dict | None) -> NodeConfig:
+    data = dict(data or {})
+    _check_keys(data, NodeConfig, "")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _SIZES:
+            kwargs[key] = parse_size(value, key)
+        elif key in ("copy_threads", "flush_threads"):
+            kwargs[key] = _positive_int(value, key)
+        elif key == "endpoint":
+            if not isinstance(value, str) or not value.startswith("ipc://"):
+                raise ConfigError(f"endpoint: {value!r} must be an ipc:// endpoint", key=key)
+            kwargs[key] = value
+        elif key == "log_level":
+            if str(value).lower() not in _LEVELS:
+                raise ConfigError(f"log_level: {value!r} is not one of {sorted(_LEVELS)}", key=key)
+            kwargs[key] = str(value).lower()
+        elif key == "storage":
+            kwargs[key] = _storage(value)
+    cfg = NodeConfig(**kwargs)
+    if cfg.chunk_size < ALIGN or cfg.chunk_size % ALIGN:
+        raise ConfigError(f"chunk_size: {cfg.chunk_size} must be a positive multiple of {ALIGN}", key="chunk_size")
+    if cfg.host_memory < cfg.chunk_size:
+        raise ConfigError(
+            f"host_memory: {cfg.host_memory} is smaller than one chunk ({cfg.chunk_size}); raise it or lower chunk_size",
+            key="host_memory",
+        )
+    return cfg
+
+
+def _storage(value: Any) -> StorageConfig:
+    if not isinstance(value, dict):
+        raise ConfigError("storage: must be a mapping with 'roots'", key="storage")
+    _check_keys(value, StorageConfig, "storage: ")
+    roots = value.get("roots", _default_roots())
+    if not isinstance(roots, list) or not roots or not all(isinstance(r, str) and os.path.isabs(r) for r in roots):
+        raise ConfigError(f"storage.roots: {roots!r} must be a non-empty list of absolute paths", key="storage.roots")
+    return StorageConfig(roots=[os.path.realpath(r) for r in roots])
+
+
+def load(path: str | None) -> NodeConfig:
+    """The config at ``path``, or the defaults when ``path`` is None."""
+    if path is None:
+        return from_mapping({})
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read node config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    try:
+        return from_mapping(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc.message}", **exc.detail) from None

@@ -1,0 +1,103 @@
+"""The pipeline that moves a snapshot from the trainer's memory to a durable file.
+
+Per piece: take a pool chunk → copy into it on a copy thread → write it on a flush thread
+→ give the chunk back. Pieces of all snapshots queue for chunks in arrival order, so
+copying, checksumming and writing overlap, and host memory never exceeds the pool. The
+header, now with every checksum, is written last, then the file is fsynced and renamed.
+Blocking work runs only on the two long-lived executors, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from datastates.protocol.errors import DatastatesError, SnapshotFailedError
+
+from .copier import copy_piece
+from .job import SnapshotJob
+from .memory import HostPool
+from .plan import Piece
+from .storage import writer_for
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, pool: HostPool, copy_threads: int, flush_threads: int) -> None:
+        self.pool = pool
+        self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix="ds-copy")
+        self._flush = ThreadPoolExecutor(flush_threads, thread_name_prefix="ds-flush")
+
+    async def flush(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking storage work on a flush thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._flush, fn, *args)
+
+    async def run(self, job: SnapshotJob, after: list[asyncio.Future]) -> None:
+        """Carry ``job`` to durable or failed; never raises.
+
+        ``after`` are earlier snapshots of the same path: this one is renamed into place
+        only once they are done, so the newest snapshot of a path is the one that stays.
+        """
+        plan = job.plan
+        assert plan is not None
+        writer = writer_for(plan.path)
+        sums: list[list[bytes]] = [list(s.checksums) for s in plan.header.storages]
+        failures: list[BaseException] = []
+        uncopied = len(plan.pieces)
+        regions = job.regions
+        loop = asyncio.get_running_loop()
+
+        async def one(piece: Piece) -> None:
+            nonlocal uncopied
+            if failures:
+                return
+            chunk = await self.pool.acquire()
+            try:
+                if failures:
+                    return
+                for storage, slot, digest in await loop.run_in_executor(self._copy, copy_piece, piece, chunk, regions):
+                    sums[storage][slot] = digest
+                job.copied_bytes += sum(s.length for s in piece.segments)
+                uncopied -= 1
+                if uncopied == 0:
+                    job.mark_copied()
+                await self.flush(writer.write, handle, plan.data_offset + piece.offset, chunk.view[: piece.length])
+                job.flushed_bytes += sum(s.length for s in piece.segments)
+            except BaseException as exc:
+                failures.append(exc)
+                raise
+            finally:
+                self.pool.release(chunk)
+
+        try:
+            handle = await self.flush(writer.create, plan.path, f"{job.client_id}-{job.id}")
+        except DatastatesError as exc:
+            job.mark_failed(exc)
+            return
+        try:
+            if not plan.pieces:
+                job.mark_copied()
+            await asyncio.gather(*(one(p) for p in plan.pieces), return_exceptions=True)
+            if failures:
+                raise failures[0]
+            header = plan.with_checksums(sums).encode()
+            await self.flush(writer.write, handle, 0, memoryview(header))
+            if after:
+                await asyncio.wait(after)
+            await self.flush(writer.finalize, handle)
+        except Exception as exc:
+            await self.flush(writer.abort, handle)
+            if not isinstance(exc, DatastatesError):
+                log.exception("snapshot %d to %s failed", job.id, job.path)
+                exc = SnapshotFailedError(f"snapshot of {job.path} failed: {exc}", path=job.path)
+            job.mark_failed(exc)
+            return
+        job.mark_durable()
+        log.info("snapshot %d durable: %s (%d bytes)", job.id, job.path, job.total_bytes)
+
+    def close(self) -> None:
+        self._copy.shutdown(wait=True)
+        self._flush.shutdown(wait=True)

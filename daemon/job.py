@@ -1,0 +1,94 @@
+"""One snapshot's life in the daemon, and what ``status`` shows of it.
+
+States, in order: copying (pieces going into the pool) → flushing (all bytes held by the
+daemon, writes still running) → durable (fsynced and renamed) | failed. ``copied`` and
+``durable`` are futures on the event loop that WAIT and COMMIT await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from typing import Any, Sequence
+
+from .plan import FilePlan
+from .sources import Region
+
+
+class JobState(str, enum.Enum):
+    COPYING = "copying"
+    FLUSHING = "flushing"
+    DURABLE = "durable"
+    FAILED = "failed"
+
+
+def _quiet(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # mark retrieved: a failure nobody waits for is still in status
+
+
+class SnapshotJob:
+    def __init__(self, job_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region]) -> None:
+        loop = asyncio.get_running_loop()
+        self.id = job_id
+        self.client_id = client_id
+        self.tag = tag
+        self.path = plan.path
+        self.plan: FilePlan | None = plan
+        self.regions: Sequence[Region] = regions
+        self.total_bytes = plan.total_bytes
+        self.file_size = plan.file_size
+        self.copied_bytes = 0
+        self.flushed_bytes = 0
+        self.state = JobState.COPYING
+        self.error: str | None = None
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self.copied: asyncio.Future = loop.create_future()
+        self.durable: asyncio.Future = loop.create_future()
+        for fut in (self.copied, self.durable):
+            fut.add_done_callback(_quiet)
+
+    @property
+    def pending(self) -> bool:
+        return self.state in (JobState.COPYING, JobState.FLUSHING)
+
+    def mark_copied(self) -> None:
+        self.state = JobState.FLUSHING
+        self.regions = ()  # the daemon holds its own copy; the trainer's maps may go
+        self.copied.set_result(None)
+
+    def mark_durable(self) -> None:
+        self.state = JobState.DURABLE
+        self._finish()
+        self.durable.set_result(None)
+
+    def mark_failed(self, exc: BaseException) -> None:
+        self.state = JobState.FAILED
+        self.error = str(exc)
+        self._finish()
+        for fut in (self.copied, self.durable):
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _finish(self) -> None:
+        self.finished = time.monotonic()
+        self.plan = None
+        self.regions = ()
+
+    def status(self) -> dict[str, Any]:
+        elapsed = (self.finished or time.monotonic()) - self.started
+        return {
+            "id": self.id,
+            "client": self.client_id,
+            "tag": self.tag,
+            "path": self.path,
+            "state": self.state.value,
+            "total_bytes": self.total_bytes,
+            "copied_bytes": self.copied_bytes,
+            "flushed_bytes": self.flushed_bytes,
+            "elapsed_s": round(elapsed, 3),
+            "throughput_bps": int(self.flushed_bytes / elapsed) if elapsed > 0 else 0,
+            "error": self.error,
+        }

@@ -1,0 +1,79 @@
+"""The host-memory budget: a fixed pool of reusable, page-aligned chunks.
+
+Chunks are mapped on first use, up to ``host_memory / chunk_size`` of them, and never
+freed or re-allocated afterwards: memory touched for the first time is slow here, and
+peers leak exactly where per-save buffers are allocated and freed on other threads. A
+copy that finds the pool empty waits, first come first served, for a flush to return one.
+All methods run on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import mmap
+import warnings
+
+import torch
+
+
+class Chunk:
+    """One page-aligned buffer, seen both as bytes (for writes) and as a uint8 tensor (for copies)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._map)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+
+class HostPool:
+    def __init__(self, chunk_size: int, chunks: int) -> None:
+        self.chunk_size = chunk_size
+        self.capacity = chunks
+        self._all: list[Chunk] = []
+        self._free: list[Chunk] = []
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.peak_in_use = 0
+
+    @property
+    def in_use(self) -> int:
+        return len(self._all) - len(self._free)
+
+    async def acquire(self) -> Chunk:
+        if self._free and not self._waiters:
+            chunk = self._free.pop()
+        elif len(self._all) < self.capacity and not self._waiters:
+            chunk = Chunk(self.chunk_size)
+            self._all.append(chunk)
+        else:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                chunk = await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self.release(fut.result())
+                raise
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return chunk
+
+    def release(self, chunk: Chunk) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(chunk)
+                return
+        self._free.append(chunk)
+
+    def status(self) -> dict[str, int]:
+        return {
+            "budget_bytes": self.capacity * self.chunk_size,
+            "chunk_size": self.chunk_size,
+            "chunks_allocated": len(self._all),
+            "chunks_in_use": self.in_use,
+            "peak_in_use_bytes": self.peak_in_use * self.chunk_size,
+            "waiting_copies": len(self._waiters),
+        }

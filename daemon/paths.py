@@ -1,0 +1,52 @@
+"""Deciding whether a client may write a path: inside a root, after every symlink is followed."""
+
+from __future__ import annotations
+
+import os
+
+from datastates.protocol.errors import PathNotAllowedError
+from datastates.protocol.format import MARKER_PREFIX, TEMP_SUFFIX
+
+NAME_MAX = 255
+PATH_MAX = 4096
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_path(path: str, roots: list[str]) -> str:
+    """The path a snapshot may be written to, or PathNotAllowedError saying why not."""
+    def refuse(why: str) -> PathNotAllowedError:
+        return PathNotAllowedError(f"path {path!r} refused: {why}", path=path[:PATH_MAX])
+
+    if not os.path.isabs(path):
+        raise refuse("it must be absolute")
+    if len(path.encode()) > PATH_MAX:
+        raise refuse(f"it is longer than {PATH_MAX} bytes")
+    parts = path.split("/")
+    if ".." in parts or "." in parts:
+        raise refuse("it contains '.' or '..' components")
+    if any(len(p.encode()) > NAME_MAX for p in parts):
+        raise refuse(f"a component is longer than {NAME_MAX} bytes")
+    if "\x00" in path:
+        raise refuse("it contains a NUL byte")
+    name = os.path.basename(path)
+    if not name or name.endswith(TEMP_SUFFIX) or name.startswith(MARKER_PREFIX):
+        raise refuse("the file name is empty or reserved for datastates' own files")
+    if os.path.islink(path):
+        raise refuse("it is a symbolic link")
+    if os.path.isdir(path):
+        raise refuse("it is a directory")
+    existing = _nearest_existing(os.path.dirname(path))
+    real = os.path.join(os.path.realpath(existing), os.path.relpath(os.path.dirname(path), existing))
+    real = os.path.normpath(real)
+    if not any(_within(real, root) for root in roots):
+        raise refuse(f"it is outside the allowed roots {roots} (after resolving symlinks: {real})")
+    return os.path.join(real, name)

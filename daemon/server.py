@@ -1,0 +1,219 @@
+"""The daemon's ROUTER loop: decode, dispatch by message type, reply, and never fall over.
+
+Each request is handled in its own task, so a WAIT or COMMIT that takes seconds does not
+hold up anyone else. Every handler runs inside one error boundary: a DatastatesError
+becomes an ERROR reply with its code, anything else is logged and reported as
+``internal``, and the loop goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import time
+from typing import Any, Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from datastates.protocol import messages as m
+from datastates.protocol.errors import (
+    DatastatesError,
+    InvalidRequestError,
+    ProtocolError,
+    ShuttingDownError,
+    SnapshotFailedError,
+)
+from datastates.protocol.format import check_tag
+from datastates.protocol.version import PROTOCOL_VERSION
+
+from .clients import ClientRegistry
+from .commit import CommitLedger
+from .config import NodeConfig
+from .engine import Engine
+from .job import SnapshotJob
+from .memory import HostPool
+from .paths import check_path
+from .plan import plan_snapshot
+
+log = logging.getLogger(__name__)
+
+HISTORY = 256
+Handler = Callable[[bytes, Any], Awaitable[m.Body]]
+
+
+class Daemon:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.pool = HostPool(cfg.chunk_size, cfg.chunks)
+        self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads)
+        self.clients = ClientRegistry()
+        self.ledger = CommitLedger(self.engine, cfg.storage.roots)
+        self.jobs: dict[int, SnapshotJob] = {}
+        self._finished: collections.deque[int] = collections.deque()
+        self._job_ids = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self._started = time.monotonic()
+        self.draining = False
+        self.stopped = asyncio.Event()
+        self._handlers: dict[type, Handler] = {
+            m.Hello: self._hello,
+            m.Snapshot: self._snapshot,
+            m.Wait: self._wait,
+            m.Commit: self._commit,
+            m.Status: self._status,
+            m.Shutdown: self._shutdown,
+            m.Bye: self._bye,
+        }
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def serve(self, sock: zmq.asyncio.Socket) -> None:
+        self._sock = sock
+        stop = asyncio.ensure_future(self.stopped.wait())
+        while not self.stopped.is_set():
+            recv = asyncio.ensure_future(sock.recv_multipart())
+            done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if recv not in done:
+                recv.cancel()
+                break
+            frames = recv.result()
+            self._spawn(self._handle(frames[0], frames[1:]))
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+        parent = None
+        try:
+            header = m.decode_header(frames)
+            parent = header.id
+            body = m.decode_body(header, frames[1])
+            handler = self._handlers.get(type(body))
+            if handler is None:
+                raise ProtocolError(f"{header.type} is a reply, not a request")
+            reply: m.Body = await handler(identity, body)
+        except asyncio.CancelledError:
+            raise
+        except DatastatesError as exc:
+            reply = m.Error.of(exc)
+        except Exception as exc:  # the boundary: log it, report it, keep serving
+            log.exception("internal error handling a request")
+            reply = m.Error(code="internal", message=f"internal daemon error: {type(exc).__name__}: {exc}")
+        await self._sock.send_multipart([identity, *m.encode(reply, 0, parent=parent)])
+
+    # -- handlers ---------------------------------------------------------------------
+
+    async def _hello(self, identity: bytes, body: m.Hello) -> m.Welcome:
+        record = self.clients.add(identity, body)
+        log.info("client %s connected (pid %d, %s)", record.id, body.pid, body.name)
+        return m.Welcome(client_id=record.id, daemon_pid=os.getpid(), roots=self.cfg.storage.roots)
+
+    async def _snapshot(self, identity: bytes, body: m.Snapshot) -> m.SnapshotAck:
+        client = self.clients.get(identity)
+        if self.draining:
+            raise ShuttingDownError("datastatesd is shutting down and takes no new snapshots")
+        check_tag(body.tag)
+
+        def admit() -> tuple[Any, Any]:
+            path = check_path(body.path, self.cfg.storage.roots)
+            plan = plan_snapshot(body, path, self.cfg.chunk_size)
+            return plan, client.regions_for(path, body.sources)
+
+        plan, regions = await asyncio.get_running_loop().run_in_executor(None, admit)
+        earlier = [j for j in self.jobs.values() if j.path == plan.path and j.pending]
+        job = SnapshotJob(next(self._job_ids), client.id, body.tag, plan, regions)
+        self.jobs[job.id] = job
+        self.ledger.add(job)
+        self._spawn(self._run(job, earlier))
+        return m.SnapshotAck(snapshot_id=job.id, total_bytes=job.total_bytes)
+
+    async def _run(self, job: SnapshotJob, earlier: list[SnapshotJob]) -> None:
+        await self.engine.run(job, after=[j.durable for j in earlier])
+        self._finished.append(job.id)
+        while len(self._finished) > HISTORY:
+            self.jobs.pop(self._finished.popleft(), None)
+
+    async def _wait(self, identity: bytes, body: m.Wait) -> m.WaitDone:
+        client = self.clients.get(identity)
+        ids = body.snapshot_ids or [j.id for j in self.jobs.values() if j.client_id == client.id]
+        jobs = []
+        for i in ids:
+            job = self.jobs.get(i)
+            if job is not None and job.client_id != client.id:
+                raise InvalidRequestError(f"snapshot {i} belongs to another client")
+            if job is not None:
+                jobs.append(job)
+        results = await asyncio.gather(*(j.copied for j in jobs), return_exceptions=True)
+        for job, res in zip(jobs, results):
+            if isinstance(res, BaseException):
+                raise SnapshotFailedError(f"snapshot {job.id} of {job.path} failed: {res}", path=job.path)
+        return m.WaitDone(snapshot_ids=ids)
+
+    async def _commit(self, identity: bytes, body: m.Commit) -> m.Committed:
+        client = self.clients.get(identity)
+        committed = await self.ledger.commit(client.id, check_tag(body.tag))
+        log.info("tag %s committed by %s: %s", body.tag, client.id, committed.marker)
+        return committed
+
+    async def _status(self, identity: bytes, body: m.Status) -> m.StatusReply:
+        return m.StatusReply(status=self.status())
+
+    async def _shutdown(self, identity: bytes, body: m.Shutdown) -> m.ShutdownAck:
+        await self.drain()
+        return m.ShutdownAck()
+
+    async def _bye(self, identity: bytes, body: m.Bye) -> m.ByeAck:
+        self.clients.remove(identity)
+        return m.ByeAck()
+
+    # -- lifecycle and status ---------------------------------------------------------
+
+    def pending_jobs(self) -> list[SnapshotJob]:
+        return [j for j in self.jobs.values() if j.pending]
+
+    def request_shutdown(self) -> None:
+        """What SIGTERM does: the same drain as a SHUTDOWN message."""
+        self._spawn(self.drain())
+
+    async def drain(self) -> None:
+        """Take no new snapshots, let every pending one and every commit finish, then stop."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining: %d snapshot(s) pending", len(self.pending_jobs()))
+        while True:
+            pending = [j.durable for j in self.pending_jobs()]
+            if pending:
+                await asyncio.wait(pending, timeout=0.5)
+            elif self.ledger.pending:
+                await asyncio.sleep(0.05)
+            else:
+                break
+        asyncio.get_running_loop().call_later(0.2, self.stopped.set)
+
+    def status(self) -> dict[str, Any]:
+        jobs = [j.status() for j in self.jobs.values()]
+        return {
+            "daemon": {
+                "pid": os.getpid(),
+                "endpoint": self.cfg.endpoint,
+                "protocol_version": PROTOCOL_VERSION,
+                "uptime_s": round(time.monotonic() - self._started, 1),
+                "draining": self.draining,
+                "roots": self.cfg.storage.roots,
+                "host_memory": self.pool.status(),
+            },
+            "clients": self.clients.status(),
+            "snapshots": jobs,
+            "pending": sum(1 for j in self.jobs.values() if j.pending),
+            "commits_pending": self.ledger.pending,
+            "committed": list(self.ledger.committed),
+        }

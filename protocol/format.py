@@ -1,0 +1,160 @@
+"""The on-disk structures, defined once: the checkpoint file and the commit marker.
+
+A checkpoint file (one per ``snapshot()`` call) is::
+
+    preamble   32 bytes  magic, format version, flags, header length, xxh64 of the header
+    header     msgpack   FileHeader: tag, storage index with checksums, entries, root
+    padding    zeros to DATA_ALIGN
+    data       each storage's raw bytes at its offset (STORAGE_ALIGN), zero padding between,
+               the whole padded to DATA_ALIGN
+
+Storage offsets are relative to the start of the data region, which is
+``align_up(PREAMBLE_SIZE + header_len, DATA_ALIGN)``. The data region is cut into pieces of
+``piece_size`` bytes; a storage has one xxh3-64 checksum per piece it touches, so pieces
+can be copied and checked in parallel. Checksums are fixed-width, so the header's size
+is known before a byte is copied. docs/format.md describes the same thing for people.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+
+import msgpack
+import xxhash
+
+from .descriptors import EntryDesc
+from .errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError
+from .schema import from_dict, to_dict
+from .version import COMMIT_VERSION, FORMAT_VERSION
+
+MAGIC = b"DSTATES\x00"
+PREAMBLE = struct.Struct("<8sIIQQ")
+PREAMBLE_SIZE = PREAMBLE.size
+DATA_ALIGN = 4096
+STORAGE_ALIGN = 64
+CHECKSUM_BYTES = 8
+
+TEMP_SUFFIX = ".dstmp"
+MARKER_PREFIX = "datastates-commit."
+MARKER_SUFFIX = ".json"
+PERSISTENT_TAG = "datastates"
+"""First element of each persistent id in a pickled skeleton: (PERSISTENT_TAG, entry index)."""
+
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}$")
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def checksum(data: memoryview | bytes) -> bytes:
+    """xxh3-64 of ``data``, big-endian: the per-piece checksum of the format."""
+    return xxhash.xxh3_64_digest(data)
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    offset: int
+    nbytes: int
+    checksums: list[bytes]
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    tag: str
+    created_ns: int
+    piece_size: int
+    data_len: int
+    storages: list[StorageRecord]
+    entries: list[EntryDesc]
+    root: int
+
+    def encode(self) -> bytes:
+        """Preamble + header; its length does not depend on the checksum values."""
+        body = msgpack.packb(to_dict(self), use_bin_type=True)
+        return PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(body), xxhash.xxh64_intdigest(body)) + body
+
+    def file_size(self, data_offset: int) -> int:
+        return data_offset + align_up(self.data_len, DATA_ALIGN)
+
+
+def data_offset(header_len: int) -> int:
+    """Start of the data region for a header of ``header_len`` bytes (preamble excluded)."""
+    return align_up(PREAMBLE_SIZE + header_len, DATA_ALIGN)
+
+
+def segments(offset: int, nbytes: int, piece_size: int) -> list[tuple[int, int]]:
+    """The (start, length) ranges, relative to the data region, where a storage meets each piece."""
+    out = []
+    pos, end = offset, offset + nbytes
+    while pos < end:
+        stop = min(end, (pos // piece_size + 1) * piece_size)
+        out.append((pos, stop - pos))
+        pos = stop
+    return out
+
+
+def parse_preamble(raw: bytes, path: str) -> tuple[int, int]:
+    """(header length, header xxh64) from the first PREAMBLE_SIZE bytes of ``path``."""
+    if len(raw) < PREAMBLE_SIZE:
+        raise CorruptCheckpointError(f"{path}: file is truncated ({len(raw)} bytes, no full preamble)", path=path)
+    magic, version, _flags, header_len, header_hash = PREAMBLE.unpack(raw[:PREAMBLE_SIZE])
+    if magic != MAGIC:
+        raise UnsupportedFormatError(f"{path}: not a datastates checkpoint (bad magic {magic!r})", path=path)
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{path}: format version {version} is not supported (this reader knows {FORMAT_VERSION})", path=path
+        )
+    return header_len, header_hash
+
+
+def parse_header(body: bytes, expected_hash: int, path: str) -> FileHeader:
+    if xxhash.xxh64_intdigest(body) != expected_hash:
+        raise CorruptCheckpointError(f"{path}: header checksum mismatch (the header is corrupt)", path=path)
+    try:
+        return from_dict(FileHeader, msgpack.unpackb(body, raw=False), "header")
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{path}: header does not decode: {exc}", path=path) from None
+
+
+def check_tag(tag: str) -> str:
+    """Tags name files and markers, so they must be one safe path component."""
+    if not isinstance(tag, str) or not _TAG_RE.match(tag):
+        raise InvalidRequestError(
+            f"invalid tag {tag!r}: use 1-200 characters of letters, digits and ._+=- , not starting with '.' or '-'",
+            tag=str(tag)[:256],
+        )
+    return tag
+
+
+def marker_name(tag: str) -> str:
+    return f"{MARKER_PREFIX}{tag}{MARKER_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class MarkerFile:
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """Written, fsynced and renamed into place last: its presence is what "committed" means."""
+
+    version: int
+    tag: str
+    committed_ns: int
+    files: list[MarkerFile]
+
+    def encode(self) -> bytes:
+        return json.dumps(to_dict(self), indent=1).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> CommitMarker:
+        marker = from_dict(cls, json.loads(raw))
+        if marker.version != COMMIT_VERSION:
+            raise UnsupportedFormatError(f"commit marker version {marker.version} is not supported")
+        return marker

@@ -1,0 +1,214 @@
+"""Every wire message, defined once.
+
+Frame layout (DEALER side): ``[header, body]``, both msgpack maps. The ROUTER side sees the
+peer identity in front. The header carries the protocol version, the message type, the
+message id and, on replies, the id of the request it answers (as Jupyter's parent_header).
+A reply to a request is either the request's own reply type or ERROR.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from .descriptors import EntryDesc, SourceDesc
+from .errors import DatastatesError, ProtocolError, UnknownMessageError, VersionMismatchError
+from .schema import from_dict, to_dict
+from .version import PROTOCOL_VERSION
+
+MAX_FRAME_BYTES = 256 << 20
+"""A frame larger than this is refused before it is decoded (skeletons are far smaller)."""
+
+
+class MsgType(str, enum.Enum):
+    HELLO = "hello"
+    WELCOME = "welcome"
+    SNAPSHOT = "snapshot"
+    SNAPSHOT_ACK = "snapshot_ack"
+    WAIT = "wait"
+    WAIT_DONE = "wait_done"
+    COMMIT = "commit"
+    COMMITTED = "committed"
+    STATUS = "status"
+    STATUS_REPLY = "status_reply"
+    SHUTDOWN = "shutdown"
+    SHUTDOWN_ACK = "shutdown_ack"
+    BYE = "bye"
+    BYE_ACK = "bye_ack"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    type: str
+    id: int
+    parent: int | None = None
+
+
+class Body:
+    """Base of message bodies; ``TYPE`` ties a body class to its message type."""
+
+    TYPE: ClassVar[MsgType]
+
+
+@dataclass(frozen=True)
+class Hello(Body):
+    TYPE = MsgType.HELLO
+    pid: int
+    name: str
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class Welcome(Body):
+    TYPE = MsgType.WELCOME
+    client_id: str
+    daemon_pid: int
+    roots: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Snapshot(Body):
+    TYPE = MsgType.SNAPSHOT
+    path: str
+    tag: str
+    sources: list[SourceDesc]
+    entries: list[EntryDesc]
+    root: int
+
+
+@dataclass(frozen=True)
+class SnapshotAck(Body):
+    TYPE = MsgType.SNAPSHOT_ACK
+    snapshot_id: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Wait(Body):
+    """Answered once the daemon holds its own copy of the listed snapshots (all if empty)."""
+
+    TYPE = MsgType.WAIT
+    snapshot_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WaitDone(Body):
+    TYPE = MsgType.WAIT_DONE
+    snapshot_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Commit(Body):
+    TYPE = MsgType.COMMIT
+    tag: str
+
+
+@dataclass(frozen=True)
+class Committed(Body):
+    TYPE = MsgType.COMMITTED
+    tag: str
+    marker: str
+    files: list[str]
+
+
+@dataclass(frozen=True)
+class Status(Body):
+    TYPE = MsgType.STATUS
+
+
+@dataclass(frozen=True)
+class StatusReply(Body):
+    TYPE = MsgType.STATUS_REPLY
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Shutdown(Body):
+    TYPE = MsgType.SHUTDOWN
+
+
+@dataclass(frozen=True)
+class ShutdownAck(Body):
+    TYPE = MsgType.SHUTDOWN_ACK
+
+
+@dataclass(frozen=True)
+class Bye(Body):
+    TYPE = MsgType.BYE
+
+
+@dataclass(frozen=True)
+class ByeAck(Body):
+    TYPE = MsgType.BYE_ACK
+
+
+@dataclass(frozen=True)
+class Error(Body):
+    TYPE = MsgType.ERROR
+    code: str
+    message: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, exc: DatastatesError) -> Error:
+        detail = {k: v for k, v in exc.detail.items() if isinstance(v, (str, int, float, bool))}
+        return cls(code=exc.code, message=exc.message, detail=detail)
+
+
+BODIES: dict[str, type[Body]] = {c.TYPE.value: c for c in Body.__subclasses__()}
+
+REPLIES: dict[MsgType, MsgType] = {
+    MsgType.HELLO: MsgType.WELCOME,
+    MsgType.SNAPSHOT: MsgType.SNAPSHOT_ACK,
+    MsgType.WAIT: MsgType.WAIT_DONE,
+    MsgType.COMMIT: MsgType.COMMITTED,
+    MsgType.STATUS: MsgType.STATUS_REPLY,
+    MsgType.SHUTDOWN: MsgType.SHUTDOWN_ACK,
+    MsgType.BYE: MsgType.BYE_ACK,
+}
+"""The reply type of each request type; these requests are what a daemon serves."""
+
+
+def encode(body: Body, msg_id: int, parent: int | None = None) -> list[bytes]:
+    """The ``[header, body]`` frames of one message."""
+    header = Header(version=PROTOCOL_VERSION, type=body.TYPE.value, id=msg_id, parent=parent)
+    return [
+        msgpack.packb(to_dict(header)),
+        msgpack.packb(to_dict(body), use_bin_type=True),
+    ]
+
+
+def _unpack(frame: bytes, what: str) -> Any:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{what} frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME_BYTES)
+    except Exception as exc:  # msgpack raises many unrelated types for bad input
+        raise ProtocolError(f"{what} is not valid msgpack: {exc}") from None
+
+
+def decode_header(frames: list[bytes]) -> Header:
+    """The checked header of ``[header, body]``; a wrong version is a VersionMismatchError."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames [header, body], got {len(frames)}")
+    header = from_dict(Header, _unpack(frames[0], "header"), "header")
+    if header.version != PROTOCOL_VERSION:
+        raise VersionMismatchError(
+            f"protocol version {header.version} is not supported; this side speaks "
+            f"version {PROTOCOL_VERSION}: install matching datastates versions",
+            peer_version=header.version,
+            version=PROTOCOL_VERSION,
+        )
+    return header
+
+
+def decode_body(header: Header, frame: bytes) -> Body:
+    cls = BODIES.get(header.type)
+    if cls is None:
+        raise UnknownMessageError(f"unknown message type {header.type!r}", type=str(header.type)[:64])
+    return from_dict(cls, _unpack(frame, "body"), header.type)

@@ -1,0 +1,77 @@
+"""Checked conversion between frozen dataclasses and the plain dicts msgpack carries.
+
+Every message body and descriptor is a frozen dataclass; this module is the only place
+that turns untrusted dicts into them, so a malformed peer gets a ProtocolError, never a
+KeyError or TypeError deep inside the daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from typing import Any, TypeVar
+
+from .errors import ProtocolError
+
+T = TypeVar("T")
+
+_MAX_DEPTH = 8
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check(value: Any, hint: Any, where: str, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        raise ProtocolError(f"{where}: nested too deeply")
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(value, inner[0], where, depth + 1)
+    if hint is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [_check(v, item, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool):
+        raise ProtocolError(f"{where}: expected int, got bool")
+    if not isinstance(value, hint):
+        raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
+    """Build ``cls`` from an untrusted dict; unknown keys are tolerated, as Jupyter does."""
+    where = where or cls.__name__
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _check(data[f.name], hints[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{where}: missing field {f.name!r}")
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The msgpack-ready dict of a dataclass (nested dataclasses included)."""
+    return dataclasses.asdict(obj)

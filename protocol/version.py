@@ -1,0 +1,10 @@
+"""The one place that defines the versions of the wire protocol and of the file format."""
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change to a message; a daemon refuses every other version."""
+
+FORMAT_VERSION = 1
+"""Bumped on any incompatible change to the checkpoint file layout; readers refuse newer ones."""
+
+COMMIT_VERSION = 1
+"""Version of the commit-marker JSON."""
