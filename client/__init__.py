@@ -1,5 +1,5 @@
 """What runs in the training rank: the client, state capture, and the reader."""
 
-from .client import Client, SnapshotHandle
+from .client import Client, SnapshotHandle, daemon_status
 
-__all__ = ["Client", "SnapshotHandle"]
+__all__ = ["Client", "SnapshotHandle", "daemon_status"]

@@ -32,6 +32,15 @@ class SnapshotHandle:
     nbytes: int
 
 
+def daemon_status(endpoint: str | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    """The daemon's status, without registering as a client; DaemonUnavailable if none answers."""
+    conn = Connection(resolve_endpoint(endpoint))
+    try:
+        return conn.call(m.Status(), timeout).status
+    finally:
+        conn.close()
+
+
 class Client:
     """A connection from one training rank to its node's datastatesd.
 

@@ -85,13 +85,18 @@ class Connection:
     def _deliver(self, frames: list[bytes]) -> None:
         try:
             header = m.decode_header(frames)
-            body = m.decode_body(header, frames[1])
         except DatastatesError as exc:
             log.error("dropping an unreadable reply from the daemon: %s", exc)
             return
         with self._lock:
             fut = self._pending.pop(header.parent, None) if header.parent is not None else None
         if fut is None or fut.cancelled():
+            return
+        try:
+            m.check_version(header)
+            body = m.decode_body(header, frames[1])
+        except DatastatesError as exc:
+            fut.set_exception(exc)
             return
         if isinstance(body, m.Error):
             fut.set_exception(error_from_code(body.code, body.message, body.detail))

@@ -95,10 +95,11 @@ class ClientRegistry:
             raise UnknownClientError("unknown client: send HELLO first (or the daemon restarted: reconnect)")
         return record
 
-    def remove(self, identity: bytes) -> None:
+    def remove(self, identity: bytes) -> ClientRecord | None:
         record = self._by_identity.pop(identity, None)
         if record is not None:
             record.release()
+        return record
 
     def status(self) -> list[dict[str, Any]]:
         return [c.status() for c in self._by_identity.values()]

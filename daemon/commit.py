@@ -37,6 +37,11 @@ class CommitLedger:
     def add(self, job: SnapshotJob) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
 
+    def forget(self, client_id: str) -> None:
+        """A client that leaves without committing leaves no tag half-open behind."""
+        for key in [k for k in self._open if k[0] == client_id]:
+            del self._open[key]
+
     async def commit(self, client_id: str, tag: str) -> m.Committed:
         jobs = self._open.pop((client_id, tag), None)
         if not jobs:

@@ -96,6 +96,7 @@ class Daemon:
         try:
             header = m.decode_header(frames)
             parent = header.id
+            m.check_version(header)
             body = m.decode_body(header, frames[1])
             handler = self._handlers.get(type(body))
             if handler is None:
@@ -172,7 +173,9 @@ class Daemon:
         return m.ShutdownAck()
 
     async def _bye(self, identity: bytes, body: m.Bye) -> m.ByeAck:
-        self.clients.remove(identity)
+        record = self.clients.remove(identity)
+        if record is not None:
+            self.ledger.forget(record.id)
         return m.ByeAck()
 
     # -- lifecycle and status ---------------------------------------------------------

@@ -193,18 +193,24 @@ def _unpack(frame: bytes, what: str) -> Any:
 
 
 def decode_header(frames: list[bytes]) -> Header:
-    """The checked header of ``[header, body]``; a wrong version is a VersionMismatchError."""
+    """The header of ``[header, body]``, whatever its version (see ``check_version``).
+
+    The header layout and the ERROR body never change between versions, so a peer of
+    another version can always be told, in a reply it can read, why it is refused.
+    """
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames [header, body], got {len(frames)}")
-    header = from_dict(Header, _unpack(frames[0], "header"), "header")
+    return from_dict(Header, _unpack(frames[0], "header"), "header")
+
+
+def check_version(header: Header) -> None:
     if header.version != PROTOCOL_VERSION:
         raise VersionMismatchError(
             f"protocol version {header.version} is not supported; this side speaks "
-            f"version {PROTOCOL_VERSION}: install matching datastates versions",
+            f"version {PROTOCOL_VERSION}: install matching datastates versions on client and daemon",
             peer_version=header.version,
             version=PROTOCOL_VERSION,
         )
-    return header
 
 
 def decode_body(header: Header, frame: bytes) -> Body:

@@ -27,6 +27,20 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _makedirs_durable(folder: str) -> None:
+    """Create ``folder`` and its missing parents, fsyncing each new entry's parent."""
+    missing = []
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    for new in reversed(missing):
+        try:
+            os.mkdir(new, 0o755)
+        except FileExistsError:
+            continue
+        _fsync_dir(os.path.dirname(new))
+
+
 def temp_path(path: str, token: str) -> str:
     """The hidden temporary name a file is written under until it is durable."""
     folder, name = os.path.split(path)
@@ -46,7 +60,7 @@ class PosixWriter(StorageWriter):
     def create(self, path: str, token: str) -> _Handle:
         temp = temp_path(path, token)
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _makedirs_durable(os.path.dirname(path))
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             raise _storage_error("cannot create", path, exc) from None
