@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
@@ -84,8 +85,10 @@ class Client:
             fut.result(timeout)
         except TimeoutError:
             raise WaitTimeout(f"{len(ids)} snapshot(s) not copied by the daemon within {timeout} s") from None
-        for i in ids:
-            self._uncopied.pop(i, None)
+        finally:
+            if fut.done():  # copied or failed: either way reported once, by this wait
+                for i in ids:
+                    self._uncopied.pop(i, None)
 
     def commit(self, tag: str) -> Future:
         """Mark ``tag`` committed once every file snapshotted for it is durable.
@@ -97,8 +100,12 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self._conn.call(m.Status(), self.timeout).status
 
-    def close(self) -> None:
-        """Leave the daemon; what it has already taken is still flushed."""
+    def close(self, timeout: float | None = None) -> None:
+        """Leave the daemon once outstanding requests (commits) are answered, or ``timeout`` passes.
+
+        What the daemon has already taken is flushed whether or not the client stays.
+        """
+        concurrent.futures.wait(self._conn.outstanding(), timeout)
         try:
             self._conn.call(m.Bye(), min(self.timeout, 5.0))
         except DatastatesError as exc:  # the daemon may be gone already; closing still succeeds

@@ -66,6 +66,11 @@ class Connection:
                 endpoint=self.endpoint,
             ) from None
 
+    def outstanding(self) -> list[Future]:
+        """Requests still waiting for their reply."""
+        with self._lock:
+            return list(self._pending.values())
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._inbox, zmq.POLLIN)

@@ -15,12 +15,13 @@ import time
 from typing import Any
 
 from datastates.protocol import messages as m
-from datastates.protocol.errors import CommitError
+from datastates.protocol.errors import CommitError, StorageError
 from datastates.protocol.format import CommitMarker, MarkerFile, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
 from .engine import Engine
 from .job import SnapshotJob
+from .paths import within
 from .storage import writer_for
 
 HISTORY = 64
@@ -58,7 +59,7 @@ class CommitLedger:
                 )
             files = {j.path: j.file_size for j in jobs}
             folder = os.path.commonpath([os.path.dirname(p) for p in files])
-            if not any(folder == r or folder.startswith(r.rstrip("/") + "/") for r in self._roots):
+            if not any(within(folder, r) for r in self._roots):
                 raise CommitError(f"tag {tag!r} spans folders with no common folder inside the roots", tag=tag)
             marker = CommitMarker(
                 version=COMMIT_VERSION,
@@ -67,7 +68,11 @@ class CommitLedger:
                 files=[MarkerFile(path=os.path.relpath(p, folder), size=n) for p, n in files.items()],
             )
             path = os.path.join(folder, marker_name(tag))
-            await self._engine.flush(writer_for(path).publish, path, marker.encode())
+            try:
+                await self._engine.flush(writer_for(path).publish, path, marker.encode())
+            except StorageError as exc:
+                self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
+                raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None
             self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(files), "committed_ns": marker.committed_ns})
             return m.Committed(tag=tag, marker=path, files=list(files))
         finally:

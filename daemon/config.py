@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from datastates.protocol.endpoint import default_endpoint
+from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import ConfigError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
@@ -47,7 +47,8 @@ class StorageConfig:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    endpoint: str = field(default_factory=default_endpoint)
+    endpoint: str = field(default_factory=resolve_endpoint)
+    """Default: $DATASTATES_ENDPOINT, else an ipc:// socket in a per-user runtime folder."""
     storage: StorageConfig = field(default_factory=StorageConfig)
     host_memory: int = 2 << 30
     """The most host memory the daemon ever holds for copies; copies wait for flushes beyond it."""
@@ -89,8 +90,6 @@ def from_mapping(data: dict | None) -> NodeConfig:
         elif key in ("copy_threads", "flush_threads"):
             kwargs[key] = _positive_int(value, key)
         elif key == "endpoint":
-            if not isinstance(value, str) or not value.startswith("ipc://"):
-                raise ConfigError(f"endpoint: {value!r} must be an ipc:// endpoint", key=key)
             kwargs[key] = value
         elif key == "log_level":
             if str(value).lower() not in _LEVELS:
@@ -99,6 +98,8 @@ def from_mapping(data: dict | None) -> NodeConfig:
         elif key == "storage":
             kwargs[key] = _storage(value)
     cfg = NodeConfig(**kwargs)
+    if not isinstance(cfg.endpoint, str) or not cfg.endpoint.startswith("ipc://") or len(cfg.endpoint) < 7:
+        raise ConfigError(f"endpoint: {cfg.endpoint!r} must be an ipc:// endpoint (tcp is not supported yet)", key="endpoint")
     if cfg.chunk_size < ALIGN or cfg.chunk_size % ALIGN:
         raise ConfigError(f"chunk_size: {cfg.chunk_size} must be a positive multiple of {ALIGN}", key="chunk_size")
     if cfg.host_memory < cfg.chunk_size:

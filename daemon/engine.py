@@ -4,7 +4,8 @@ Per piece: take a pool chunk → copy into it on a copy thread → write it on a
 → give the chunk back. Pieces of all snapshots queue for chunks in arrival order, so
 copying, checksumming and writing overlap, and host memory never exceeds the pool. The
 header, now with every checksum, is written last, then the file is fsynced and renamed.
-Blocking work runs only on the two long-lived executors, never on the event loop.
+Copies, writes and header encoding run on the two long-lived executors, never on the
+event loop.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from datastates.protocol.errors import DatastatesError, SnapshotFailedError
 from .copier import copy_piece
 from .job import SnapshotJob
 from .memory import HostPool
-from .plan import Piece
+from .plan import FilePlan, Piece
 from .storage import writer_for
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,7 @@ class Engine:
             await asyncio.gather(*(one(p) for p in plan.pieces), return_exceptions=True)
             if failures:
                 raise failures[0]
-            header = plan.with_checksums(sums).encode()
-            await self.flush(writer.write, handle, 0, memoryview(header))
+            await self.flush(self._write_header, writer, handle, plan, sums)
             if after:
                 await asyncio.wait(after)
             await self.flush(writer.finalize, handle)
@@ -97,6 +97,12 @@ class Engine:
             return
         job.mark_durable()
         log.info("snapshot %d durable: %s (%d bytes)", job.id, job.path, job.total_bytes)
+
+    @staticmethod
+    def _write_header(writer: Any, handle: Any, plan: FilePlan, sums: list[list[bytes]]) -> None:
+        """The header with every checksum, zero-padded to the data region (on a flush thread)."""
+        header = plan.with_checksums(sums).encode()
+        writer.write(handle, 0, memoryview(header + bytes(plan.data_offset - len(header))))
 
     def close(self) -> None:
         self._copy.shutdown(wait=True)

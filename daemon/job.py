@@ -16,7 +16,7 @@ from .plan import FilePlan
 from .sources import Region
 
 
-class JobState(str, enum.Enum):
+class JobState(enum.StrEnum):
     COPYING = "copying"
     FLUSHING = "flushing"
     DURABLE = "durable"

@@ -26,12 +26,15 @@ log = logging.getLogger("datastatesd")
 def _prepare_endpoint(endpoint: str) -> int:
     """Make the socket's folder private (0700) and take a lock so two daemons never share it."""
     path = endpoint.removeprefix("ipc://")
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        os.makedirs(folder, mode=0o700)
     st = os.stat(folder)
-    if st.st_uid != os.geteuid():
-        raise ConfigError(f"endpoint folder {folder} belongs to another user")
-    os.chmod(folder, 0o700)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ConfigError(
+            f"endpoint folder {folder} must belong to this user with mode 0700 (it is {oct(st.st_mode & 0o777)}, "
+            f"uid {st.st_uid}), so no other user can connect: give the socket a folder of its own"
+        )
     lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         uvloop.run(_serve(cfg))
     finally:
+        sock_path = cfg.endpoint.removeprefix("ipc://")
+        if os.path.exists(sock_path):
+            os.unlink(sock_path)  # still under our lock, so no other daemon's socket
         os.close(lock)
     return 0
 

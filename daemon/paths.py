@@ -17,7 +17,8 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
-def _within(path: str, root: str) -> bool:
+def within(path: str, root: str) -> bool:
+    """Whether ``path`` (resolved) is ``root`` or below it."""
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
@@ -47,6 +48,6 @@ def check_path(path: str, roots: list[str]) -> str:
     existing = _nearest_existing(os.path.dirname(path))
     real = os.path.join(os.path.realpath(existing), os.path.relpath(os.path.dirname(path), existing))
     real = os.path.normpath(real)
-    if not any(_within(real, root) for root in roots):
+    if not any(within(real, root) for root in roots):
         raise refuse(f"it is outside the allowed roots {roots} (after resolving symlinks: {real})")
     return os.path.join(real, name)

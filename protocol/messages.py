@@ -23,7 +23,7 @@ MAX_FRAME_BYTES = 256 << 20
 """A frame larger than this is refused before it is decoded (skeletons are far smaller)."""
 
 
-class MsgType(str, enum.Enum):
+class MsgType(enum.StrEnum):
     HELLO = "hello"
     WELCOME = "welcome"
     SNAPSHOT = "snapshot"

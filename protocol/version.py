@@ -4,7 +4,7 @@ PROTOCOL_VERSION = 1
 """Bumped on any incompatible change to a message; a daemon refuses every other version."""
 
 FORMAT_VERSION = 1
-"""Bumped on any incompatible change to the checkpoint file layout; readers refuse newer ones."""
+"""Bumped on any incompatible change to the checkpoint file layout; readers refuse any other."""
 
 COMMIT_VERSION = 1
 """Version of the commit-marker JSON."""
