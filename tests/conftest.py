@@ -72,37 +72,47 @@ def wait_ready(endpoint: str, proc: subprocess.Popen, log: Path, timeout: float 
         conn.close()
 
 
-@pytest.fixture
-def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProc]]:
-    """Factory: start_daemon(**node_yaml_overrides) -> DaemonProc, stopped at teardown."""
-    started: list[DaemonProc] = []
-    sockdir = tempfile.mkdtemp(prefix="ds-")  # short: unix socket paths are limited to ~107 bytes
+class DaemonFactory:
+    """Starts datastatesd processes whose files live under ``tmp`` and stops them all at the end."""
 
-    def start(**overrides: Any) -> DaemonProc:
-        n = len(started)
-        root = tmp_path / "ckpt"
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.started: list[DaemonProc] = []
+        self.sockdir = tempfile.mkdtemp(prefix="ds-")  # short: unix socket paths are limited to ~107 bytes
+
+    def start(self, **overrides: Any) -> DaemonProc:
+        n = len(self.started)
+        root = self.tmp / "ckpt"
         root.mkdir(exist_ok=True)
         cfg = {
-            "endpoint": f"ipc://{sockdir}/d{n}/datastatesd.sock",
+            "endpoint": f"ipc://{self.sockdir}/d{n}/datastatesd.sock",
             "storage": {"roots": [str(root)]},
             "host_memory": "64MiB",
             "chunk_size": "4MiB",
             "log_level": "debug",
         }
         cfg.update(overrides)
-        config = tmp_path / f"node{n}.yaml"
+        config = self.tmp / f"node{n}.yaml"
         config.write_text(yaml.safe_dump(cfg))
-        log = tmp_path / f"datastatesd{n}.log"
+        log = self.tmp / f"datastatesd{n}.log"
         proc = subprocess.Popen([DATASTATESD, "--node-config", str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT)
         wait_ready(cfg["endpoint"], proc, log)
         d = DaemonProc(endpoint=cfg["endpoint"], root=root, config=config, log=log, proc=proc)
-        started.append(d)
+        self.started.append(d)
         return d
 
-    yield start
-    for d in started:
-        d.stop()
-    shutil.rmtree(sockdir, ignore_errors=True)
+    def stop_all(self) -> None:
+        for d in self.started:
+            d.stop()
+        shutil.rmtree(self.sockdir, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProc]]:
+    """Factory: start_daemon(**node_yaml_overrides) -> DaemonProc, stopped at teardown."""
+    factory = DaemonFactory(tmp_path)
+    yield factory.start
+    factory.stop_all()
 
 
 @pytest.fixture
@@ -118,3 +128,111 @@ def client(daemon: DaemonProc) -> Iterator[Any]:
     c = Client(daemon.endpoint, timeout=60)
     yield c
     c.close()
+
+
+# -- shared across test modules ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """One datastatesd for a whole module, for the many small cases that need no daemon of their own."""
+    factory = DaemonFactory(tmp_path_factory.mktemp("shared"))
+    yield factory.start()
+    factory.stop_all()
+
+
+@pytest.fixture(scope="module")
+def shared_client(shared_daemon: DaemonProc) -> Iterator[Any]:
+    from datastates.client import Client
+
+    c = Client(shared_daemon.endpoint, timeout=60)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh folder with a short path, for endpoints and runtime dirs this test makes itself."""
+    path = Path(tempfile.mkdtemp(prefix="ds-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def save(client: Any, state: Any, path: str | os.PathLike, tag: str | None = None) -> Any:
+    """Snapshot, wait and commit one file, the way a trainer does; returns the Committed reply."""
+    handle = client.snapshot(state, path, tag=tag)
+    client.wait()
+    return client.commit(handle.tag).result(timeout=120)
+
+
+def element_bytes(t: Any) -> Any:
+    """The raw bytes of every element ``t`` views, as a uint8 tensor of shape ``t.shape + (itemsize,)``.
+
+    Works for every dtype (sub-byte, float8, complex32...) and every stride, including 0,
+    because it reinterprets the storage instead of asking the dtype for any arithmetic.
+    """
+    import torch
+
+    isz = t.dtype.itemsize
+    flat = torch.empty(0, dtype=torch.uint8)
+    return flat.set_(
+        t.untyped_storage(), t.storage_offset() * isz, [*t.shape, isz], [s * isz for s in t.stride()] + [1]
+    )
+
+
+def assert_tensor_bitwise(expected: Any, actual: Any, where: str = "tensor") -> None:
+    """Same Python type, dtype, shape, stride, requires_grad and the very same bytes."""
+    import torch
+
+    assert type(actual) is type(expected), f"{where}: {type(actual).__name__} != {type(expected).__name__}"
+    assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.stride() == expected.stride(), f"{where}: stride {actual.stride()} != {expected.stride()}"
+    assert actual.requires_grad == expected.requires_grad, f"{where}: requires_grad {actual.requires_grad}"
+    assert actual.device.type == "cpu", f"{where}: loaded onto {actual.device}"
+    assert torch.equal(element_bytes(actual), element_bytes(expected)), f"{where}: bytes differ"
+
+
+def assert_state_equal(expected: Any, actual: Any, where: str = "<root>") -> None:
+    """Recursively equal: containers of the same type, tensors bitwise, numpy arrays bytewise, the rest by ==."""
+    import numpy as np
+    import torch
+
+    if isinstance(expected, torch.Tensor):
+        assert_tensor_bitwise(expected, actual, where)
+        return
+    assert type(actual) is type(expected), f"{where}: {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, np.ndarray):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+        assert actual.tobytes() == expected.tobytes(), f"{where}: array bytes differ"
+    elif isinstance(expected, dict):
+        assert list(actual.keys()) == list(expected.keys()), f"{where}: keys {list(actual)} != {list(expected)}"
+        for k in expected:
+            assert_state_equal(expected[k], actual[k], f"{where}.{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_state_equal(e, a, f"{where}[{i}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def same_storage(a: Any, b: Any) -> bool:
+    """Whether two tensors view one storage (what tied weights and views must keep after a load)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def temp_files(root: Path) -> list[Path]:
+    """Half-written files the daemon left behind under ``root``."""
+    from datastates.protocol.format import TEMP_SUFFIX
+
+    return sorted(p for p in root.rglob("*") if p.name.endswith(TEMP_SUFFIX))
+
+
+def run_datastatesd(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+                    timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run datastatesd to completion, for the cases where it must refuse to start; fails the test if it serves instead."""
+    try:
+        return subprocess.run([DATASTATESD, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"datastatesd {' '.join(args)} kept running (it should have refused to start): {exc.stderr}")
