@@ -1,0 +1,167 @@
+"""Commit: a tag is committed once all its files are durable, and latest() trusts nothing but whole markers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import datastates
+from datastates.client import Client
+from datastates.protocol.errors import CommitError, SnapshotFailedError
+from datastates.protocol.format import marker_name
+
+from conftest import DaemonProc, assert_state_equal, save, temp_files
+
+
+def shard(seed: int, mb: int = 2) -> dict[str, Any]:
+    """A few MiB of state, so several snapshots are still being copied while the next ones arrive."""
+    g = torch.Generator().manual_seed(seed)
+    return {"weights": torch.randn(mb << 18, generator=g), "bias": torch.randn(17, generator=g), "seed": seed}
+
+
+def test_several_tags_in_flight(client: Client, daemon: DaemonProc) -> None:
+    """Two files of one tag and a file of another, all snapshotted before any wait, commit separately and all load."""
+    a, b = daemon.root / "global_step10", daemon.root / "global_step20"
+    states = {
+        a / "mp_rank_00_model_states.pt": shard(1),
+        a / "zero_pp_rank_0_mp_rank_00_optim_states.pt": shard(2),
+        b / "mp_rank_00_model_states.pt": shard(3),
+    }
+    handles = [client.snapshot(state, path) for path, state in states.items()]
+    assert [h.tag for h in handles] == ["global_step10", "global_step10", "global_step20"]
+    assert len({h.id for h in handles}) == 3
+
+    fa, fb = client.commit("global_step10"), client.commit("global_step20")  # both pending at once
+    ca, cb = fa.result(timeout=120), fb.result(timeout=120)
+
+    assert sorted(ca.files) == sorted(str(p) for p in list(states)[:2])
+    assert cb.files == [str(list(states)[2])]
+    assert ca.marker == str(a / marker_name("global_step10")) and cb.marker == str(b / marker_name("global_step20"))
+    listed = json.loads(Path(ca.marker).read_text())["files"]
+    assert {f["path"]: f["size"] for f in listed} == {p.name: p.stat().st_size for p in list(states)[:2]}
+    for path, state in states.items():
+        assert_state_equal(state, datastates.load(path))
+    assert datastates.latest(daemon.root) in {"global_step10", "global_step20"}
+
+    on_disk = sorted(str(p.relative_to(daemon.root)) for p in daemon.root.rglob("*") if p.is_file())
+    assert on_disk == sorted([
+        "global_step10/datastates-commit.global_step10.json",
+        "global_step10/mp_rank_00_model_states.pt",
+        "global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "global_step20/datastates-commit.global_step20.json",
+        "global_step20/mp_rank_00_model_states.pt",
+    ]), "no temporary files or anything else left behind"
+    assert temp_files(daemon.root) == []
+
+
+def test_latest_is_the_newest_whole_commit(client: Client, daemon: DaemonProc) -> None:
+    """latest() skips an uncommitted tag, a marker whose file has the wrong size, and a torn or garbage marker."""
+    root = daemon.root
+    step = lambda n: root / f"global_step{n}" / "mp_rank_00_model_states.pt"  # noqa: E731
+    assert datastates.latest(root) is None
+
+    save(client, shard(10, 1), step(10))
+    assert datastates.latest(root) == "global_step10"
+    save(client, shard(20, 1), step(20))
+    assert datastates.latest(root) == "global_step20", "the newer commit wins"
+
+    client.snapshot(shard(30, 1), step(30))  # durable, but never committed
+    assert daemon.ctl("wait", "--timeout", "60").returncode == 0
+    assert step(30).is_file()
+    assert datastates.latest(root) == "global_step20"
+
+    save(client, shard(40, 1), step(40))
+    with step(40).open("ab") as f:
+        f.write(b"\0")  # the file no longer has the size its marker lists
+    assert datastates.latest(root) == "global_step20"
+
+    committed = save(client, shard(50, 1), step(50))
+    Path(committed.marker).write_bytes(b"\x00\xffthis is not json{")
+    assert datastates.latest(root) == "global_step20"
+
+    committed = save(client, shard(60, 1), step(60))
+    whole = Path(committed.marker).read_bytes()
+    Path(committed.marker).write_bytes(whole[: len(whole) // 2])  # a torn write
+    assert datastates.latest(root) == "global_step20"
+
+    save(client, shard(70, 1), step(70))
+    assert datastates.latest(root) == "global_step70", "a good commit after the bad ones is found again"
+    assert temp_files(root) == []
+
+
+def test_commit_without_snapshots_is_refused(client: Client, daemon: DaemonProc) -> None:
+    """Committing a tag with nothing snapshotted for it, or committing it twice, is a CommitError, not an empty marker."""
+    with pytest.raises(CommitError, match="global_step99"):
+        client.commit("global_step99").result(timeout=60)
+
+    save(client, shard(1, 1), daemon.root / "global_step1" / "model_states.pt")
+    with pytest.raises(CommitError, match="global_step1"):
+        client.commit("global_step1").result(timeout=60)
+
+    assert list(daemon.root.rglob(marker_name("global_step99"))) == []
+    assert datastates.latest(daemon.root) == "global_step1"
+
+
+def test_the_newest_snapshot_of_a_path_wins(client: Client, daemon: DaemonProc) -> None:
+    """Two snapshots of one path in flight: the file ends up holding the later one, and is listed once."""
+    path = daemon.root / "global_step5" / "model_states.pt"
+    first, second = shard(1, 4), shard(2, 1)
+    client.snapshot(first, path)
+    client.snapshot(second, path)
+    committed = client.commit("global_step5").result(timeout=120)
+
+    assert committed.files == [str(path)]
+    assert_state_equal(second, datastates.load(path))
+    assert temp_files(daemon.root) == []
+
+
+def test_explicit_tag_names_the_marker(client: Client, daemon: DaemonProc) -> None:
+    """A tag other than the folder name is what the marker and latest() use."""
+    path = daemon.root / "checkpoints" / "model.pt"
+    committed = save(client, shard(3, 1), path, tag="epoch3+step1200")
+    assert Path(committed.marker) == path.parent / marker_name("epoch3+step1200")
+    assert datastates.latest(daemon.root) == "epoch3+step1200"
+
+
+def unwritable_path(root: Path) -> Path:
+    """A path inside the root that passes the path check but cannot be created: its 'folder' is a file."""
+    (root / "not_a_folder").write_text("a file where the trainer expected a folder")
+    return root / "not_a_folder" / "model_states.pt"
+
+
+def test_failed_snapshot_is_reported_everywhere(client: Client, daemon: DaemonProc) -> None:
+    """An unwritable snapshot fails loudly: wait(), commit(), status and `ctl wait` name the file; no marker appears."""
+    path = unwritable_path(daemon.root)
+    client.snapshot(shard(1, 1), path, tag="global_step8")
+
+    with pytest.raises(SnapshotFailedError, match="not_a_folder"):
+        client.wait()
+    with pytest.raises(CommitError, match="global_step8"):
+        client.commit("global_step8").result(timeout=60)
+    (snap,) = json.loads(daemon.ctl("status", "--json").stdout)["snapshots"]
+    assert snap["state"] == "failed" and "not_a_folder" in snap["error"]
+    run = daemon.ctl("wait", "--timeout", "60")  # a job script learns of it too
+    assert run.returncode == 1 and str(path) in run.stderr
+
+    assert datastates.latest(daemon.root) is None
+    assert list(daemon.root.rglob("datastates-commit.*")) == []
+    assert temp_files(daemon.root) == []
+
+
+def test_trainer_can_checkpoint_again_after_a_failed_snapshot(client: Client, daemon: DaemonProc) -> None:
+    """One failed checkpoint (a full disk, a bad path) must not poison the client: the next snapshot, wait and commit succeed."""
+    client.snapshot(shard(1, 1), unwritable_path(daemon.root), tag="global_step8")
+    with pytest.raises(SnapshotFailedError):
+        client.wait()
+
+    state = shard(2, 1)
+    path = daemon.root / "global_step9" / "model_states.pt"
+    client.snapshot(state, path)
+    client.wait()  # only this snapshot is outstanding; the failure was reported already
+    client.commit("global_step9").result(timeout=120)
+    assert_state_equal(state, datastates.load(path))
+    assert datastates.latest(daemon.root) == "global_step9"
