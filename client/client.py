@@ -10,6 +10,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from datastates.protocol import messages as m
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DatastatesError, WaitTimeout
@@ -89,6 +91,15 @@ class Client:
             if fut.done():  # copied or failed: either way reported once, by this wait
                 for i in ids:
                     self._uncopied.pop(i, None)
+
+    def protect(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Fence every ``optimizer.step()`` with ``wait()``, so a loop needs this one line.
+
+        The step is the first in-place change of checkpointed state after forward and
+        backward. An LR scheduler or a grad scaler that changes checkpointed state before
+        the step needs its own ``wait()`` first. Returns the hook's removable handle.
+        """
+        return optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait())
 
     def commit(self, tag: str) -> Future:
         """Mark ``tag`` committed once every file snapshotted for it is durable.

@@ -22,7 +22,6 @@ from datastates.protocol.version import COMMIT_VERSION
 from .engine import Engine
 from .job import SnapshotJob
 from .paths import within
-from .storage import writer_for
 
 HISTORY = 64
 
@@ -69,7 +68,7 @@ class CommitLedger:
             )
             path = os.path.join(folder, marker_name(tag))
             try:
-                await self._engine.flush(writer_for(path).publish, path, marker.encode())
+                await self._engine.flush(self._engine.writer(path).publish, path, marker.encode())
             except StorageError as exc:
                 self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
                 raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None

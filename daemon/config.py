@@ -35,6 +35,20 @@ def parse_size(value: Any, key: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def default_copy_threads() -> int:
+    """memcpy nearly doubles from 1 to 2 threads; past that the disk, not the copy, limits."""
+    return 2 if _cores() <= 8 else min(8, _cores() // 8)
+
+
+def default_flush_threads() -> int:
+    """O_DIRECT writes peak at about 2 threads on one local disk; parallel file systems want more."""
+    return 2 if _cores() <= 8 else min(16, _cores() // 4)
+
+
 def _default_roots() -> list[str]:
     return [os.path.realpath(os.getcwd()), os.path.realpath(tempfile.gettempdir())]
 
@@ -54,8 +68,12 @@ class NodeConfig:
     """The most host memory the daemon ever holds for copies; copies wait for flushes beyond it."""
     chunk_size: int = 64 << 20
     """The unit of copying and writing; the host pool is host_memory / chunk_size of them."""
-    copy_threads: int = 2
-    flush_threads: int = 2
+    copy_threads: int = field(default_factory=default_copy_threads)
+    flush_threads: int = field(default_factory=default_flush_threads)
+    direct_io: bool = True
+    """Write data with O_DIRECT where the file system allows it (falls back by itself)."""
+    prefault: bool = True
+    """Map and touch the whole pool at start, in the background, instead of on first use."""
     log_level: str = "info"
 
     @property
@@ -90,6 +108,10 @@ def from_mapping(data: dict | None) -> NodeConfig:
         elif key in ("copy_threads", "flush_threads"):
             kwargs[key] = _positive_int(value, key)
         elif key == "endpoint":
+            kwargs[key] = value
+        elif key in ("direct_io", "prefault"):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key}: {value!r} is not true or false", key=key)
             kwargs[key] = value
         elif key == "log_level":
             if str(value).lower() not in _LEVELS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -21,16 +22,29 @@ from .copier import copy_piece
 from .job import SnapshotJob
 from .memory import HostPool
 from .plan import FilePlan, Piece
-from .storage import writer_for
+from .storage import StorageWriter, writer_class
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, pool: HostPool, copy_threads: int, flush_threads: int) -> None:
+    def __init__(self, pool: HostPool, copy_threads: int, flush_threads: int, direct_io: bool) -> None:
         self.pool = pool
         self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix="ds-copy")
         self._flush = ThreadPoolExecutor(flush_threads, thread_name_prefix="ds-flush")
+        self._direct_io = direct_io
+        self._writers: dict[type, StorageWriter] = {}
+
+    def writer(self, path: str) -> StorageWriter:
+        """The one writer instance for ``path``'s scheme, made with the config's options."""
+        cls = writer_class(path)
+        if cls not in self._writers:
+            self._writers[cls] = cls(direct_io=self._direct_io)
+        return self._writers[cls]
+
+    async def prefill(self) -> None:
+        """Map and touch the whole pool now, on a copy thread, so no checkpoint pays for it."""
+        await self.pool.prefill(self._copy)
 
     async def flush(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking storage work on a flush thread."""
@@ -44,7 +58,7 @@ class Engine:
         """
         plan = job.plan
         assert plan is not None
-        writer = writer_for(plan.path)
+        writer = self.writer(plan.path)
         sums: list[list[bytes]] = [list(s.checksums) for s in plan.header.storages]
         failures: list[BaseException] = []
         uncopied = len(plan.pieces)
@@ -102,7 +116,9 @@ class Engine:
     def _write_header(writer: Any, handle: Any, plan: FilePlan, sums: list[list[bytes]]) -> None:
         """The header with every checksum, zero-padded to the data region (on a flush thread)."""
         header = plan.with_checksums(sums).encode()
-        writer.write(handle, 0, memoryview(header + bytes(plan.data_offset - len(header))))
+        buf = mmap.mmap(-1, plan.data_offset)  # page-aligned, zero-filled: fit for O_DIRECT
+        buf[: len(header)] = header
+        writer.write(handle, 0, memoryview(buf))
 
     def close(self) -> None:
         self._copy.shutdown(wait=True)

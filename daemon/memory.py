@@ -13,6 +13,7 @@ import asyncio
 import collections
 import mmap
 import warnings
+from concurrent.futures import Executor
 
 import torch
 
@@ -22,7 +23,7 @@ class Chunk:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         self.view = memoryview(self._map)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -37,15 +38,31 @@ class HostPool:
         self._free: list[Chunk] = []
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self.peak_in_use = 0
+        self._mapping = 0
 
     @property
     def in_use(self) -> int:
         return len(self._all) - len(self._free)
 
+    def _room(self) -> bool:
+        return len(self._all) + self._mapping < self.capacity
+
+    async def prefill(self, executor: Executor) -> None:
+        """Map every chunk not mapped yet; each one serves copies as soon as it is ready."""
+        loop = asyncio.get_running_loop()
+        while self._room():
+            self._mapping += 1
+            try:
+                chunk = await loop.run_in_executor(executor, Chunk, self.chunk_size)
+            finally:
+                self._mapping -= 1
+            self._all.append(chunk)
+            self.release(chunk)
+
     async def acquire(self) -> Chunk:
         if self._free and not self._waiters:
             chunk = self._free.pop()
-        elif len(self._all) < self.capacity and not self._waiters:
+        elif self._room() and not self._waiters:
             chunk = Chunk(self.chunk_size)
             self._all.append(chunk)
         else:

@@ -49,7 +49,7 @@ class Daemon:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.pool = HostPool(cfg.chunk_size, cfg.chunks)
-        self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads)
+        self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads, cfg.direct_io)
         self.clients = ClientRegistry()
         self.ledger = CommitLedger(self.engine, cfg.storage.roots)
         self.jobs: dict[int, SnapshotJob] = {}
@@ -73,6 +73,8 @@ class Daemon:
 
     async def serve(self, sock: zmq.asyncio.Socket) -> None:
         self._sock = sock
+        if self.cfg.prefault:
+            self._spawn(self.engine.prefill())
         stop = asyncio.ensure_future(self.stopped.wait())
         while not self.stopped.is_set():
             recv = asyncio.ensure_future(sock.recv_multipart())

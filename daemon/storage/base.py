@@ -8,7 +8,8 @@ Call order, every call from a flush thread:
 4. ``publish(path, data)`` writes a small file (a commit marker) with the same guarantees.
 
 A writer raises StorageError, whose message names the path and the cause (disk full,
-read-only, I/O error). Writers are picked by URL scheme; plain paths are ``file``.
+read-only, I/O error). Writers are registered by URL scheme (plain paths are ``file``);
+the engine makes one instance of each, with the node config's options.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from datastates.protocol.errors import InvalidRequestError
 
 class StorageWriter(ABC):
     scheme: ClassVar[str]
+
+    def __init__(self, *, direct_io: bool = True) -> None:
+        self.direct_io = direct_io
 
     @abstractmethod
     def create(self, path: str, token: str) -> Any: ...
@@ -38,17 +42,17 @@ class StorageWriter(ABC):
     def publish(self, path: str, data: bytes) -> None: ...
 
 
-_WRITERS: dict[str, StorageWriter] = {}
+_WRITERS: dict[str, type[StorageWriter]] = {}
 
 
-def register_writer(writer: StorageWriter) -> StorageWriter:
-    _WRITERS[writer.scheme] = writer
-    return writer
+def register_writer(cls: type[StorageWriter]) -> type[StorageWriter]:
+    _WRITERS[cls.scheme] = cls
+    return cls
 
 
-def writer_for(path: str) -> StorageWriter:
+def writer_class(path: str) -> type[StorageWriter]:
     scheme = path.split("://", 1)[0] if "://" in path else "file"
-    writer = _WRITERS.get(scheme)
-    if writer is None:
+    cls = _WRITERS.get(scheme)
+    if cls is None:
         raise InvalidRequestError(f"no storage writer for scheme {scheme!r} (known: {sorted(_WRITERS)})")
-    return writer
+    return cls

@@ -1,0 +1,135 @@
+"""Shared pieces of the benchmarks: a synthetic GPT state, a daemon to run against, medians.
+
+Benchmarks print ratios measured in one run: the disk's speed drifts by ±30% over tens
+of minutes here, so absolute figures from different runs do not compare.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import yaml
+
+from datastates.client import daemon_status
+from datastates.protocol.errors import DaemonUnavailable
+
+BIN = os.path.dirname(sys.executable)
+
+
+def gpt_state(layers: int = 24, dim: int = 1024, vocab: int = 50257, ctx: int = 1024, seed: int = 0) -> dict[str, Any]:
+    """A GPT-2-shaped training state: fp32 parameters, AdamW exp_avg/exp_avg_sq/step, objects.
+
+    With the defaults: 354 M parameters, 1.4 GB of weights, 4.3 GB in all, 1,168 tensors.
+    """
+    g = torch.Generator().manual_seed(seed)
+    shapes: list[tuple[str, tuple[int, ...]]] = [("wte.weight", (vocab, dim)), ("wpe.weight", (ctx, dim))]
+    for i in range(layers):
+        p = f"h.{i}."
+        shapes += [
+            (p + "ln_1.weight", (dim,)), (p + "ln_1.bias", (dim,)),
+            (p + "attn.c_attn.weight", (dim, 3 * dim)), (p + "attn.c_attn.bias", (3 * dim,)),
+            (p + "attn.c_proj.weight", (dim, dim)), (p + "attn.c_proj.bias", (dim,)),
+            (p + "ln_2.weight", (dim,)), (p + "ln_2.bias", (dim,)),
+            (p + "mlp.c_fc.weight", (dim, 4 * dim)), (p + "mlp.c_fc.bias", (4 * dim,)),
+            (p + "mlp.c_proj.weight", (4 * dim, dim)), (p + "mlp.c_proj.bias", (dim,)),
+        ]
+    shapes += [("ln_f.weight", (dim,)), ("ln_f.bias", (dim,))]
+
+    def rand(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape).uniform_(-1, 1, generator=g)
+
+    model = OrderedDict((name, rand(shape)) for name, shape in shapes)
+    opt_state = {
+        i: {"step": torch.tensor(float(100)), "exp_avg": rand(t.shape), "exp_avg_sq": rand(t.shape).abs_()}
+        for i, t in enumerate(model.values())
+    }
+    return {
+        "module": model,
+        "optimizer": {
+            "state": opt_state,
+            "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                              "params": list(range(len(model)))}],
+        },
+        "global_steps": 100,
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()},
+        "args": {"layers": layers, "dim": dim, "vocab": vocab, "note": "synthetic"},
+        "lr_schedule": np.linspace(0, 3e-4, 1000),
+    }
+
+
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_of(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in tensors_of(v)]
+    return []
+
+
+def state_bytes(state: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_of(state))
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def drop_cache(path: str) -> None:
+    """Evict a written, fsynced file (or every file under a folder) from the page cache."""
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] if os.path.isdir(path) else [path]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+@contextmanager
+def datastatesd(root: str, **config: Any) -> Iterator[str]:
+    """A datastatesd writing under ``root``; yields its endpoint and drains it on exit."""
+    sockdir = tempfile.mkdtemp(prefix="ds-bench-")
+    endpoint = f"ipc://{sockdir}/d/datastatesd.sock"
+    cfg = {"endpoint": endpoint, "storage": {"roots": [root]}, "log_level": "warning", **config}
+    path = os.path.join(sockdir, "node.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    proc = subprocess.Popen([os.path.join(BIN, "datastatesd"), "--node-config", path])
+    try:
+        for _ in range(600):
+            try:
+                daemon_status(endpoint, timeout=0.5)
+                break
+            except DaemonUnavailable:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"datastatesd exited with {proc.returncode}") from None
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(120)
+
+
+def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - t0, out
