@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test clean
+.PHONY: run test bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,6 +18,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[bench]'
+	$(PY) bench/compare.py
+	$(PY) bench/train_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

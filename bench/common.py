@@ -7,6 +7,7 @@ of minutes here, so absolute figures from different runs do not compare.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,16 @@ def datastatesd(root: str, **config: Any) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(120)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def wait_pool_mapped(endpoint: str) -> None:
+    """Wait until the daemon has mapped its whole pool, as it does once when the node starts."""
+    while True:
+        mem = daemon_status(endpoint)["daemon"]["host_memory"]
+        if mem["chunks_allocated"] * mem["chunk_size"] >= mem["budget_bytes"]:
+            return
+        time.sleep(0.2)
 
 
 def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:

@@ -30,19 +30,19 @@ import pickle
 import sys
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gpt_state, median  # noqa: E402
-
-from datastates.client.capture import PICKLE_PROTOCOL, Capture, TensorCapturer, capture  # noqa: E402
-from datastates.protocol import messages as m  # noqa: E402
-from datastates.protocol.descriptors import EntryDesc  # noqa: E402
-from datastates.protocol.format import PERSISTENT_TAG  # noqa: E402
+from common import gpt_state, median
+from datastates.client.capture import PICKLE_PROTOCOL, Capture, TensorCapturer, capture
+from datastates.protocol import messages as m
+from datastates.protocol.descriptors import EntryDesc
+from datastates.protocol.format import PERSISTENT_TAG
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "skeleton.json")
 NATIVE = (type(None), bool, int, float, str, bytes)
@@ -273,7 +273,7 @@ def main() -> None:
         print(f"{name:<24}{1e3 * t:9.2f}{1e3 * (t - floor):10.2f}{1e3 * te:12.2f}{t / b:10.2f}{te / be:8.2f}{info[name]['root_bytes']:9d}{info[name]['message_bytes']:9d}")
     walk, pick = summary["msgpack walk"], summary[base]
     sk_ratio = walk["skeleton_ms"] / pick["skeleton_ms"] if pick["skeleton_ms"] > 0 else float("nan")
-    print(f"\n(skeleton = ms/call minus 'tensor entries only', the per-tensor work both ways must do)")
+    print("\n(skeleton = ms/call minus 'tensor entries only', the per-tensor work both ways must do)")
     print(f"msgpack walk / pickle: {walk['ratio_vs_pickle']:.2f} per call, {walk['ratio_vs_pickle_with_encode']:.2f} with encode, "
           f"{sk_ratio:.2f} on the skeleton part alone")
     print(f"skeleton share of capture(): {pick['skeleton_ms'] / pick['ms']:.0%}; "
