@@ -63,19 +63,27 @@ class LeafCapturer(ABC):
 
 
 _CAPTURERS: dict[type, LeafCapturer] = {}
+_RESOLVED: dict[type, LeafCapturer | None] = {}
 
 
 def register_capturer(capturer: LeafCapturer) -> LeafCapturer:
     for t in capturer.types:
         _CAPTURERS[t] = capturer
+    _RESOLVED.clear()
     return capturer
 
 
 def _capturer_for(obj: Any) -> LeafCapturer | None:
-    for t in type(obj).__mro__:
-        if t in _CAPTURERS:
-            return _CAPTURERS[t]
-    return None
+    """The capturer for ``obj``'s type, through its MRO; one dict lookup once a type is seen."""
+    cls = type(obj)
+    try:
+        return _RESOLVED[cls]
+    except KeyError:
+        _RESOLVED[cls] = next((_CAPTURERS[t] for t in cls.__mro__ if t in _CAPTURERS), None)
+        return _RESOLVED[cls]
+
+
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 class TensorCapturer(LeafCapturer):
@@ -97,7 +105,7 @@ class TensorCapturer(LeafCapturer):
             name=name,
             meta={
                 "storage": cap.add_storage(t.untyped_storage()),
-                "dtype": str(t.dtype).removeprefix("torch."),
+                "dtype": _DTYPE_NAMES[t.dtype],
                 "shape": list(t.shape),
                 "stride": list(t.stride()),
                 "storage_offset": t.storage_offset(),

@@ -6,12 +6,14 @@ import concurrent.futures
 import logging
 import os
 import socket
+import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from datastates.daemon.paths import check_path
 from datastates.protocol import messages as m
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DatastatesError, WaitTimeout
@@ -27,12 +29,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SnapshotHandle:
-    """What ``snapshot()`` returns: the daemon's id for the snapshot and what it will write."""
+    """What ``snapshot()`` returns: what the daemon will write, and its id once it has admitted it."""
 
-    id: int
     path: str
     tag: str
-    nbytes: int
+    ack: Future = field(repr=False, compare=False)
+
+    @property
+    def id(self) -> int:
+        return self.ack.result().snapshot_id
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes the daemon copies (a storage shared by views counts once)."""
+        return self.ack.result().total_bytes
 
 
 def daemon_status(endpoint: str | None = None, timeout: float = 5.0) -> dict[str, Any]:
@@ -62,35 +72,53 @@ class Client:
             raise
         self.client_id: str = welcome.client_id
         self.roots: list[str] = welcome.roots
-        self._uncopied: dict[int, list[Any]] = {}
+        self._uncopied: list[tuple[Future, list[Any]]] = []
+        """Snapshots not yet known to be copied: the daemon's admission reply, and the captured leaves."""
 
     def snapshot(self, state: Any, path: str | os.PathLike, tag: str | None = None) -> SnapshotHandle:
-        """Hand ``state`` to the daemon, to be written to ``path``; returns once the daemon has taken it.
+        """Hand ``state`` to the daemon, to be written to ``path``; returns once the message is sent.
 
-        The daemon copies in the background, so tensors must not change in place until
-        ``wait()`` returns. ``tag`` defaults to the name of the path's parent folder.
+        The trainer pays for the tree walk and one message, never for a copy: the daemon
+        admits and copies in the background, so tensors must not change in place until
+        ``wait()`` returns. A path outside the daemon's roots is refused here; any other
+        refusal is raised by the next ``wait()``. ``tag`` defaults to the parent folder's name.
         """
         path = os.path.abspath(os.fspath(path))
         tag = check_tag(tag if tag is not None else os.path.basename(os.path.dirname(path)))
+        check_path(path, self.roots)  # the daemon checks again; this makes the error immediate
         cap = capture(state)
-        ack = self._conn.call(m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root), self.timeout)
-        self._uncopied[ack.snapshot_id] = cap.keepalive
-        return SnapshotHandle(id=ack.snapshot_id, path=path, tag=tag, nbytes=ack.total_bytes)
+        ack = self._conn.request(m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root))
+        self._uncopied.append((ack, cap.keepalive))
+        return SnapshotHandle(path=path, tag=tag, ack=ack)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the daemon holds its own copy of every snapshot taken so far."""
+        """Block until the daemon holds its own copy of every snapshot taken so far.
+
+        Raises the first failure among them (the daemon refused one, or could not copy
+        it); each failure is reported by one ``wait()`` only.
+        """
         if not self._uncopied:
             return
-        ids = list(self._uncopied)
-        fut = self._conn.request(m.Wait(snapshot_ids=ids))
-        try:
-            fut.result(timeout)
-        except TimeoutError:
-            raise WaitTimeout(f"{len(ids)} snapshot(s) not copied by the daemon within {timeout} s") from None
-        finally:
-            if fut.done():  # copied or failed: either way reported once, by this wait
-                for i in ids:
-                    self._uncopied.pop(i, None)
+        pending = list(self._uncopied)
+        acks = [ack for ack, _ in pending]
+        start = time.monotonic()
+        if concurrent.futures.wait(acks, timeout).not_done:
+            raise WaitTimeout(f"the daemon did not admit {len(acks)} snapshot(s) within {timeout} s")
+        ids = [a.result().snapshot_id for a in acks if a.exception() is None]
+        if ids:
+            fut = self._conn.request(m.Wait(snapshot_ids=ids))
+            try:
+                fut.result(None if timeout is None else max(0.0, timeout - (time.monotonic() - start)))
+            except TimeoutError:
+                raise WaitTimeout(f"{len(ids)} snapshot(s) not copied by the daemon within {timeout} s") from None
+            finally:
+                if fut.done():  # copied or failed: either way reported once, by this wait
+                    del self._uncopied[: len(pending)]
+        else:
+            del self._uncopied[: len(pending)]
+        refused = next((a.exception() for a in acks if a.exception() is not None), None)
+        if refused is not None:
+            raise refused
 
     def protect(self, optimizer: torch.optim.Optimizer) -> Any:
         """Fence every ``optimizer.step()`` with ``wait()``, so a loop needs this one line.

@@ -29,7 +29,8 @@ def _free_shm_bytes() -> int:
 def share(storage: torch.UntypedStorage) -> str:
     """The /dev/shm name of ``storage``, moving it into shared memory if it is not there yet."""
     nbytes = storage.nbytes()
-    if not storage.is_shared() and nbytes > _free_shm_bytes():
+    moving = not storage.is_shared()
+    if moving and nbytes > _free_shm_bytes():
         raise SharedMemoryError(
             f"a {nbytes}-byte storage does not fit in {SHM_DIR} ({_free_shm_bytes()} bytes free); "
             "enlarge it (docker run --shm-size=..., or mount -o remount,size=... /dev/shm)",
@@ -40,6 +41,6 @@ def share(storage: torch.UntypedStorage) -> str:
     except RuntimeError as exc:
         raise SharedMemoryError(f"cannot move a {nbytes}-byte storage into shared memory: {exc}") from None
     name = name.decode()
-    if not os.path.exists(segment_path(name)):
+    if moving and not os.path.exists(segment_path(name)):  # later snapshots skip the stat: the hot path
         raise SharedMemoryError(f"storage is shared, but not through a named segment ({name!r})")
     return name

@@ -41,12 +41,12 @@ def _cores() -> int:
 
 def default_copy_threads() -> int:
     """memcpy nearly doubles from 1 to 2 threads; past that the disk, not the copy, limits."""
-    return 2 if _cores() <= 8 else min(8, _cores() // 8)
+    return max(2, min(8, _cores() // 8))
 
 
 def default_flush_threads() -> int:
     """O_DIRECT writes peak at about 2 threads on one local disk; parallel file systems want more."""
-    return 2 if _cores() <= 8 else min(16, _cores() // 4)
+    return max(2, min(16, _cores() // 4))
 
 
 def _default_roots() -> list[str]:

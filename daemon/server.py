@@ -30,7 +30,7 @@ from datastates.protocol.errors import (
 from datastates.protocol.format import check_tag
 from datastates.protocol.version import PROTOCOL_VERSION
 
-from .clients import ClientRegistry
+from .clients import ClientRecord, ClientRegistry
 from .commit import CommitLedger
 from .config import NodeConfig
 from .engine import Engine
@@ -42,6 +42,7 @@ from .plan import plan_snapshot
 log = logging.getLogger(__name__)
 
 HISTORY = 256
+DRAIN_GRACE = 1.0
 Handler = Callable[[bytes, Any], Awaitable[m.Body]]
 
 
@@ -56,8 +57,10 @@ class Daemon:
         self._finished: collections.deque[int] = collections.deque()
         self._job_ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
+        self._admitting: dict[str, set[asyncio.Future]] = {}
         self._started = time.monotonic()
         self.draining = False
+        self._refuse_after = float("inf")
         self.stopped = asyncio.Event()
         self._handlers: dict[type, Handler] = {
             m.Hello: self._hello,
@@ -120,9 +123,28 @@ class Daemon:
         log.info("client %s connected (pid %d, %s)", record.id, body.pid, body.name)
         return m.Welcome(client_id=record.id, daemon_pid=os.getpid(), roots=self.cfg.storage.roots)
 
+    async def _admitted(self, client_id: str) -> None:
+        """Let the client's SNAPSHOTs sent before this request finish admission first.
+
+        Clients do not wait for the admission reply, so a WAIT or COMMIT can arrive while
+        the snapshot it is about is still being admitted on a thread.
+        """
+        pending = list(self._admitting.get(client_id, ()))
+        if pending:
+            await asyncio.wait(pending)
+
     async def _snapshot(self, identity: bytes, body: m.Snapshot) -> m.SnapshotAck:
         client = self.clients.get(identity)
-        if self.draining:
+        admitting = asyncio.get_running_loop().create_future()  # registered before any await: see _admitted
+        self._admitting.setdefault(client.id, set()).add(admitting)
+        try:
+            return await self._admit(client, body)
+        finally:
+            admitting.set_result(None)
+            self._admitting[client.id].discard(admitting)
+
+    async def _admit(self, client: ClientRecord, body: m.Snapshot) -> m.SnapshotAck:
+        if self.draining and time.monotonic() >= self._refuse_after:
             raise ShuttingDownError("datastatesd is shutting down and takes no new snapshots")
         check_tag(body.tag)
 
@@ -147,6 +169,7 @@ class Daemon:
 
     async def _wait(self, identity: bytes, body: m.Wait) -> m.WaitDone:
         client = self.clients.get(identity)
+        await self._admitted(client.id)
         ids = body.snapshot_ids or [j.id for j in self.jobs.values() if j.client_id == client.id]
         jobs = []
         for i in ids:
@@ -163,6 +186,7 @@ class Daemon:
 
     async def _commit(self, identity: bytes, body: m.Commit) -> m.Committed:
         client = self.clients.get(identity)
+        await self._admitted(client.id)
         committed = await self.ledger.commit(client.id, check_tag(body.tag))
         log.info("tag %s committed by %s: %s", body.tag, client.id, committed.marker)
         return committed
@@ -190,15 +214,21 @@ class Daemon:
         self._spawn(self.drain())
 
     async def drain(self) -> None:
-        """Take no new snapshots, let every pending one and every commit finish, then stop."""
+        """Stop taking snapshots, let every pending one and every commit finish, then stop.
+
+        For DRAIN_GRACE seconds snapshots are still admitted: ``snapshot()`` returns once its
+        message is sent, so one sent just before the signal may not have been read yet.
+        """
         if not self.draining:
             self.draining = True
+            self._refuse_after = time.monotonic() + DRAIN_GRACE
             log.info("draining: %d snapshot(s) pending", len(self.pending_jobs()))
+            await asyncio.sleep(DRAIN_GRACE)
         while True:
             pending = [j.durable for j in self.pending_jobs()]
             if pending:
                 await asyncio.wait(pending, timeout=0.5)
-            elif self.ledger.pending:
+            elif self.ledger.pending or any(self._admitting.values()):
                 await asyncio.sleep(0.05)
             else:
                 break

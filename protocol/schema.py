@@ -72,6 +72,23 @@ def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
     return cls(**kwargs)
 
 
+@functools.cache
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+        return [to_dict(v) for v in value]
+    return value
+
+
 def to_dict(obj: Any) -> dict[str, Any]:
-    """The msgpack-ready dict of a dataclass (nested dataclasses included)."""
-    return dataclasses.asdict(obj)
+    """The msgpack-ready dict of a dataclass, nested ones included.
+
+    Unlike ``dataclasses.asdict`` it copies nothing it does not have to: on a snapshot of
+    a thousand tensors that deep copy cost more than capturing the state.
+    """
+    return {name: _plain(getattr(obj, name)) for name in _names(type(obj))}

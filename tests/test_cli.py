@@ -144,8 +144,9 @@ def test_daemon_restart_tells_old_clients_to_reconnect(start_daemon: Callable[..
     try:
         wait_ready(daemon.endpoint, proc, log)
         state = {"w": torch.randn(1000)}
+        old.snapshot(state, daemon.root / "global_step1" / "model_states.pt")  # sent; the refusal comes back
         with pytest.raises(UnknownClientError, match="reconnect"):
-            old.snapshot(state, daemon.root / "global_step1" / "model_states.pt")
+            old.wait()
         old.close()
         with Client(daemon.endpoint, timeout=60) as new:
             save(new, state, daemon.root / "global_step1" / "model_states.pt")
