@@ -96,9 +96,9 @@ class TensorCapturer(LeafCapturer):
             return None  # subclasses carry state of their own: let pickle keep it
         if obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized:
             return None
-        t = obj.detach()
+        t = obj
         if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()
+            t = t.detach().resolve_conj().resolve_neg()
             cap.keepalive.append(t)
         return EntryDesc(
             provider="tensor",

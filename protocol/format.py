@@ -27,7 +27,7 @@ import xxhash
 
 from .descriptors import EntryDesc
 from .errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError
-from .schema import from_dict, to_dict
+from .schema import from_dict, pack, plain
 from .version import COMMIT_VERSION, FORMAT_VERSION
 
 MAGIC = b"DSTATES\x00"
@@ -74,7 +74,7 @@ class FileHeader:
 
     def encode(self) -> bytes:
         """Preamble + header; its length does not depend on the checksum values."""
-        body = msgpack.packb(to_dict(self), use_bin_type=True)
+        body = pack(self)
         return PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(body), xxhash.xxh64_intdigest(body)) + body
 
     def file_size(self, data_offset: int) -> int:
@@ -150,7 +150,7 @@ class CommitMarker:
     files: list[MarkerFile]
 
     def encode(self) -> bytes:
-        return json.dumps(to_dict(self), indent=1).encode()
+        return json.dumps(self, default=plain, indent=1).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> CommitMarker:

@@ -16,7 +16,7 @@ import msgpack
 
 from .descriptors import EntryDesc, SourceDesc
 from .errors import DatastatesError, ProtocolError, UnknownMessageError, VersionMismatchError
-from .schema import from_dict, to_dict
+from .schema import from_dict, pack
 from .version import PROTOCOL_VERSION
 
 MAX_FRAME_BYTES = 256 << 20
@@ -178,8 +178,8 @@ def encode(body: Body, msg_id: int, parent: int | None = None) -> list[bytes]:
     """The ``[header, body]`` frames of one message."""
     header = Header(version=PROTOCOL_VERSION, type=body.TYPE.value, id=msg_id, parent=parent)
     return [
-        msgpack.packb(to_dict(header)),
-        msgpack.packb(to_dict(body), use_bin_type=True),
+        pack(header),
+        pack(body),
     ]
 
 

@@ -13,6 +13,8 @@ import types
 import typing
 from typing import Any, TypeVar
 
+import msgpack
+
 from .errors import ProtocolError
 
 T = TypeVar("T")
@@ -77,18 +79,17 @@ def _names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return to_dict(value)
-    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-        return [to_dict(v) for v in value]
-    return value
+def plain(obj: Any) -> dict[str, Any]:
+    """One dataclass as a shallow dict: the ``default`` hook of msgpack and json encoders.
 
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    """The msgpack-ready dict of a dataclass, nested ones included.
-
-    Unlike ``dataclasses.asdict`` it copies nothing it does not have to: on a snapshot of
-    a thousand tensors that deep copy cost more than capturing the state.
+    The encoder recurses in C and calls this only for dataclasses, so nothing is deep
+    copied: ``dataclasses.asdict`` on a thousand-tensor snapshot cost more than capturing it.
     """
-    return {name: _plain(getattr(obj, name)) for name in _names(type(obj))}
+    if not dataclasses.is_dataclass(obj):
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+    return {name: getattr(obj, name) for name in _names(type(obj))}
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack of a dataclass tree."""
+    return msgpack.packb(obj, default=plain, use_bin_type=True)
