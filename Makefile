@@ -23,6 +23,8 @@ bench: $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[bench]'
 	$(PY) bench/compare.py
 	$(PY) bench/train_overhead.py
+	$(PY) bench/files_per_tag.py
+	$(PY) bench/skeleton.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -86,22 +87,21 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def drop_cache(path: str) -> None:
-    """Evict a written, fsynced file (or every file under a folder) from the page cache."""
-    paths = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] if os.path.isdir(path) else [path]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+def drop_caches() -> None:
+    """Empty the page cache (root only), so every restore reads from the disk."""
+    subprocess.run(["sync"], check=True)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        warnings.warn("cannot drop the page cache (not root?): restores of buffered writes read warm", stacklevel=1)
 
 
-def fsync_tree(path: str) -> None:
-    for d, _, fs in os.walk(path):
-        for f in fs:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+def fsync_tree(folder: str) -> None:
+    """fsync every file and folder under ``folder``: what a peer left in the page cache becomes durable."""
+    for d, _, files in os.walk(folder):
+        for name in [*files, "."]:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
 

@@ -18,11 +18,9 @@ import json
 import mmap
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,7 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import datastatesd, gpt_state, median, state_bytes, tensors_of, wait_pool_mapped  # noqa: E402
+from common import datastatesd, drop_caches, fsync_tree, gpt_state, median, state_bytes, tensors_of, wait_pool_mapped  # noqa: E402
 
 import datastates  # noqa: E402
 from datastates.client import Client  # noqa: E402
@@ -55,15 +53,6 @@ class Contender:
     samples: list[Sample] = field(default_factory=list)
 
 
-def drop_caches() -> None:
-    subprocess.run(["sync"], check=True)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        warnings.warn("cannot drop the page cache (not root?): restores of buffered writes read warm", stacklevel=1)
-
-
 def touch_all(state: Any) -> None:
     """Touch every page of a loaded state, so a lazy (mmap) load pays its reads here.
 
@@ -72,17 +61,6 @@ def touch_all(state: Any) -> None:
     for t in tensors_of(state):
         if t.numel():
             t.reshape(-1).view(torch.uint8)[::4096].sum()
-
-
-def fsync_tree(folder: str) -> None:
-    for d, _, files in os.walk(folder):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        fd = os.open(d, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
 
 
 # -- contenders ---------------------------------------------------------------------------
