@@ -130,4 +130,4 @@ ERRORS_BY_CODE: dict[str, type[DatastatesError]] = {
 def error_from_code(code: str, message: str, detail: dict | None = None) -> DatastatesError:
     """Rebuild the exception a peer reported; an unknown code becomes the base class."""
     cls = ERRORS_BY_CODE.get(code, DatastatesError)
-    return cls(message, **(detail or {}))
+    return cls(message, **{k: v for k, v in (detail or {}).items() if k != "message"})

@@ -162,17 +162,6 @@ class Error(Body):
 
 BODIES: dict[str, type[Body]] = {c.TYPE.value: c for c in Body.__subclasses__()}
 
-REPLIES: dict[MsgType, MsgType] = {
-    MsgType.HELLO: MsgType.WELCOME,
-    MsgType.SNAPSHOT: MsgType.SNAPSHOT_ACK,
-    MsgType.WAIT: MsgType.WAIT_DONE,
-    MsgType.COMMIT: MsgType.COMMITTED,
-    MsgType.STATUS: MsgType.STATUS_REPLY,
-    MsgType.SHUTDOWN: MsgType.SHUTDOWN_ACK,
-    MsgType.BYE: MsgType.BYE_ACK,
-}
-"""The reply type of each request type; these requests are what a daemon serves."""
-
 
 def encode(body: Body, msg_id: int, parent: int | None = None) -> list[bytes]:
     """The ``[header, body]`` frames of one message."""
