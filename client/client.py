@@ -20,7 +20,7 @@ from datastates.protocol.errors import DatastatesError, WaitTimeout
 from datastates.protocol.format import check_tag
 
 from .capture import capture
-from .connection import Connection
+from .connection import DEFAULT_LIVENESS, Connection
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -61,10 +61,13 @@ class Client:
     checkpointed tensors in place (the optimizer step), then ``commit(tag)``.
     """
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, name: str | None = None) -> None:
+    def __init__(
+        self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, name: str | None = None,
+        liveness: float = DEFAULT_LIVENESS,
+    ) -> None:
         self.endpoint = resolve_endpoint(endpoint)
         self.timeout = timeout
-        self._conn = Connection(self.endpoint)
+        self._conn = Connection(self.endpoint, liveness)
         try:
             welcome = self._conn.call(m.Hello(pid=os.getpid(), name=name or f"pid{os.getpid()}", host=socket.gethostname()), timeout)
         except BaseException:

@@ -3,6 +3,11 @@
 ZeroMQ sockets are not thread-safe, so training threads never touch the DEALER: they hand
 frames to the I/O thread over an inproc pair and get a ``concurrent.futures.Future`` back,
 resolved when the reply whose ``parent`` is their request id arrives.
+
+ZeroMQ does not say when the peer dies, so while requests are outstanding the I/O thread
+probes the daemon with STATUS whenever it has heard nothing for ``liveness / 2`` seconds.
+After ``liveness`` seconds of silence every outstanding request fails with
+DaemonUnavailable: a dead daemon never hangs the training process.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from typing import Any
@@ -22,11 +28,15 @@ from datastates.protocol.errors import DaemonUnavailable, DatastatesError, error
 log = logging.getLogger(__name__)
 
 _STOP = b"stop"
+DEFAULT_LIVENESS = 15.0
 
 
 class Connection:
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, liveness: float = DEFAULT_LIVENESS) -> None:
         self.endpoint = endpoint
+        self.liveness = liveness
+        self._heard = time.monotonic()
+        self._probe: int | None = None
         self._ctx = zmq.Context()
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}
@@ -76,7 +86,7 @@ class Connection:
         poller.register(self._inbox, zmq.POLLIN)
         poller.register(self._dealer, zmq.POLLIN)
         while True:
-            for sock, _ in poller.poll():
+            for sock, _ in poller.poll(timeout=max(50, int(self.liveness * 250))):
                 if sock is self._inbox:
                     frames = self._inbox.recv_multipart(copy=False)
                     if len(frames) == 1 and frames[0].bytes == _STOP:
@@ -85,7 +95,31 @@ class Connection:
                         return
                     self._dealer.send_multipart(frames, copy=False)
                 else:
+                    self._heard = time.monotonic()
                     self._deliver(self._dealer.recv_multipart())
+            self._check_liveness()
+
+    def _check_liveness(self) -> None:
+        """Probe a silent daemon while requests wait; fail them once it stayed silent too long."""
+        with self._lock:
+            if not self._pending:
+                self._heard = time.monotonic()
+                return
+            silent = time.monotonic() - self._heard
+            if silent > self.liveness:
+                pending, self._pending = self._pending, {}
+            else:
+                pending = {}
+                if silent > self.liveness / 2 and self._probe is None:
+                    self._probe = next(self._ids)
+                    self._dealer.send_multipart(m.encode(m.Status(), self._probe))
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(DaemonUnavailable(
+                    f"datastatesd at {self.endpoint} gave no sign of life for {self.liveness:.0f} s; it may have died "
+                    "(what it had copied before may still be on disk: check datastates.latest)",
+                    endpoint=self.endpoint,
+                ))
 
     def _deliver(self, frames: list[bytes]) -> None:
         try:
@@ -94,6 +128,9 @@ class Connection:
             log.error("dropping an unreadable reply from the daemon: %s", exc)
             return
         with self._lock:
+            if header.parent is not None and header.parent == self._probe:
+                self._probe = None
+                return
             fut = self._pending.pop(header.parent, None) if header.parent is not None else None
         if fut is None or fut.cancelled():
             return
