@@ -42,7 +42,6 @@ from common import gpt_state, median
 from datastates.client.capture import PICKLE_PROTOCOL, Capture, TensorCapturer, capture
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import EntryDesc
-from datastates.protocol.format import PERSISTENT_TAG
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "skeleton.json")
 NATIVE = (type(None), bool, int, float, str, bytes)
@@ -61,7 +60,7 @@ class _LeafPickler(pickle.Pickler):
         if isinstance(obj, torch.Tensor):
             idx = self._w.tensor(obj, "<in object>")
             if idx is not None:
-                return (PERSISTENT_TAG, idx)
+                return idx
         return None
 
 

@@ -18,11 +18,11 @@ import torch
 
 from datastates.protocol.descriptors import EMPTY, SHM, EntryDesc, SourceDesc
 from datastates.protocol.errors import InvalidRequestError
-from datastates.protocol.format import PERSISTENT_TAG
 
 from .shm import share
 
-PICKLE_PROTOCOL = 5
+PICKLE_PROTOCOL = 2
+"""As torch.save: the highest protocol torch's weights-only unpickler reads."""
 
 
 @dataclass
@@ -145,7 +145,7 @@ class _CapturingPickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         key = id(obj)
         if key in self._seen:
-            return (PERSISTENT_TAG, self._seen[key])
+            return self._seen[key]
         capturer = _capturer_for(obj)
         if capturer is None:
             return None
@@ -154,7 +154,7 @@ class _CapturingPickler(pickle.Pickler):
             return None
         self._seen[key] = self._cap.add_entry(entry)
         self._cap.keepalive.append(obj)
-        return (PERSISTENT_TAG, self._seen[key])
+        return self._seen[key]
 
 
 def capture(state: Any) -> Capture:

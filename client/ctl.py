@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
 
 from datastates.protocol import messages as m
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import DatastatesError
+from datastates.protocol.errors import CorruptCheckpointError, DatastatesError
+from datastates.protocol.format import CommitMarker, check_tag, marker_name
 
 from .connection import Connection
+from .reader import markers, verify
 
 POLL_S = 0.2
 
@@ -51,6 +54,43 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _tag_files(target: str, root: str) -> list[str]:
+    """The files to verify: ``target`` itself, or every file the commit markers of a tag list.
+
+    ``target`` is a checkpoint file, a folder holding a tag's marker, or a tag name found
+    under ``root``. A listed file that is missing is still returned, so it is reported.
+    """
+    if os.path.isfile(target):
+        return [target]
+    if os.path.isdir(target):
+        found = [p for p in markers(target) if os.path.dirname(p) == os.path.abspath(target).rstrip("/")]
+    else:
+        found = [p for p in markers(root) if os.path.basename(p) == marker_name(check_tag(target))]
+    if not found:
+        raise CorruptCheckpointError(f"no commit marker for {target!r} (looked in {target if os.path.isdir(target) else root})")
+    files = []
+    for path in found:
+        try:
+            with open(path, "rb") as f:
+                marker = CommitMarker.decode(f.read())
+        except (OSError, ValueError, DatastatesError) as exc:
+            raise CorruptCheckpointError(f"{path}: unreadable commit marker: {exc}") from None
+        files += [os.path.join(os.path.dirname(path), rec.path) for rec in marker.files]
+    return files
+
+
+def _verify(target: str, root: str) -> int:
+    failures = 0
+    for path in _tag_files(target, root):
+        try:
+            entries, nbytes = verify(path)
+            print(f"ok       {path}: {entries} entries, {_size(nbytes)} checked")
+        except (DatastatesError, OSError) as exc:
+            failures += 1
+            print(f"CORRUPT  {path}: {getattr(exc, 'message', exc)}")
+    return 1 if failures else 0
+
+
 def _status(conn: Connection, timeout: float) -> dict[str, Any]:
     return conn.call(m.Status(), timeout).status
 
@@ -65,7 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     p_wait = sub.add_parser("wait", help="wait until no snapshot or commit is pending")
     p_wait.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after S seconds (exit 1)")
     sub.add_parser("shutdown", help="drain every pending snapshot, then stop the daemon")
+    p_verify = sub.add_parser("verify", help="check a checkpoint file, or every file of a committed tag (no daemon needed)")
+    p_verify.add_argument("target", help="a checkpoint file, a tag's folder, or a tag name under --root")
+    p_verify.add_argument("--root", default=".", help="where a tag given by name is looked for (default: .)")
     args = parser.parse_args(argv)
+
+    if args.command == "verify":
+        try:
+            return _verify(args.target, args.root)
+        except DatastatesError as exc:
+            print(f"datastatesctl: error: {exc.message}", file=sys.stderr)
+            return 2
 
     conn = Connection(resolve_endpoint(args.endpoint))
     try:

@@ -66,8 +66,12 @@ def _read_data(path: str, start: int, end: int) -> torch.UntypedStorage:
 class _Restore:
     """The RestoreContext of one file: its storages, read and checked once, and its entries."""
 
-    def __init__(self, path: str, data: torch.UntypedStorage, header: FileHeader, verify: bool, device: torch.device | None) -> None:
+    def __init__(
+        self, path: str, data: torch.UntypedStorage, header: FileHeader, verify: bool, device: torch.device | None,
+        weights_only: bool = False,
+    ) -> None:
         self.path = path
+        self.weights_only = weights_only
         self._data = data
         self._header = header
         self._verify = verify
@@ -121,7 +125,7 @@ class _Restore:
         return tensor if self._device is None or self._device.type == "cpu" else tensor.to(self._device)
 
 
-def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: bool = True) -> Any:
+def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: bool = True, weights_only: bool = False) -> Any:
     """The state saved at ``path``, bitwise as it was snapshotted.
 
     The data region is read in one pass of large parallel reads into one buffer, and
@@ -131,9 +135,17 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: b
 
     Refuses, with CorruptCheckpointError naming the file and the tensor, a file of the
     wrong size, a truncated one, or one whose header or data checksums do not match.
+    ``weights_only=True`` unpickles the skeleton through torch's safe unpickler, as
+    ``torch.load(weights_only=True)`` does, and raises WeightsOnlyError for anything else.
     """
     path = os.fspath(path)
     device = torch.device(map_location) if map_location is not None else None
+    header, base, size = _read_header(path)
+    return _Restore(path, _read_data(path, base, size), header, verify, device, weights_only).entry(header.root)
+
+
+def _read_header(path: str) -> tuple[FileHeader, int, int]:
+    """The checked header of ``path``, where its data region starts, and the file's size."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
@@ -141,21 +153,34 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: b
         if PREAMBLE_SIZE + header_len > size:
             raise CorruptCheckpointError(f"{path}: file is truncated inside its header ({size} bytes)", path=path)
         header = parse_header(os.pread(fd, header_len, PREAMBLE_SIZE), header_hash, path)
-        base = data_offset(header_len)
-        expected = header.file_size(base)
-        if size != expected:
-            raise CorruptCheckpointError(
-                f"{path}: file is {size} bytes but its header declares {expected}"
-                + (" (truncated)" if size < expected else " (bytes appended)"),
-                path=path,
-            )
-        data = _read_data(path, base, size)
-        return _Restore(path, data, header, verify, device).entry(header.root)
     finally:
         os.close(fd)
+    base = data_offset(header_len)
+    expected = header.file_size(base)
+    if size != expected:
+        raise CorruptCheckpointError(
+            f"{path}: file is {size} bytes but its header declares {expected}"
+            + (" (truncated)" if size < expected else " (bytes appended)"),
+            path=path,
+        )
+    return header, base, size
 
 
-def _markers(root: str) -> list[str]:
+def verify(path: str | os.PathLike) -> tuple[int, int]:
+    """Check a file's size, header and every data checksum without unpickling anything.
+
+    Returns (entries, data bytes); raises CorruptCheckpointError or UnsupportedFormatError.
+    """
+    path = os.fspath(path)
+    header, base, size = _read_header(path)
+    ctx = _Restore(path, _read_data(path, base, size), header, True, None)
+    for index in range(len(header.storages)):
+        ctx.storage(index)
+    return len(header.entries), header.data_len
+
+
+def markers(root: str) -> list[str]:
+    """Commit markers in ``root`` and one folder down: where ``latest`` looks."""
     found = []
     for folder in [root] + [os.path.join(root, d) for d in sorted(os.listdir(root))]:
         if not os.path.isdir(folder):
@@ -189,7 +214,7 @@ def latest(root: str | os.PathLike) -> str | None:
     if not os.path.isdir(root):
         return None
     best: CommitMarker | None = None
-    for path in _markers(root):
+    for path in markers(root):
         marker = read_marker(path)
         if marker is not None and (best is None or marker.committed_ns > best.committed_ns):
             best = marker

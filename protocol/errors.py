@@ -108,6 +108,12 @@ class CorruptCheckpointError(DatastatesError):
     code = "corrupt"
 
 
+class WeightsOnlyError(DatastatesError):
+    """``load(weights_only=True)`` met an object its safe unpickler does not allow."""
+
+    code = "weights_only"
+
+
 class UnsupportedFormatError(DatastatesError):
     """A file that is not a datastates checkpoint, or of a format version this reader does not know."""
 

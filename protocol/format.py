@@ -5,6 +5,7 @@ A checkpoint file (one per ``snapshot()`` call) is::
     preamble   32 bytes  magic, format version, flags, header length, xxh64 of the header
     header     msgpack   FileHeader: tag, storage index with checksums, entries, root
     padding    zeros to DATA_ALIGN
+               (the skeleton's persistent ids are plain entry indexes, ints)
     data       each storage's raw bytes at its offset (STORAGE_ALIGN), zero padding between,
                the whole padded to DATA_ALIGN
 
@@ -40,8 +41,6 @@ CHECKSUM_BYTES = 8
 TEMP_SUFFIX = ".dstmp"
 MARKER_PREFIX = "datastates-commit."
 MARKER_SUFFIX = ".json"
-PERSISTENT_TAG = "datastates"
-"""First element of each persistent id in a pickled skeleton: (PERSISTENT_TAG, entry index)."""
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}$")
 

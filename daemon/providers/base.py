@@ -24,6 +24,8 @@ class RestoreContext(Protocol):
     """What the loader offers a provider while rebuilding one file."""
 
     path: str
+    weights_only: bool
+    """Restore objects only through torch's safe unpickler (``torch.load(weights_only=True)``)."""
 
     def storage(self, index: int) -> torch.UntypedStorage: ...
 

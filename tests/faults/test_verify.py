@@ -1,0 +1,80 @@
+"""`datastatesctl verify`: a whole tag checked file by file, sizes and checksums, with no daemon."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import torch
+
+from datastates.client import Client
+
+from conftest import DATASTATESCTL, DaemonProc, save
+
+
+def ctl_verify(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([DATASTATESCTL, "verify", *args], capture_output=True, text=True, timeout=120)
+
+
+def committed_tag(daemon: DaemonProc) -> Path:
+    folder = daemon.root / "global_step4"
+    with Client(daemon.endpoint, timeout=60) as c:
+        c.snapshot({"w": torch.randn(64, 1024), "step": 4}, folder / "model_states.pt")
+        save(c, {"exp_avg": torch.randn(128, 1024)}, folder / "optim_states.pt", tag="global_step4")
+    return folder
+
+
+def test_verify_a_sound_tag_by_folder_by_name_and_by_file(daemon: DaemonProc) -> None:
+    folder = committed_tag(daemon)
+    by_folder = ctl_verify(str(folder))
+    assert by_folder.returncode == 0, by_folder.stdout + by_folder.stderr
+    assert by_folder.stdout.count("ok ") == 2
+    by_name = ctl_verify("--root", str(daemon.root), "global_step4")
+    assert by_name.returncode == 0 and by_name.stdout.count("ok ") == 2
+    one = ctl_verify(str(folder / "optim_states.pt"))
+    assert one.returncode == 0 and "optim_states.pt" in one.stdout
+
+
+def test_verify_names_the_corrupt_file_and_tensor(daemon: DaemonProc) -> None:
+    folder = committed_tag(daemon)
+    path = folder / "optim_states.pt"
+    raw = bytearray(path.read_bytes())
+    raw[-4096 - 100] ^= 0xFF  # inside the last storage's bytes, before the final padding page
+    path.write_bytes(bytes(raw))
+    out = ctl_verify(str(folder))
+    assert out.returncode == 1
+    (bad,) = [ln for ln in out.stdout.splitlines() if ln.startswith("CORRUPT")]
+    assert "optim_states.pt" in bad and "exp_avg" in bad
+    assert any(ln.startswith("ok") and "model_states.pt" in ln for ln in out.stdout.splitlines())
+
+
+def test_verify_reports_a_missing_file_and_an_unknown_tag(daemon: DaemonProc) -> None:
+    folder = committed_tag(daemon)
+    (folder / "model_states.pt").unlink()
+    out = ctl_verify(str(folder))
+    assert out.returncode == 1 and "model_states.pt" in out.stdout
+    unknown = ctl_verify("--root", str(daemon.root), "global_step99")
+    assert unknown.returncode == 2 and "no commit marker" in unknown.stderr
+
+
+def test_weights_only_load_refuses_arbitrary_objects(daemon: DaemonProc) -> None:
+    """weights_only=True loads tensors and plain containers, and refuses any other object."""
+    import collections
+
+    import numpy as np
+    import pytest
+
+    import datastates
+    from datastates.protocol.errors import WeightsOnlyError
+
+    from conftest import assert_state_equal
+
+    plain = {"model": collections.OrderedDict(w=torch.randn(8, 8)), "step": 7, "lr": [0.1, 0.01], "name": "gpt"}
+    risky = {"w": torch.randn(3), "rng": np.random.get_state()}
+    with Client(daemon.endpoint, timeout=60) as c:
+        save(c, plain, daemon.root / "t_plain" / "model_states.pt")
+        save(c, risky, daemon.root / "t_risky" / "model_states.pt")
+    assert_state_equal(plain, datastates.load(daemon.root / "t_plain" / "model_states.pt", weights_only=True))
+    with pytest.raises(WeightsOnlyError, match="weights_only"):
+        datastates.load(daemon.root / "t_risky" / "model_states.pt", weights_only=True)
+    assert_state_equal(risky["w"], datastates.load(daemon.root / "t_risky" / "model_states.pt")["w"])
