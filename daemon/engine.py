@@ -28,19 +28,28 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, pool: HostPool, copy_threads: int, flush_threads: int, direct_io: bool) -> None:
+    def __init__(self, pool: HostPool, copy_threads: int, flush_threads: int, direct_io: bool, owner: str) -> None:
         self.pool = pool
         self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix="ds-copy")
         self._flush = ThreadPoolExecutor(flush_threads, thread_name_prefix="ds-flush")
         self._direct_io = direct_io
+        self._owner = owner
         self._writers: dict[type, StorageWriter] = {}
 
     def writer(self, path: str) -> StorageWriter:
         """The one writer instance for ``path``'s scheme, made with the config's options."""
         cls = writer_class(path)
         if cls not in self._writers:
-            self._writers[cls] = cls(direct_io=self._direct_io)
+            self._writers[cls] = cls(direct_io=self._direct_io, owner=self._owner)
         return self._writers[cls]
+
+    async def remove_leftovers(self, roots: list[str]) -> list[str]:
+        """What a killed earlier run of this daemon left half-written under the roots, deleted."""
+        writer = self.writer(roots[0])
+        removed: list[str] = []
+        for root in roots:
+            removed += await self.flush(writer.remove_leftovers, root)
+        return removed
 
     async def prefill(self) -> None:
         """Map and touch the whole pool now, on a copy thread, so no checkpoint pays for it."""

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import itertools
 import logging
 import os
+import socket
 import time
 from typing import Any, Awaitable, Callable
 
@@ -50,7 +52,10 @@ class Daemon:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.pool = HostPool(cfg.chunk_size, cfg.chunks)
-        self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads, cfg.direct_io)
+        owner = hashlib.sha1(f"{socket.gethostname()} {cfg.endpoint}".encode()).hexdigest()[:10]
+        self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads, cfg.direct_io, owner)
+        self.leftovers: list[str] | None = None
+        self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
         self.ledger = CommitLedger(self.engine, cfg.storage.roots)
         self.jobs: dict[int, SnapshotJob] = {}
@@ -76,6 +81,7 @@ class Daemon:
 
     async def serve(self, sock: zmq.asyncio.Socket) -> None:
         self._sock = sock
+        self._spawn(self._recover())
         if self.cfg.prefault:
             self._spawn(self.engine.prefill())
         stop = asyncio.ensure_future(self.stopped.wait())
@@ -144,6 +150,7 @@ class Daemon:
             self._admitting[client.id].discard(admitting)
 
     async def _admit(self, client: ClientRecord, body: m.Snapshot) -> m.SnapshotAck:
+        await self._recovered.wait()  # its temp names share our owner prefix with the leftovers
         if self.draining and time.monotonic() >= self._refuse_after:
             raise ShuttingDownError("datastatesd is shutting down and takes no new snapshots")
         check_tag(body.tag)
@@ -160,6 +167,15 @@ class Daemon:
         self.ledger.add(job)
         self._spawn(self._run(job, earlier))
         return m.SnapshotAck(snapshot_id=job.id, total_bytes=job.total_bytes)
+
+    async def _recover(self) -> None:
+        """Remove this daemon's half-written files from a killed earlier run, before admitting any."""
+        try:
+            self.leftovers = await self.engine.remove_leftovers(self.cfg.storage.roots)
+        finally:
+            self._recovered.set()
+        if self.leftovers:
+            log.warning("removed %d partial file(s) left by an earlier run: %s", len(self.leftovers), self.leftovers[:5])
 
     async def _run(self, job: SnapshotJob, earlier: list[SnapshotJob]) -> None:
         await self.engine.run(job, after=[j.durable for j in earlier])
@@ -245,6 +261,8 @@ class Daemon:
                 "draining": self.draining,
                 "roots": self.cfg.storage.roots,
                 "host_memory": self.pool.status(),
+                "leftovers_removed": None if self.leftovers is None else {
+                    "count": len(self.leftovers), "paths": self.leftovers[:20]},
             },
             "clients": self.clients.status(),
             "snapshots": jobs,

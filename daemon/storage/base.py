@@ -23,8 +23,10 @@ from datastates.protocol.errors import InvalidRequestError
 class StorageWriter(ABC):
     scheme: ClassVar[str]
 
-    def __init__(self, *, direct_io: bool = True) -> None:
+    def __init__(self, *, direct_io: bool = True, owner: str = "") -> None:
         self.direct_io = direct_io
+        self.owner = owner
+        """Names this daemon in its temporary files, so a restart removes its own leftovers only."""
 
     @abstractmethod
     def create(self, path: str, token: str) -> Any: ...
@@ -40,6 +42,10 @@ class StorageWriter(ABC):
 
     @abstractmethod
     def publish(self, path: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def remove_leftovers(self, root: str) -> list[str]:
+        """Delete the temporary files a killed run of this daemon (same ``owner``) left under ``root``."""
 
 
 _WRITERS: dict[str, type[StorageWriter]] = {}

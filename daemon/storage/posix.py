@@ -54,6 +54,7 @@ def temp_path(path: str, token: str) -> str:
 
 
 ALIGN = 4096
+LEFTOVER_DEPTH = 3
 
 
 @dataclass
@@ -85,7 +86,7 @@ class PosixWriter(StorageWriter):
     scheme = "file"
 
     def create(self, path: str, token: str, direct: bool | None = None) -> _Handle:
-        temp = temp_path(path, token)
+        temp = temp_path(path, f"{self.owner}-{token}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         want_direct = self.direct_io if direct is None else direct
         try:
@@ -136,6 +137,24 @@ class PosixWriter(StorageWriter):
             self.abort(handle)
             raise
         self.finalize(handle)
+
+
+    def remove_leftovers(self, root: str) -> list[str]:
+        removed = []
+        mine = f".{self.owner}-"
+        base = root.rstrip("/").count("/")
+        for folder, dirs, files in os.walk(root):
+            if folder.count("/") - base >= LEFTOVER_DEPTH:
+                dirs.clear()  # checkpoints live at <root>/<tag>/<file>: do not crawl a whole file system
+            for name in files:
+                if name.startswith(".") and name.endswith(TEMP_SUFFIX) and mine in name:
+                    path = os.path.join(folder, name)
+                    try:
+                        os.unlink(path)
+                        removed.append(path)
+                    except OSError:
+                        continue
+        return removed
 
 
 register_writer(PosixWriter)
