@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import datastatesd, median, wait_pool_mapped
+from common import datastatesd, median, state_bytes, wait_pool_mapped
 from datastates.client import Client
 from datastates.client.reader import latest
 
@@ -241,7 +241,7 @@ def run_dcp(s: Setup, args: argparse.Namespace, run: int, folder: str) -> RunRes
         else:  # staged synchronously inside async_save: nothing to fence
             staging, upload = None, resp
 
-    acc.ckpt_bytes = sum(t.numel() * t.element_size() for t in _tensors(state_of(s, 0)))
+    acc.ckpt_bytes = state_bytes(state_of(s, 0))
     try:
         loop(s, args.steps, args.every, acc, checkpoint)
         t0 = time.perf_counter()
@@ -257,16 +257,6 @@ def run_dcp(s: Setup, args: argparse.Namespace, run: int, folder: str) -> RunRes
     if acc.checkpoints and not os.path.exists(os.path.join(folder, f"global_step{args.steps // args.every * args.every}", ".metadata")):
         raise RuntimeError("dcp: the last checkpoint has no .metadata")
     return acc
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def one_run(mode: str, args: argparse.Namespace, run: int, root: str, endpoint: str | None) -> RunResult:
