@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import msgpack
 import pytest
 import yaml
+import zmq
 
 from datastates.client.connection import Connection
 from datastates.protocol import messages as m
 from datastates.protocol.errors import DaemonUnavailable
+from datastates.protocol.version import PROTOCOL_VERSION
 
 BIN = Path(sys.executable).parent
 DATASTATESD = str(BIN / "datastatesd")
@@ -236,3 +239,29 @@ def run_datastatesd(*args: str, env: dict[str, str] | None = None, cwd: Path | N
         return subprocess.run([DATASTATESD, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"datastatesd {' '.join(args)} kept running (it should have refused to start): {exc.stderr}")
+
+
+class RawPeer:
+    """A bare DEALER that sends whatever frames a test wants, as a buggy or foreign client would."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+
+    def send(self, frames: list[bytes], timeout_s: float = 30) -> tuple[dict, dict]:
+        """Send ``frames``; the daemon's reply as (header, body)."""
+        self._sock.send_multipart(frames)
+        if not self._sock.poll(int(timeout_s * 1000)):
+            raise AssertionError(f"no reply from the daemon to {frames!r}")
+        header, body = self._sock.recv_multipart()
+        return msgpack.unpackb(header), msgpack.unpackb(body)
+
+    def request(self, type_: str, body: dict, msg_id: int = 1, version: int = PROTOCOL_VERSION) -> tuple[dict, dict]:
+        header = {"version": version, "type": type_, "id": msg_id, "parent": None}
+        return self.send([msgpack.packb(header), msgpack.packb(body, use_bin_type=True)])
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()

@@ -19,7 +19,6 @@ import msgpack
 import pytest
 import torch
 import yaml
-import zmq
 
 import datastates
 from datastates.client import Client
@@ -34,35 +33,9 @@ from datastates.protocol.errors import (
 from datastates.protocol.format import PREAMBLE, PREAMBLE_SIZE, data_offset, parse_header, parse_preamble
 from datastates.protocol.version import PROTOCOL_VERSION
 
-from conftest import DATASTATESCTL, DATASTATESD, DaemonProc, assert_state_equal, run_datastatesd, save, wait_ready
+from conftest import DATASTATESCTL, DATASTATESD, DaemonProc, RawPeer, assert_state_equal, run_datastatesd, save, wait_ready
 
 # -- (a) the wire ------------------------------------------------------------------------
-
-
-class RawPeer:
-    """A bare DEALER that sends whatever frames a test wants, as a buggy or foreign client would."""
-
-    def __init__(self, endpoint: str) -> None:
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
-
-    def send(self, frames: list[bytes], timeout_s: float = 30) -> tuple[dict, dict]:
-        """Send ``frames``; the daemon's reply as (header, body)."""
-        self._sock.send_multipart(frames)
-        if not self._sock.poll(int(timeout_s * 1000)):
-            raise AssertionError(f"no reply from the daemon to {frames!r}")
-        header, body = self._sock.recv_multipart()
-        return msgpack.unpackb(header), msgpack.unpackb(body)
-
-    def request(self, type_: str, body: dict, msg_id: int = 1, version: int = PROTOCOL_VERSION) -> tuple[dict, dict]:
-        header = {"version": version, "type": type_, "id": msg_id, "parent": None}
-        return self.send([msgpack.packb(header), msgpack.packb(body, use_bin_type=True)])
-
-    def close(self) -> None:
-        self._sock.close()
-        self._ctx.term()
 
 
 @pytest.fixture

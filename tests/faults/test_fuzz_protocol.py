@@ -1,0 +1,136 @@
+"""A protocol fuzzer: random and mutated frames get an ERROR reply, never a crash or silence.
+
+Thousands of cases go to one real daemon over a raw DEALER: garbage bytes, wrong frame
+counts, wrong versions, unknown types, and SNAPSHOT bodies with bogus handles, huge
+sizes and segments that do not exist. After every case the daemon must have answered; no
+case may hit the ``internal`` boundary (that would be a bug); a well-behaved client is
+served correctly before, during and after.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import datastates
+from datastates.client import Client
+from datastates.protocol.version import PROTOCOL_VERSION
+
+from conftest import DaemonProc, RawPeer, assert_state_equal, save
+
+CASES = 1500  # per test; four tests, so 6,000 cases in all
+FUZZ = settings(max_examples=CASES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
+                    st.text(max_size=40), st.binary(max_size=64))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+                      max_leaves=12)
+types = st.sampled_from(["hello", "snapshot", "wait", "commit", "status", "bye", "welcome", "error", "nope", ""]) | st.text(max_size=20)
+
+sources = st.lists(st.fixed_dictionaries({
+    "kind": st.sampled_from(["shm", "empty", "cuda_ipc", ""]) | st.text(max_size=8),
+    "handle": st.sampled_from(["/torch_1_2_3", "../../etc/passwd", "/" + "x" * 300, ""]) | st.text(max_size=30),
+    "nbytes": st.integers(-(2**63), 2**64 - 1) | st.sampled_from([0, 1, 4096, 2**62]),
+}), max_size=4)
+entries = st.lists(st.fixed_dictionaries({
+    "provider": st.sampled_from(["tensor", "pickle", "numpy"]) | st.text(max_size=8),
+    "name": st.text(max_size=16),
+    "meta": st.fixed_dictionaries({}, optional={
+        "storage": st.integers(-2, 5), "dtype": st.sampled_from(["float32", "bfloat16", "nope"]),
+        "shape": st.lists(st.integers(-1, 2**40), max_size=4), "stride": st.lists(st.integers(-1, 2**40), max_size=4),
+        "storage_offset": st.integers(-1, 2**40), "data": st.binary(max_size=32) | values,
+    }),
+}), max_size=4)
+snapshot_bodies = st.fixed_dictionaries({
+    "path": st.sampled_from(["/etc/x.pt", "relative.pt", "/tmp/../x.pt"]) | st.text(max_size=30),
+    "tag": st.sampled_from(["t1", "../x", "", "x" * 300]) | st.text(max_size=10),
+    "sources": sources, "entries": entries, "root": st.integers(-2, 5),
+})
+
+
+def ask(peer: RawPeer, frames: list[bytes]) -> dict[str, Any]:
+    """One case: the daemon must answer, and not from its internal-error boundary."""
+    _header, body = peer.send(frames, timeout_s=30)
+    assert body.get("code") != "internal", f"the daemon hit an internal error: {body} for {frames!r}"
+    return body
+
+
+def still_serves(daemon: DaemonProc, step: int) -> None:
+    with Client(daemon.endpoint, timeout=60) as c:
+        state = {"w": torch.randn(64), "step": step}
+        committed = save(c, state, daemon.root / f"fuzz{step}" / "ok.pt", tag=f"fuzz{step}")
+        assert_state_equal(state, datastates.load(committed.files[0]))
+
+
+def frames_of(header: Any, body: Any) -> list[bytes]:
+    return [msgpack.packb(header, use_bin_type=True), msgpack.packb(body, use_bin_type=True)]
+
+
+def test_garbage_frames(shared_daemon: DaemonProc) -> None:
+    peer = RawPeer(shared_daemon.endpoint)
+
+    @FUZZ
+    @given(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
+    def case(frames: list[bytes]) -> None:
+        assert "code" in ask(peer, frames)
+
+    try:
+        case()
+    finally:
+        peer.close()
+    still_serves(shared_daemon, 1)
+
+
+def test_headers_of_every_shape(shared_daemon: DaemonProc) -> None:
+    peer = RawPeer(shared_daemon.endpoint)
+
+    @FUZZ
+    @given(st.integers(-5, 5) | st.just(PROTOCOL_VERSION) | values, types, values, values)
+    def case(version: Any, type_: Any, msg_id: Any, body: Any) -> None:
+        ask(peer, frames_of({"version": version, "type": type_, "id": msg_id, "parent": None}, body))
+
+    try:
+        case()
+    finally:
+        peer.close()
+    still_serves(shared_daemon, 2)
+
+
+def test_snapshot_bodies_from_a_known_client(shared_daemon: DaemonProc) -> None:
+    """Past HELLO, so the cases reach path checks, providers and shared-memory opening."""
+    peer = RawPeer(shared_daemon.endpoint)
+    ask(peer, frames_of({"version": PROTOCOL_VERSION, "type": "hello", "id": 1, "parent": None}, {"pid": 1, "name": "fuzz"}))
+    ids = iter(range(2, 10**9))
+
+    @FUZZ
+    @given(snapshot_bodies)
+    def case(body: dict) -> None:
+        body = {**body, "path": str(shared_daemon.root / "fz" / "f.pt")} if body["tag"] == "t1" else body
+        reply = ask(peer, frames_of({"version": PROTOCOL_VERSION, "type": "snapshot", "id": next(ids), "parent": None}, body))
+        assert "code" in reply or "snapshot_id" in reply
+
+    try:
+        case()
+    finally:
+        peer.close()
+    still_serves(shared_daemon, 3)
+
+
+def test_wait_and_commit_bodies(shared_daemon: DaemonProc) -> None:
+    peer = RawPeer(shared_daemon.endpoint)
+    ask(peer, frames_of({"version": PROTOCOL_VERSION, "type": "hello", "id": 1, "parent": None}, {"pid": 1, "name": "fuzz"}))
+
+    @FUZZ
+    @given(st.sampled_from(["wait", "commit"]), st.fixed_dictionaries({}, optional={"snapshot_ids": values, "tag": values}))
+    def case(type_: str, body: dict) -> None:
+        ask(peer, frames_of({"version": PROTOCOL_VERSION, "type": type_, "id": 7, "parent": None}, body))
+
+    try:
+        case()
+    finally:
+        peer.close()
+    still_serves(shared_daemon, 4)
