@@ -45,10 +45,9 @@ class Engine:
 
     async def remove_leftovers(self, roots: list[str]) -> list[str]:
         """What a killed earlier run of this daemon left half-written under the roots, deleted."""
-        writer = self.writer(roots[0])
         removed: list[str] = []
         for root in roots:
-            removed += await self.flush(writer.remove_leftovers, root)
+            removed += await self.flush(self.writer(root).remove_leftovers, root)
         return removed
 
     async def prefill(self) -> None:

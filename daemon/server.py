@@ -148,6 +148,8 @@ class Daemon:
         finally:
             admitting.set_result(None)
             self._admitting[client.id].discard(admitting)
+            if not self._admitting[client.id]:
+                del self._admitting[client.id]
 
     async def _admit(self, client: ClientRecord, body: m.Snapshot) -> m.SnapshotAck:
         await self._recovered.wait()  # its temp names share our owner prefix with the leftovers

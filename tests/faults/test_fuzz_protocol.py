@@ -9,9 +9,10 @@ served correctly before, during and after.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -59,10 +60,10 @@ def ask(peer: RawPeer, frames: list[bytes]) -> dict[str, Any]:
     return body
 
 
-def still_serves(daemon: DaemonProc, step: int) -> None:
+def still_serves(daemon: DaemonProc, tag: str) -> None:
     with Client(daemon.endpoint, timeout=60) as c:
-        state = {"w": torch.randn(64), "step": step}
-        committed = save(c, state, daemon.root / f"fuzz{step}" / "ok.pt", tag=f"fuzz{step}")
+        state = {"w": torch.randn(64), "tag": tag}
+        committed = save(c, state, daemon.root / tag / "ok.pt", tag=tag)
         assert_state_equal(state, datastates.load(committed.files[0]))
 
 
@@ -70,67 +71,60 @@ def frames_of(header: Any, body: Any) -> list[bytes]:
     return [msgpack.packb(header, use_bin_type=True), msgpack.packb(body, use_bin_type=True)]
 
 
-def test_garbage_frames(shared_daemon: DaemonProc) -> None:
-    peer = RawPeer(shared_daemon.endpoint)
+def call(peer: RawPeer, type_: Any, body: Any, msg_id: Any = 1, version: Any = PROTOCOL_VERSION) -> dict[str, Any]:
+    return ask(peer, frames_of({"version": version, "type": type_, "id": msg_id, "parent": None}, body))
 
+
+@pytest.fixture
+def peer(shared_daemon: DaemonProc, request: pytest.FixtureRequest) -> Iterator[RawPeer]:
+    """A raw DEALER for one test's cases; afterwards a normal client must still be served."""
+    p = RawPeer(shared_daemon.endpoint)
+    try:
+        yield p
+    finally:
+        p.close()
+    still_serves(shared_daemon, request.node.name)
+
+
+def test_garbage_frames(peer: RawPeer) -> None:
     @FUZZ
     @given(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
     def case(frames: list[bytes]) -> None:
         assert "code" in ask(peer, frames)
 
-    try:
-        case()
-    finally:
-        peer.close()
-    still_serves(shared_daemon, 1)
+    case()
 
 
-def test_headers_of_every_shape(shared_daemon: DaemonProc) -> None:
-    peer = RawPeer(shared_daemon.endpoint)
-
+def test_headers_of_every_shape(peer: RawPeer) -> None:
     @FUZZ
     @given(st.integers(-5, 5) | st.just(PROTOCOL_VERSION) | values, types, values, values)
     def case(version: Any, type_: Any, msg_id: Any, body: Any) -> None:
-        ask(peer, frames_of({"version": version, "type": type_, "id": msg_id, "parent": None}, body))
+        call(peer, type_, body, msg_id, version)
 
-    try:
-        case()
-    finally:
-        peer.close()
-    still_serves(shared_daemon, 2)
+    case()
 
 
-def test_snapshot_bodies_from_a_known_client(shared_daemon: DaemonProc) -> None:
+def test_snapshot_bodies_from_a_known_client(peer: RawPeer, shared_daemon: DaemonProc) -> None:
     """Past HELLO, so the cases reach path checks, providers and shared-memory opening."""
-    peer = RawPeer(shared_daemon.endpoint)
-    ask(peer, frames_of({"version": PROTOCOL_VERSION, "type": "hello", "id": 1, "parent": None}, {"pid": 1, "name": "fuzz"}))
+    call(peer, "hello", {"pid": 1, "name": "fuzz"})
     ids = iter(range(2, 10**9))
 
     @FUZZ
     @given(snapshot_bodies)
     def case(body: dict) -> None:
         body = {**body, "path": str(shared_daemon.root / "fz" / "f.pt")} if body["tag"] == "t1" else body
-        reply = ask(peer, frames_of({"version": PROTOCOL_VERSION, "type": "snapshot", "id": next(ids), "parent": None}, body))
+        reply = call(peer, "snapshot", body, next(ids))
         assert "code" in reply or "snapshot_id" in reply
 
-    try:
-        case()
-    finally:
-        peer.close()
-    still_serves(shared_daemon, 3)
+    case()
 
 
-def test_wait_and_commit_bodies(shared_daemon: DaemonProc) -> None:
-    peer = RawPeer(shared_daemon.endpoint)
-    ask(peer, frames_of({"version": PROTOCOL_VERSION, "type": "hello", "id": 1, "parent": None}, {"pid": 1, "name": "fuzz"}))
+def test_wait_and_commit_bodies(peer: RawPeer) -> None:
+    call(peer, "hello", {"pid": 1, "name": "fuzz"})
 
     @FUZZ
     @given(st.sampled_from(["wait", "commit"]), st.fixed_dictionaries({}, optional={"snapshot_ids": values, "tag": values}))
     def case(type_: str, body: dict) -> None:
-        ask(peer, frames_of({"version": PROTOCOL_VERSION, "type": type_, "id": 7, "parent": None}, body))
+        call(peer, type_, body, 7)
 
-    try:
-        case()
-    finally:
-        peer.close()
-    still_serves(shared_daemon, 4)
+    case()
