@@ -24,6 +24,7 @@ import zmq
 
 from datastates.protocol import messages as m
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, error_from_code
+from datastates.protocol.security import secure_client
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Connection:
         self._outbox.connect(inproc)
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 2000)
+        secure_client(self._dealer, endpoint)
         self._dealer.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="datastates-client-io", daemon=True)
         self._closed = False

@@ -74,6 +74,8 @@ class NodeConfig:
     """Write data with O_DIRECT where the file system allows it (falls back by itself)."""
     prefault: bool = True
     """Map and touch the whole pool at start, in the background, instead of on first use."""
+    client_timeout: float = 30.0
+    """A client silent this long (clients heartbeat every sixth of it) is taken as gone, and its memory released."""
     log_level: str = "info"
 
     @property
@@ -113,6 +115,10 @@ def from_mapping(data: dict | None) -> NodeConfig:
             if not isinstance(value, bool):
                 raise ConfigError(f"{key}: {value!r} is not true or false", key=key)
             kwargs[key] = value
+        elif key == "client_timeout":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"client_timeout: {value!r} is not a positive number of seconds", key=key)
+            kwargs[key] = float(value)
         elif key == "log_level":
             if str(value).lower() not in _LEVELS:
                 raise ConfigError(f"log_level: {value!r} is not one of {sorted(_LEVELS)}", key=key)
