@@ -16,11 +16,13 @@ import torch
 from datastates.daemon.paths import check_path
 from datastates.protocol import messages as m
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import DatastatesError, WaitTimeout
+from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import check_tag
+from datastates.protocol.liveness import pid_namespace
 
 from .capture import capture
 from .connection import DEFAULT_LIVENESS, Connection
+from .local import LocalSaver
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -44,6 +46,17 @@ class SnapshotHandle:
         """Tensor bytes the daemon copies (a storage shared by views counts once)."""
         return self.ack.result().total_bytes
 
+    @property
+    def skipped(self) -> str:
+        """Why the daemon skipped this snapshot under ``on_busy="skip"``; empty if it takes it."""
+        return self.ack.result().skipped
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
 
 def daemon_status(endpoint: str | None = None, timeout: float = 5.0) -> dict[str, Any]:
     """The daemon's status, without registering as a client; DaemonUnavailable if none answers."""
@@ -59,24 +72,58 @@ class Client:
 
     Call order: ``snapshot()`` any number of times, ``wait()`` before anything changes the
     checkpointed tensors in place (the optimizer step), then ``commit(tag)``.
+
+    ``on_busy`` is what the daemon does with a new tag's snapshot while an older tag's is
+    still being copied or written: ``"block"`` takes it, and its copy waits for host
+    memory; ``"skip"`` drops the whole tag with a warning, so the trainer never waits on
+    storage. ``fallback="local"`` saves synchronously in this process whenever the daemon
+    cannot be reached, instead of raising DaemonUnavailable.
     """
 
     def __init__(
         self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, name: str | None = None,
-        liveness: float = DEFAULT_LIVENESS,
+        liveness: float = DEFAULT_LIVENESS, on_busy: str = "block", fallback: str | None = None,
     ) -> None:
+        if on_busy not in m.ON_BUSY:
+            raise InvalidRequestError(f"on_busy: {on_busy!r} is not one of {list(m.ON_BUSY)}")
+        if fallback not in (None, "local"):
+            raise InvalidRequestError(f"fallback: {fallback!r} is not None or 'local'")
         self.endpoint = resolve_endpoint(endpoint)
         self.timeout = timeout
+        self.fallback = fallback
+        self.client_id = ""
+        self.roots: list[str] = []
+        self._local: LocalSaver | None = None
+        self._uncopied: list[tuple[Future, m.Snapshot, list[Any]]] = []
+        """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
         self._conn = Connection(self.endpoint, liveness)
+        hello = m.Hello(pid=os.getpid(), name=name or f"pid{os.getpid()}", host=socket.gethostname(), on_busy=on_busy,
+                        pidns=pid_namespace())
         try:
-            welcome = self._conn.call(m.Hello(pid=os.getpid(), name=name or f"pid{os.getpid()}", host=socket.gethostname()), timeout)
+            welcome = self._conn.call(hello, timeout)
+        except DaemonUnavailable as exc:
+            self._go_local(exc)
+            return
         except BaseException:
             self._conn.close()
             raise
-        self.client_id: str = welcome.client_id
-        self.roots: list[str] = welcome.roots
-        self._uncopied: list[tuple[Future, list[Any]]] = []
-        """Snapshots not yet known to be copied: the daemon's admission reply, and the captured leaves."""
+        self._conn.heartbeat = welcome.heartbeat_s
+        self.client_id = welcome.client_id
+        self.roots = welcome.roots
+
+    @property
+    def local(self) -> bool:
+        """True once this client saves in its own process (``fallback="local"`` and no daemon)."""
+        return self._local is not None
+
+    def _go_local(self, exc: DaemonUnavailable) -> LocalSaver:
+        """Switch to local saves for good, or raise ``exc`` if the fallback is off."""
+        self._conn.close()
+        if self.fallback != "local":
+            raise exc
+        log.warning("%s; fallback='local': checkpoints are now written synchronously by the trainer", exc.message)
+        self._local = LocalSaver()
+        return self._local
 
     def snapshot(self, state: Any, path: str | os.PathLike, tag: str | None = None) -> SnapshotHandle:
         """Hand ``state`` to the daemon, to be written to ``path``; returns once the message is sent.
@@ -88,10 +135,17 @@ class Client:
         """
         path = os.path.abspath(os.fspath(path))
         tag = check_tag(tag if tag is not None else os.path.basename(os.path.dirname(path)))
-        check_path(path, self.roots)  # the daemon checks again; this makes the error immediate
+        if self._conn.lost and self._local is None:
+            self._go_local(DaemonUnavailable(f"datastatesd at {self.endpoint} was found gone; connect a new Client "
+                                             "once it is back", endpoint=self.endpoint))
+        if self._local is None:
+            check_path(path, self.roots)  # the daemon checks again; this makes the error immediate
         cap = capture(state)
-        ack = self._conn.request(m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root))
-        self._uncopied.append((ack, cap.keepalive))
+        msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)
+        if self._local is not None:
+            return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg)))
+        ack = self._conn.request(msg)
+        self._uncopied.append((ack, msg, cap.keepalive))
         return SnapshotHandle(path=path, tag=tag, ack=ack)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -103,11 +157,24 @@ class Client:
         if not self._uncopied:
             return
         pending = list(self._uncopied)
-        acks = [ack for ack, _ in pending]
+        try:
+            self._wait_daemon(pending, timeout)
+        except DaemonUnavailable as exc:
+            local = self._go_local(exc)
+            for _ack, msg, _keepalive in pending:  # unchanged since snapshot(): this is the fence
+                local.save(msg)
+            if self._uncopied and self._uncopied[0] is pending[0]:
+                del self._uncopied[: len(pending)]
+
+    def _wait_daemon(self, pending: list[tuple[Future, m.Snapshot, list[Any]]], timeout: float | None) -> None:
+        acks = [ack for ack, _, _ in pending]
         start = time.monotonic()
         if concurrent.futures.wait(acks, timeout).not_done:
             raise WaitTimeout(f"the daemon did not admit {len(acks)} snapshot(s) within {timeout} s")
-        ids = [a.result().snapshot_id for a in acks if a.exception() is None]
+        for ack, msg, _ in pending:
+            if ack.exception() is None and ack.result().skipped:
+                log.warning("datastatesd skipped the snapshot of %s for tag %s: %s", msg.path, msg.tag, ack.result().skipped)
+        ids = [a.result().snapshot_id for a in acks if a.exception() is None and not a.result().skipped]
         if ids:
             fut = self._conn.request(m.Wait(snapshot_ids=ids))
             try:
@@ -137,7 +204,10 @@ class Client:
 
         The future's result is the daemon's ``Committed`` reply (tag, marker, files).
         """
-        return self._conn.request(m.Commit(tag=check_tag(tag)))
+        check_tag(tag)
+        if self._local is not None:
+            return _done(self._local.commit(tag))
+        return self._conn.request(m.Commit(tag=tag))
 
     def status(self) -> dict[str, Any]:
         return self._conn.call(m.Status(), self.timeout).status
@@ -147,6 +217,8 @@ class Client:
 
         What the daemon has already taken is flushed whether or not the client stays.
         """
+        if self._local is not None:
+            return
         concurrent.futures.wait(self._conn.outstanding(), timeout)
         try:
             self._conn.call(m.Bye(), min(self.timeout, 5.0))

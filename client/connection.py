@@ -4,10 +4,13 @@ ZeroMQ sockets are not thread-safe, so training threads never touch the DEALER: 
 frames to the I/O thread over an inproc pair and get a ``concurrent.futures.Future`` back,
 resolved when the reply whose ``parent`` is their request id arrives.
 
-ZeroMQ does not say when the peer dies, so while requests are outstanding the I/O thread
-probes the daemon with STATUS whenever it has heard nothing for ``liveness / 2`` seconds.
-After ``liveness`` seconds of silence every outstanding request fails with
-DaemonUnavailable: a dead daemon never hangs the training process.
+ZeroMQ does not say when the peer dies, so both sides watch for silence. While requests
+are outstanding the I/O thread probes the daemon with HEARTBEAT whenever it has heard
+nothing for ``liveness / 2`` seconds; after ``liveness`` seconds of silence every
+outstanding request fails with DaemonUnavailable, so a dead daemon never hangs the
+training process. The other way, once ``heartbeat`` is set (from WELCOME), the thread
+sends a HEARTBEAT whenever it has sent nothing for that long, so the daemon can tell a
+trainer that vanished without BYE and release what it held for it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ class Connection:
     def __init__(self, endpoint: str, liveness: float = DEFAULT_LIVENESS) -> None:
         self.endpoint = endpoint
         self.liveness = liveness
-        self._heard = time.monotonic()
+        self.heartbeat = 0.0
+        self.lost = False
+        """Set once the daemon stayed silent past ``liveness``: a daemon that comes back does not know this client."""
+        self._heard = self._sent = time.monotonic()
         self._probe: int | None = None
         self._ctx = zmq.Context()
         self._ids = itertools.count(1)
@@ -88,18 +94,25 @@ class Connection:
         poller.register(self._inbox, zmq.POLLIN)
         poller.register(self._dealer, zmq.POLLIN)
         while True:
-            for sock, _ in poller.poll(timeout=max(50, int(self.liveness * 250))):
+            tick = min(self.liveness / 4, self.heartbeat / 2 or self.liveness)
+            for sock, _ in poller.poll(timeout=max(50, int(tick * 1000))):
                 if sock is self._inbox:
                     frames = self._inbox.recv_multipart(copy=False)
                     if len(frames) == 1 and frames[0].bytes == _STOP:
                         self._dealer.close()
                         self._inbox.close()
                         return
-                    self._dealer.send_multipart(frames, copy=False)
+                    self._send(frames)
                 else:
                     self._heard = time.monotonic()
                     self._deliver(self._dealer.recv_multipart())
             self._check_liveness()
+            if self.heartbeat and time.monotonic() - self._sent > self.heartbeat:
+                self._send(m.encode(m.Heartbeat(), next(self._ids)))  # its reply matches no request: dropped
+
+    def _send(self, frames: list[Any]) -> None:
+        self._dealer.send_multipart(frames, copy=False)
+        self._sent = time.monotonic()
 
     def _check_liveness(self) -> None:
         """Probe a silent daemon while requests wait; fail them once it stayed silent too long."""
@@ -110,11 +123,12 @@ class Connection:
             silent = time.monotonic() - self._heard
             if silent > self.liveness:
                 pending, self._pending = self._pending, {}
+                self.lost = True
             else:
                 pending = {}
                 if silent > self.liveness / 2 and self._probe is None:
                     self._probe = next(self._ids)
-                    self._dealer.send_multipart(m.encode(m.Status(), self._probe))
+                    self._send(m.encode(m.Heartbeat(), self._probe))
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(DaemonUnavailable(

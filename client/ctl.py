@@ -117,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"datastatesctl: error: {exc.message}", file=sys.stderr)
             return 2
 
-    conn = Connection(resolve_endpoint(args.endpoint))
+    try:
+        conn = Connection(resolve_endpoint(args.endpoint))
+    except DatastatesError as exc:  # a tcp endpoint without its CURVE variables
+        print(f"datastatesctl: error: {exc.message}", file=sys.stderr)
+        return 2
     try:
         if args.command == "status":
             status = _status(conn, args.connect_timeout)

@@ -21,24 +21,49 @@ def segment_path(name: str) -> str:
     return SHM_DIR + "/" + name.lstrip("/")
 
 
-def _free_shm_bytes() -> int:
+SEGMENT_PREFIX = 64
+"""torch's refcount block in front of a segment's data (its ``map_alloc_alignment``)."""
+
+
+def _shm_space() -> tuple[int, int, int]:
+    """Free bytes, total bytes and block size of /dev/shm."""
     st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, st.f_frsize or 4096
+
+
+def _segment_bytes(nbytes: int, block: int) -> int:
+    """What a segment for an ``nbytes`` storage takes in /dev/shm: its prefix too, in whole blocks."""
+    return -(-(nbytes + SEGMENT_PREFIX) // block) * block
+
+
+def _does_not_fit(nbytes: int, free: int, total: int) -> SharedMemoryError:
+    return SharedMemoryError(
+        f"a {nbytes}-byte ({nbytes / 2**20:.1f} MiB) storage does not fit in {SHM_DIR} "
+        f"({free} bytes free of {total}); enlarge it (docker run --shm-size=..., "
+        f"or mount -o remount,size=... {SHM_DIR})",
+        nbytes=nbytes, free=free,
+    )
 
 
 def share(storage: torch.UntypedStorage) -> str:
-    """The /dev/shm name of ``storage``, moving it into shared memory if it is not there yet."""
+    """The /dev/shm name of ``storage``, moving it into shared memory if it is not there yet.
+
+    A storage that does not fit raises SharedMemoryError before any byte is moved. torch
+    reserves the segment's blocks (posix_fallocate) before it copies, so a segment that a
+    concurrent process fills first fails here too, as the same error, never as a SIGBUS.
+    """
     nbytes = storage.nbytes()
     moving = not storage.is_shared()
-    if moving and nbytes > _free_shm_bytes():
-        raise SharedMemoryError(
-            f"a {nbytes}-byte storage does not fit in {SHM_DIR} ({_free_shm_bytes()} bytes free); "
-            "enlarge it (docker run --shm-size=..., or mount -o remount,size=... /dev/shm)",
-            nbytes=nbytes,
-        )
+    if moving:
+        free, total, block = _shm_space()
+        if _segment_bytes(nbytes, block) > free:
+            raise _does_not_fit(nbytes, free, total)
     try:
         _manager, name, _size = storage._share_filename_cpu_()
     except RuntimeError as exc:
+        if "No space left on device" in str(exc):
+            free, total, _block = _shm_space()
+            raise _does_not_fit(nbytes, free, total) from None
         raise SharedMemoryError(f"cannot move a {nbytes}-byte storage into shared memory: {exc}") from None
     name = name.decode()
     if moving and not os.path.exists(segment_path(name)):  # later snapshots skip the stat: the hot path

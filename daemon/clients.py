@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import SourceDesc
 from datastates.protocol.errors import InvalidRequestError, UnknownClientError
+from datastates.protocol.liveness import pid_namespace, process_start
 
 from .sources import Region, open_region
 
@@ -31,7 +33,12 @@ class ClientRecord:
     pid: int
     name: str
     host: str
+    on_busy: str = "block"
     connected: float = field(default_factory=time.monotonic)
+    seen: float = field(default_factory=time.monotonic)
+    """When the client last sent anything; a client silent past client_timeout is taken as gone."""
+    started: str | None = None
+    """The client process's start time, when the daemon can watch its pid (same host and pid namespace)."""
     _regions: dict[_Key, Region] = field(default_factory=dict)
     _by_name: dict[str, set[_Key]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -63,6 +70,12 @@ class ClientRecord:
             self._regions.clear()
             self._by_name.clear()
 
+    def gone(self, timeout: float) -> bool:
+        """A watched pid that exited (or was reused); otherwise no message, not even a heartbeat, for ``timeout`` s."""
+        if self.started is not None:
+            return process_start(self.pid) != self.started
+        return time.monotonic() - self.seen > timeout
+
     def status(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -70,6 +83,9 @@ class ClientRecord:
             "pid": self.pid,
             "host": self.host,
             "connected_s": round(time.monotonic() - self.connected, 1),
+            "silent_s": round(time.monotonic() - self.seen, 1),
+            "watched_by": "heartbeat" if self.started is None else "pid",
+            "on_busy": self.on_busy,
             "regions": len(self._regions),
         }
 
@@ -78,14 +94,21 @@ class ClientRegistry:
     def __init__(self) -> None:
         self._by_identity: dict[bytes, ClientRecord] = {}
         self._ids = itertools.count(1)
+        self._pidns = pid_namespace()
+        self._host = socket.gethostname()
 
     def add(self, identity: bytes, hello: m.Hello) -> ClientRecord:
+        if hello.on_busy not in m.ON_BUSY:
+            raise InvalidRequestError(f"on_busy: {hello.on_busy[:32]!r} is not one of {list(m.ON_BUSY)}")
         old = self._by_identity.pop(identity, None)
         if old is not None:
             old.release()
         record = ClientRecord(
-            id=f"c{next(self._ids)}-{hello.pid}", identity=identity, pid=hello.pid, name=hello.name[:128], host=hello.host[:128]
+            id=f"c{next(self._ids)}-{hello.pid}", identity=identity, pid=hello.pid, name=hello.name[:128],
+            host=hello.host[:128], on_busy=hello.on_busy,
         )
+        if hello.pidns and hello.pidns == self._pidns and hello.host == self._host:
+            record.started = process_start(hello.pid)
         self._by_identity[identity] = record
         return record
 
@@ -94,6 +117,14 @@ class ClientRegistry:
         if record is None:
             raise UnknownClientError("unknown client: send HELLO first (or the daemon restarted: reconnect)")
         return record
+
+    def touch(self, identity: bytes) -> None:
+        record = self._by_identity.get(identity)
+        if record is not None:
+            record.seen = time.monotonic()
+
+    def gone(self, timeout: float) -> list[ClientRecord]:
+        return [c for c in self._by_identity.values() if c.gone(timeout)]
 
     def remove(self, identity: bytes) -> ClientRecord | None:
         record = self._by_identity.pop(identity, None)

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from datastates.protocol import messages as m
-from datastates.protocol.errors import CommitError, StorageError
+from datastates.protocol.errors import CommitError, SnapshotSkippedError, StorageError
 from datastates.protocol.format import CommitMarker, MarkerFile, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
@@ -26,23 +26,51 @@ from .paths import within
 HISTORY = 64
 
 
+def make_marker(tag: str, files: dict[str, int], roots: list[str] | None) -> tuple[str, CommitMarker]:
+    """The marker listing ``files`` (path → size), and where it goes: their common folder, inside a root."""
+    folder = os.path.commonpath([os.path.dirname(p) for p in files])
+    if roots is not None and not any(within(folder, r) for r in roots):
+        raise CommitError(f"tag {tag!r} spans folders with no common folder inside the roots", tag=tag)
+    marker = CommitMarker(
+        version=COMMIT_VERSION,
+        tag=tag,
+        committed_ns=time.time_ns(),
+        files=[MarkerFile(path=os.path.relpath(p, folder), size=n) for p, n in files.items()],
+    )
+    return os.path.join(folder, marker_name(tag)), marker
+
+
 class CommitLedger:
     def __init__(self, engine: Engine, roots: list[str]) -> None:
         self._engine = engine
         self._roots = roots
         self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
+        self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self.committed: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.pending = 0
 
     def add(self, job: SnapshotJob) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
 
+    def skip(self, client_id: str, tag: str, reason: str) -> None:
+        """Remember why ``tag`` was skipped, so its commit says so instead of 'nothing to commit'."""
+        self._skipped[(client_id, tag)] = reason
+        while len(self._skipped) > HISTORY:
+            self._skipped.popitem(last=False)
+
+    def skipped(self, client_id: str, tag: str) -> str:
+        return self._skipped.get((client_id, tag), "")
+
     def forget(self, client_id: str) -> None:
         """A client that leaves without committing leaves no tag half-open behind."""
-        for key in [k for k in self._open if k[0] == client_id]:
-            del self._open[key]
+        for table in (self._open, self._skipped):
+            for key in [k for k in table if k[0] == client_id]:
+                del table[key]
 
     async def commit(self, client_id: str, tag: str) -> m.Committed:
+        reason = self._skipped.pop((client_id, tag), "")
+        if reason:
+            raise SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({reason})", tag=tag)
         jobs = self._open.pop((client_id, tag), None)
         if not jobs:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
@@ -57,16 +85,7 @@ class CommitLedger:
                     tag=tag,
                 )
             files = {j.path: j.file_size for j in jobs}
-            folder = os.path.commonpath([os.path.dirname(p) for p in files])
-            if not any(within(folder, r) for r in self._roots):
-                raise CommitError(f"tag {tag!r} spans folders with no common folder inside the roots", tag=tag)
-            marker = CommitMarker(
-                version=COMMIT_VERSION,
-                tag=tag,
-                committed_ns=time.time_ns(),
-                files=[MarkerFile(path=os.path.relpath(p, folder), size=n) for p, n in files.items()],
-            )
-            path = os.path.join(folder, marker_name(tag))
+            path, marker = make_marker(tag, files, self._roots)
             try:
                 await self._engine.flush(self._engine.writer(path).publish, path, marker.encode())
             except StorageError as exc:

@@ -15,12 +15,14 @@ from typing import Any
 
 import yaml
 
+from datastates.protocol import security
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import ConfigError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_TCP_RE = re.compile(r"^tcp://(\*|[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
 
 ALIGN = 4096
 
@@ -60,6 +62,14 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
+class CurveConfig:
+    server_secret_key: str | None = None
+    """The daemon's secret certificate (the .key_secret file of zmq.auth.create_certificates)."""
+    authorized_clients: str | None = None
+    """A folder of client public certificates (*.key): the only clients a tcp endpoint admits."""
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     endpoint: str = field(default_factory=resolve_endpoint)
     """Default: $DATASTATES_ENDPOINT, else an ipc:// socket in a per-user runtime folder."""
@@ -76,6 +86,9 @@ class NodeConfig:
     """Map and touch the whole pool at start, in the background, instead of on first use."""
     client_timeout: float = 30.0
     """A client silent this long (clients heartbeat every sixth of it) is taken as gone, and its memory released."""
+    allow_tcp: bool = False
+    """A tcp:// endpoint is reachable from other hosts, so it must be asked for, and needs curve keys."""
+    curve: CurveConfig = field(default_factory=CurveConfig)
     log_level: str = "info"
 
     @property
@@ -111,7 +124,7 @@ def from_mapping(data: dict | None) -> NodeConfig:
             kwargs[key] = _positive_int(value, key)
         elif key == "endpoint":
             kwargs[key] = value
-        elif key in ("direct_io", "prefault"):
+        elif key in ("direct_io", "prefault", "allow_tcp"):
             if not isinstance(value, bool):
                 raise ConfigError(f"{key}: {value!r} is not true or false", key=key)
             kwargs[key] = value
@@ -125,9 +138,10 @@ def from_mapping(data: dict | None) -> NodeConfig:
             kwargs[key] = str(value).lower()
         elif key == "storage":
             kwargs[key] = _storage(value)
+        elif key == "curve":
+            kwargs[key] = _curve(value)
     cfg = NodeConfig(**kwargs)
-    if not isinstance(cfg.endpoint, str) or not cfg.endpoint.startswith("ipc://") or len(cfg.endpoint) < 7:
-        raise ConfigError(f"endpoint: {cfg.endpoint!r} must be an ipc:// endpoint (tcp is not supported yet)", key="endpoint")
+    _check_endpoint(cfg)
     if cfg.chunk_size < ALIGN or cfg.chunk_size % ALIGN:
         raise ConfigError(f"chunk_size: {cfg.chunk_size} must be a positive multiple of {ALIGN}", key="chunk_size")
     if cfg.host_memory < cfg.chunk_size:
@@ -146,6 +160,42 @@ def _storage(value: Any) -> StorageConfig:
     if not isinstance(roots, list) or not roots or not all(isinstance(r, str) and os.path.isabs(r) for r in roots):
         raise ConfigError(f"storage.roots: {roots!r} must be a non-empty list of absolute paths", key="storage.roots")
     return StorageConfig(roots=[os.path.realpath(r) for r in roots])
+
+
+def _curve(value: Any) -> CurveConfig:
+    if not isinstance(value, dict):
+        raise ConfigError("curve: must be a mapping with 'server_secret_key' and 'authorized_clients'", key="curve")
+    _check_keys(value, CurveConfig, "curve: ")
+    for key, path in value.items():
+        if not isinstance(path, str) or not os.path.isabs(path):
+            raise ConfigError(f"curve.{key}: {path!r} must be an absolute path", key=f"curve.{key}")
+    return CurveConfig(**value)
+
+
+def _check_endpoint(cfg: NodeConfig) -> None:
+    """ipc:// always; tcp:// only when asked for with allow_tcp, and with CURVE keys that load."""
+    endpoint = cfg.endpoint
+    if isinstance(endpoint, str) and endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
+    if not isinstance(endpoint, str) or not security.is_tcp(endpoint):
+        raise ConfigError(f"endpoint: {endpoint!r} must be ipc://PATH, or tcp://HOST:PORT with allow_tcp and curve keys",
+                          key="endpoint")
+    match = _TCP_RE.match(endpoint)
+    if not match or not 1 <= int(match.group(2)) <= 65535:
+        raise ConfigError(f"endpoint: {endpoint!r} must be tcp://HOST:PORT with a fixed port from 1 to 65535", key="endpoint")
+    if not cfg.allow_tcp:
+        raise ConfigError(
+            f"endpoint: {endpoint} is a tcp endpoint, which other hosts can reach; set allow_tcp: true, with "
+            "curve.server_secret_key and curve.authorized_clients (see docs/security.md), or use an ipc:// endpoint",
+            key="allow_tcp",
+        )
+    for key, fix in (("server_secret_key", "the daemon's secret certificate (NAME.key_secret)"),
+                     ("authorized_clients", "a folder of the clients' public certificates (*.key)")):
+        if getattr(cfg.curve, key) is None:
+            raise ConfigError(f"curve.{key}: a tcp endpoint needs CURVE keys; give {fix} (see docs/security.md)",
+                              key=f"curve.{key}")
+    security.load_keypair(cfg.curve.server_secret_key, "curve.server_secret_key")
+    security.authorized_keys(cfg.curve.authorized_clients, "curve.authorized_clients")
 
 
 def load(path: str | None) -> NodeConfig:

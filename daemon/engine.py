@@ -106,7 +106,7 @@ class Engine:
             await asyncio.gather(*(one(p) for p in plan.pieces), return_exceptions=True)
             if failures:
                 raise failures[0]
-            await self.flush(self._write_header, writer, handle, plan, sums)
+            await self.flush(write_header, writer, handle, plan, sums)
             if after:
                 await asyncio.wait(after)
             await self.flush(writer.finalize, handle)
@@ -120,14 +120,14 @@ class Engine:
         job.mark_durable()
         log.info("snapshot %d durable: %s (%d bytes)", job.id, job.path, job.total_bytes)
 
-    @staticmethod
-    def _write_header(writer: Any, handle: Any, plan: FilePlan, sums: list[list[bytes]]) -> None:
-        """The header with every checksum, zero-padded to the data region (on a flush thread)."""
-        header = plan.with_checksums(sums).encode()
-        buf = mmap.mmap(-1, plan.data_offset)  # page-aligned, zero-filled: fit for O_DIRECT
-        buf[: len(header)] = header
-        writer.write(handle, 0, memoryview(buf))
-
     def close(self) -> None:
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)
+
+
+def write_header(writer: StorageWriter, handle: Any, plan: FilePlan, sums: list[list[bytes]]) -> None:
+    """The header with every checksum, zero-padded to the data region; it goes last, once the sums are known."""
+    header = plan.with_checksums(sums).encode()
+    buf = mmap.mmap(-1, plan.data_offset)  # page-aligned, zero-filled: fit for O_DIRECT
+    buf[: len(header)] = header
+    writer.write(handle, 0, memoryview(buf))

@@ -15,7 +15,9 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from datastates.protocol.endpoint import runtime_dir
 from datastates.protocol.errors import ConfigError, DatastatesError
+from datastates.protocol.security import is_tcp, secure_server
 
 from . import config
 from .server import Daemon
@@ -23,19 +25,35 @@ from .server import Daemon
 log = logging.getLogger("datastatesd")
 
 
-def _prepare_endpoint(endpoint: str) -> int:
-    """Make the socket's folder private (0700) and take a lock so two daemons never share it."""
-    path = endpoint.removeprefix("ipc://")
-    folder = os.path.dirname(os.path.abspath(path))
+def _private_folder(folder: str, fix: str) -> None:
+    """Create ``folder`` with mode 0700 if it is missing; refuse one that other users can enter."""
     if not os.path.isdir(folder):
         os.makedirs(folder, mode=0o700)
     st = os.stat(folder)
     if st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise ConfigError(
             f"endpoint folder {folder} must belong to this user with mode 0700 (it is {oct(st.st_mode & 0o777)}, "
-            f"uid {st.st_uid}), so no other user can connect: give the socket a folder of its own"
+            f"uid {st.st_uid}), {fix}"
         )
-    lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def _prepare_endpoint(endpoint: str) -> int:
+    """Take a lock so two daemons never share an endpoint, in a folder (0700) no other user can enter.
+
+    An ipc socket lives beside its lock, so the private folder also keeps other users from
+    connecting. A tcp port is locked in the per-user runtime folder (CURVE guards the port
+    itself); another user's daemon on the same port fails at bind instead.
+    """
+    if is_tcp(endpoint):
+        folder = runtime_dir()
+        _private_folder(folder, "so no other user can take its locks")
+        lock_path = os.path.join(folder, f"tcp-{endpoint.rsplit(':', 1)[1]}.lock")
+    else:
+        path = endpoint.removeprefix("ipc://")
+        _private_folder(os.path.dirname(os.path.abspath(path)),
+                        "so no other user can connect: give the socket a folder of its own")
+        lock_path = path + ".lock"
+    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -53,12 +71,15 @@ async def _serve(cfg: config.NodeConfig) -> None:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    auth = secure_server(sock, cfg.curve.server_secret_key, cfg.curve.authorized_clients) if is_tcp(cfg.endpoint) else None
     sock.bind(cfg.endpoint)
     log.info("datastatesd %d ready on %s, roots %s, host_memory %d bytes", os.getpid(), cfg.endpoint, cfg.storage.roots, cfg.host_memory)
     try:
         await daemon.serve(sock)
     finally:
         sock.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
         daemon.engine.close()
         log.info("datastatesd stopped")
@@ -80,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(_serve(cfg))
     finally:
         sock_path = cfg.endpoint.removeprefix("ipc://")
-        if os.path.exists(sock_path):
+        if not is_tcp(cfg.endpoint) and os.path.exists(sock_path):
             os.unlink(sock_path)  # still under our lock, so no other daemon's socket
         os.close(lock)
     return 0

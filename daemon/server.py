@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 HISTORY = 256
 DRAIN_GRACE = 1.0
+HEARTBEATS_PER_TIMEOUT = 6
 Handler = Callable[[bytes, Any], Awaitable[m.Body]]
 
 
@@ -75,13 +76,17 @@ class Daemon:
             m.Status: self._status,
             m.Shutdown: self._shutdown,
             m.Bye: self._bye,
+            m.Heartbeat: self._heartbeat,
         }
+        self.lost: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
+        """Clients that went silent without BYE (a killed trainer), newest last."""
 
     # -- the loop ---------------------------------------------------------------------
 
     async def serve(self, sock: zmq.asyncio.Socket) -> None:
         self._sock = sock
         self._spawn(self._recover())
+        self._spawn(self._watch_clients())
         if self.cfg.prefault:
             self._spawn(self.engine.prefill())
         stop = asyncio.ensure_future(self.stopped.wait())
@@ -104,6 +109,7 @@ class Daemon:
 
     async def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         parent = None
+        self.clients.touch(identity)
         try:
             header = m.decode_header(frames)
             parent = header.id
@@ -127,7 +133,10 @@ class Daemon:
     async def _hello(self, identity: bytes, body: m.Hello) -> m.Welcome:
         record = self.clients.add(identity, body)
         log.info("client %s connected (pid %d, %s)", record.id, body.pid, body.name)
-        return m.Welcome(client_id=record.id, daemon_pid=os.getpid(), roots=self.cfg.storage.roots)
+        return m.Welcome(
+            client_id=record.id, daemon_pid=os.getpid(), roots=self.cfg.storage.roots,
+            heartbeat_s=self.cfg.client_timeout / HEARTBEATS_PER_TIMEOUT,
+        )
 
     async def _admitted(self, client_id: str) -> None:
         """Let the client's SNAPSHOTs sent before this request finish admission first.
@@ -156,6 +165,12 @@ class Daemon:
         if self.draining and time.monotonic() >= self._refuse_after:
             raise ShuttingDownError("datastatesd is shutting down and takes no new snapshots")
         check_tag(body.tag)
+        if client.on_busy == "skip":
+            reason = self.ledger.skipped(client.id, body.tag) or self._busy(client.id, body.tag)
+            if reason:
+                self.ledger.skip(client.id, body.tag, reason)
+                log.warning("skipped a snapshot of %s for %s (on_busy: skip): %s", body.tag, client.id, reason)
+                return m.SnapshotAck(snapshot_id=0, total_bytes=0, skipped=reason)
 
         def admit() -> tuple[Any, Any]:
             path = check_path(body.path, self.cfg.storage.roots)
@@ -169,6 +184,11 @@ class Daemon:
         self.ledger.add(job)
         self._spawn(self._run(job, earlier))
         return m.SnapshotAck(snapshot_id=job.id, total_bytes=job.total_bytes)
+
+    def _busy(self, client_id: str, tag: str) -> str:
+        """Why a new tag's snapshot would queue behind an older tag's, or '' if it would not."""
+        older = next((j for j in self.jobs.values() if j.client_id == client_id and j.tag != tag and j.pending), None)
+        return "" if older is None else f"tag {older.tag!r} is still {older.state.value} {older.path}"
 
     async def _recover(self) -> None:
         """Remove this daemon's half-written files from a killed earlier run, before admitting any."""
@@ -217,10 +237,35 @@ class Daemon:
         return m.ShutdownAck()
 
     async def _bye(self, identity: bytes, body: m.Bye) -> m.ByeAck:
+        self._drop(identity)
+        return m.ByeAck()
+
+    async def _heartbeat(self, identity: bytes, body: m.Heartbeat) -> m.HeartbeatAck:
+        return m.HeartbeatAck()
+
+    def _drop(self, identity: bytes) -> ClientRecord | None:
+        """Forget a client: its open tags, and its region cache (jobs in flight keep their own maps)."""
         record = self.clients.remove(identity)
         if record is not None:
             self.ledger.forget(record.id)
-        return m.ByeAck()
+        return record
+
+    async def _watch_clients(self) -> None:
+        """Drop clients that exited or went silent: a trainer killed without BYE must not pin its memory here forever."""
+        timeout = self.cfg.client_timeout
+        while not self.stopped.is_set():
+            try:
+                await asyncio.wait_for(self.stopped.wait(), timeout / HEARTBEATS_PER_TIMEOUT)
+            except TimeoutError:
+                pass
+            for record in self.clients.gone(timeout):
+                self._drop(record.identity)
+                pending = sum(1 for j in self.jobs.values() if j.client_id == record.id and j.pending)
+                how = "exited" if record.started is not None else f"silent for {timeout:.0f} s"
+                self.lost.append({"id": record.id, "name": record.name, "pid": record.pid, "how": how,
+                                  "pending_snapshots": pending, "lost_ns": time.time_ns()})
+                log.warning("client %s (%s, pid %d) %s without BYE: taken as gone; %d pending snapshot(s) still finish",
+                            record.id, record.name, record.pid, how, pending)
 
     # -- lifecycle and status ---------------------------------------------------------
 
@@ -267,6 +312,7 @@ class Daemon:
                     "count": len(self.leftovers), "paths": self.leftovers[:20]},
             },
             "clients": self.clients.status(),
+            "clients_lost": list(self.lost),
             "snapshots": jobs,
             "pending": sum(1 for j in self.jobs.values() if j.pending),
             "commits_pending": self.ledger.pending,

@@ -78,6 +78,12 @@ class CommitError(DatastatesError):
     code = "commit_failed"
 
 
+class SnapshotSkippedError(DatastatesError):
+    """A tag the daemon skipped under ``on_busy: skip``, because an older tag was still being written."""
+
+    code = "skipped"
+
+
 class ShuttingDownError(DatastatesError):
     """The daemon is draining and takes no new work."""
 

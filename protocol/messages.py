@@ -38,6 +38,8 @@ class MsgType(enum.StrEnum):
     SHUTDOWN_ACK = "shutdown_ack"
     BYE = "bye"
     BYE_ACK = "bye_ack"
+    HEARTBEAT = "heartbeat"
+    HEARTBEAT_ACK = "heartbeat_ack"
     ERROR = "error"
 
 
@@ -61,6 +63,13 @@ class Hello(Body):
     pid: int
     name: str
     host: str = ""
+    on_busy: str = "block"
+    """What the daemon does with a new tag's snapshot while an older tag's is still pending: see ON_BUSY."""
+    pidns: int = 0
+    """Inode of the client's pid namespace: a daemon in the same one watches ``pid`` itself, not heartbeats."""
+
+
+ON_BUSY = ("block", "skip")
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class Welcome(Body):
     client_id: str
     daemon_pid: int
     roots: list[str] = field(default_factory=list)
+    heartbeat_s: float = 0.0
+    """How often the client should show it is alive when it has nothing else to send (0: never)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,8 @@ class SnapshotAck(Body):
     TYPE = MsgType.SNAPSHOT_ACK
     snapshot_id: int
     total_bytes: int
+    skipped: str = ""
+    """Why the daemon skipped this snapshot (``on_busy: skip``); empty when it was admitted."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,18 @@ class Bye(Body):
 @dataclass(frozen=True)
 class ByeAck(Body):
     TYPE = MsgType.BYE_ACK
+
+
+@dataclass(frozen=True)
+class Heartbeat(Body):
+    """A sign of life: the client's when idle, so the daemon can tell a vanished trainer; the daemon's reply, when probed."""
+
+    TYPE = MsgType.HEARTBEAT
+
+
+@dataclass(frozen=True)
+class HeartbeatAck(Body):
+    TYPE = MsgType.HEARTBEAT_ACK
 
 
 @dataclass(frozen=True)

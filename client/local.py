@@ -1,0 +1,61 @@
+"""The opt-in fallback: write snapshots in the trainer's own process when no daemon answers.
+
+It blocks the trainer for the whole copy and write, which the daemon exists to avoid, so
+it is off unless ``Client(fallback="local")`` asks for it. It runs the daemon's own plan,
+copy and writer steps one piece at a time through one buffer, so its files and markers
+are the same format, loaded by ``datastates.load`` and found by ``datastates.latest``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from datastates.daemon.commit import make_marker
+from datastates.daemon.copier import copy_piece
+from datastates.daemon.engine import write_header
+from datastates.daemon.memory import Chunk
+from datastates.daemon.plan import plan_snapshot
+from datastates.daemon.sources import open_region
+from datastates.daemon.storage import writer_class
+from datastates.protocol import messages as m
+from datastates.protocol.errors import CommitError
+
+PIECE = 16 << 20
+"""Small enough to keep the trainer's extra memory low, large enough for sequential writes."""
+
+
+class LocalSaver:
+    def __init__(self) -> None:
+        self._chunk: Chunk | None = None
+        self._files: dict[str, dict[str, int]] = {}
+        """Per tag, the files saved since its last commit, with their sizes."""
+
+    def save(self, msg: m.Snapshot) -> m.SnapshotAck:
+        """Write ``msg``'s file now: the same layout and checksums as the daemon writes."""
+        plan = plan_snapshot(msg, msg.path, PIECE)
+        regions = [open_region(d) for d in msg.sources]
+        if self._chunk is None:
+            self._chunk = Chunk(PIECE)
+        writer = writer_class(msg.path)(direct_io=False, owner=f"local{os.getpid()}")
+        sums = [list(s.checksums) for s in plan.header.storages]
+        handle = writer.create(msg.path, "0")
+        try:
+            for piece in plan.pieces:
+                for storage, slot, digest in copy_piece(piece, self._chunk, regions):
+                    sums[storage][slot] = digest
+                writer.write(handle, plan.data_offset + piece.offset, self._chunk.view[: piece.length])
+            write_header(writer, handle, plan, sums)
+        except BaseException:
+            writer.abort(handle)
+            raise
+        writer.finalize(handle)
+        self._files.setdefault(msg.tag, {})[msg.path] = plan.file_size
+        return m.SnapshotAck(snapshot_id=0, total_bytes=plan.total_bytes)
+
+    def commit(self, tag: str) -> m.Committed:
+        files = self._files.pop(tag, None)
+        if not files:
+            raise CommitError(f"nothing to commit for tag {tag!r}: no snapshot with it was saved locally", tag=tag)
+        path, marker = make_marker(tag, files, None)
+        writer_class(path)(direct_io=False, owner=f"local{os.getpid()}").publish(path, marker.encode())
+        return m.Committed(tag=tag, marker=path, files=list(files))
