@@ -150,9 +150,12 @@ class Daemon:
 
     async def _snapshot(self, identity: bytes, body: m.Snapshot) -> m.SnapshotAck:
         client = self.clients.get(identity)
+        before = list(self._admitting.get(client.id, ()))
         admitting = asyncio.get_running_loop().create_future()  # registered before any await: see _admitted
         self._admitting.setdefault(client.id, set()).add(admitting)
         try:
+            if before:  # one client's snapshots are admitted in order: same-path renames and on_busy rely on it
+                await asyncio.wait(before)
             return await self._admit(client, body)
         finally:
             admitting.set_result(None)

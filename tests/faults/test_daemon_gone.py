@@ -1,17 +1,19 @@
-"""A daemon that dies under a trainer: every call raises DaemonUnavailable, none hangs."""
+"""A daemon that dies under a trainer, or none at all: DaemonUnavailable, never a hang, or the opt-in local fallback."""
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
+import datastates
 from datastates.client import Client
 from datastates.protocol.errors import DaemonUnavailable
 
-from conftest import DaemonProc
+from conftest import DaemonProc, assert_state_equal, save
 
 LIVENESS = 2.0
 
@@ -49,3 +51,45 @@ def test_a_busy_daemon_is_not_taken_for_dead(start_daemon: Callable[..., DaemonP
         c.snapshot(state, d.root / "global_step2" / "model_states.pt")
         committed = c.commit("global_step2").result(timeout=300)
     assert committed.tag == "global_step2"
+
+
+def test_local_fallback_without_a_daemon(short_tmp: Path) -> None:
+    """fallback='local' with no daemon at all: the trainer writes the same files, blocking, and latest() finds them."""
+    root = short_tmp / "ckpt"
+    state = {"w": torch.randn(3 << 20), "step": 5}  # more than one 16 MiB piece
+    with Client(f"ipc://{short_tmp}/none.sock", timeout=1, fallback="local") as c:
+        assert c.local
+        handle = c.snapshot(state, root / "global_step5" / "model_states.pt")
+        c.wait()
+        assert handle.nbytes == state["w"].nbytes
+        committed = c.commit("global_step5").result(timeout=0)
+    assert committed.files == [str(root / "global_step5" / "model_states.pt")]
+    assert datastates.latest(root) == "global_step5"
+    assert_state_equal(state, datastates.load(root / "global_step5" / "model_states.pt"))
+
+
+def test_local_fallback_takes_over_when_the_daemon_dies(start_daemon: Callable[..., DaemonProc]) -> None:
+    """The snapshot the dead daemon never confirmed is saved again by the trainer: its tensors are still unchanged."""
+    d = start_daemon()
+    state = {"w": torch.randn(1 << 20)}
+    with Client(d.endpoint, timeout=30, liveness=LIVENESS, fallback="local") as c:
+        save(c, state, d.root / "global_step1" / "model_states.pt")
+        kill9(d)
+        state["w"].add_(1)
+        c.snapshot(state, d.root / "global_step2" / "model_states.pt")
+        c.wait()  # finds the daemon gone after `liveness`, then saves locally
+        assert c.local
+        c.commit("global_step2").result(timeout=0)
+    assert datastates.latest(d.root) == "global_step2"
+    assert_state_equal(state, datastates.load(d.root / "global_step2" / "model_states.pt"))
+
+
+def test_without_fallback_a_dead_daemon_is_an_error_at_the_next_snapshot(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon()
+    with Client(d.endpoint, timeout=30, liveness=LIVENESS) as c:
+        c.snapshot({"w": torch.randn(8)}, d.root / "global_step1" / "model_states.pt")
+        kill9(d)
+        with pytest.raises(DaemonUnavailable):
+            c.wait()
+        with pytest.raises(DaemonUnavailable, match="found gone"):
+            c.snapshot({"w": torch.randn(8)}, d.root / "global_step2" / "model_states.pt")
