@@ -1,0 +1,278 @@
+"""The storage under a root fails: the disk fills up, or the file system turns read-only.
+
+The root is a small ext4 file system, loop-mounted from an image, so the real write path
+(O_DIRECT pwrite, fsync, rename, directory fsync) meets real ENOSPC and EROFS errors.
+What must hold after each failure:
+
+- the caller gets the error where the docs say (``wait()`` for a snapshot that failed
+  before the daemon held all of it, ``commit()`` always), naming the cause and the path;
+- ``status`` lists the snapshot as failed, with that error;
+- the daemon stays up and keeps serving: the next tag commits and loads bitwise;
+- the last committed tag is still ``latest()``, loads bitwise and passes ``datastatesctl verify``;
+- nothing half-written is left: no temp files, and the space of the failed file is free again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+import datastates
+from datastates.client import Client
+from datastates.protocol.errors import CommitError, SnapshotFailedError
+
+from conftest import DATASTATESCTL, DaemonProc, assert_state_equal, save, temp_files
+
+MiB = 1 << 20
+FS_SIZE = 48 * MiB
+SLACK = 1 * MiB
+"""What ext4 may keep for itself after a failed file (a new tag folder, metadata): not the file's blocks."""
+
+
+def sh(*cmd: str | os.PathLike) -> subprocess.CompletedProcess:
+    return subprocess.run([os.fspath(c) for c in cmd], capture_output=True, text=True, timeout=60)
+
+
+def unmount_all(mnt: Path) -> None:
+    """Pop every mount stacked on ``mnt`` (a bind on top of the loop mount); lazily if one is busy."""
+    for _ in range(4):
+        if not os.path.ismount(mnt):
+            return
+        if sh("umount", mnt).returncode != 0:
+            sh("umount", "-l", mnt)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A fresh 48 MiB ext4 file system, loop-mounted; yields a folder in it to use as a root."""
+    if os.geteuid() != 0:
+        pytest.skip("loop-mounting an ext4 image needs root")
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("mkfs.ext4 is not installed")
+    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with img.open("wb") as f:
+        f.truncate(FS_SIZE)
+    made = sh("mkfs.ext4", "-q", "-F", "-m", "0", img)  # -m 0: no blocks reserved for root, which we are
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
+    mounted = sh("mount", "-o", "loop", img, mnt)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 image here (no loop devices?): {mounted.stderr.strip()}")
+    root = mnt / "ckpt"
+    root.mkdir()
+    try:
+        yield root
+    finally:
+        unmount_all(mnt)
+
+
+@pytest.fixture
+def fs_daemon(small_fs: Path, start_daemon: Callable[..., DaemonProc]) -> Callable[..., DaemonProc]:
+    """Factory: a daemon whose only root is on the small file system (stopped before it is unmounted)."""
+
+    def start(**overrides: Any) -> DaemonProc:
+        return start_daemon(storage={"roots": [str(small_fs)]}, **overrides)
+
+    return start
+
+
+@contextlib.contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    """``folder`` read-only for everyone while inside: a read-only bind mount of it onto itself."""
+    bound = sh("mount", "--bind", folder, folder)
+    if bound.returncode != 0:
+        pytest.skip(f"mount --bind is not possible here: {bound.stderr.strip()}")
+    try:
+        ro = sh("mount", "-o", "remount,bind,ro", folder)
+        assert ro.returncode == 0, ro.stderr
+        yield
+    finally:
+        assert sh("umount", folder).returncode == 0, f"cannot drop the read-only bind mount of {folder}"
+
+
+@contextlib.contextmanager
+def full(folder: Path) -> Iterator[None]:
+    """The file system of ``folder`` full while inside: a filler file beside the root takes every free block."""
+    filler = folder.parent / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for size in (MiB, 64 << 10, 4096, 1024, 1):  # smaller and smaller, down to the last partial block
+            buf = bytes(size)
+            while True:
+                try:
+                    os.write(fd, buf)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+        os.fsync(fd)
+        assert free_bytes(folder) == 0
+        yield
+    finally:
+        os.close(fd)
+        filler.unlink()
+
+
+def free_bytes(path: Path) -> int:
+    os.sync()  # ext4 settles freed blocks with its journal: measure after it did
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def state_of(step: int, nbytes: int) -> dict[str, Any]:
+    """Random float32 tensors of ``nbytes`` in all, in 4 MiB pieces, and a few Python objects."""
+    g = torch.Generator().manual_seed(step)
+    n = nbytes // (4 * MiB)
+    return {"model": {f"w{i}": torch.randn(MiB, generator=g) for i in range(n)}, "step": step, "lr": 3e-4}
+
+
+def copy_of(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {k: v.clone() for k, v in state["model"].items()}, "step": state["step"], "lr": state["lr"]}
+
+
+def assert_intact(root: Path, tag: str, expected: dict[str, Any]) -> None:
+    """``tag`` loads bitwise and ``datastatesctl verify`` finds every file of it sound."""
+    assert_state_equal(expected, datastates.load(root / tag / "model_states.pt"))
+    out = subprocess.run([DATASTATESCTL, "verify", "--root", str(root), tag],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def status_of(c: Client, path: Path) -> dict[str, Any]:
+    """The daemon's status entry of the one snapshot of ``path``: what ``datastatesctl status`` shows."""
+    (entry,) = [s for s in c.status()["snapshots"] if s["path"] == str(path)]
+    return entry
+
+
+def wait_durable(c: Client, path: Path) -> None:
+    """Poll status until the snapshot of ``path`` is durable (a hang guard, not a timed assertion)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        entry = status_of(c, path)
+        if entry["state"] == "durable":
+            return
+        assert entry["state"] != "failed", entry
+        time.sleep(0.05)
+    raise AssertionError(f"the snapshot of {path} never became durable")
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
+def test_disk_full_fails_the_tag_and_keeps_the_last_one(
+    fs_daemon: Callable[..., DaemonProc], small_fs: Path, direct_io: bool
+) -> None:
+    """A tag larger than the free space fails cleanly: the error says disk full, its blocks are given back."""
+    root = small_fs
+    # One 4 MiB chunk: a piece is copied only after the previous one is written, so a snapshot
+    # that runs out of space is never fully copied and wait() reports it (no race with the copies).
+    d = fs_daemon(host_memory="4MiB", chunk_size="4MiB", direct_io=direct_io)
+    first = state_of(1, 8 * MiB)
+    expected = copy_of(first)
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, first, root / "step1" / "model_states.pt")
+        before = free_bytes(root)
+        big_bytes = (before // MiB + 16) * MiB // (4 * MiB) * (4 * MiB)
+        assert big_bytes > before + 8 * MiB
+        big = root / "step2" / "model_states.pt"
+        c.snapshot(state_of(2, big_bytes), big)
+        fut = c.commit("step2")
+        with pytest.raises(SnapshotFailedError) as failed:
+            c.wait()
+        assert "disk full" in failed.value.message and str(big) in failed.value.message
+        with pytest.raises(CommitError) as not_committed:
+            fut.result(timeout=120)
+        assert "disk full" in not_committed.value.message and str(big) in not_committed.value.message
+        entry = status_of(c, big)
+        assert entry["state"] == "failed" and "disk full" in entry["error"] and str(big) in entry["error"]
+
+    assert d.proc.poll() is None, d.log_text()
+    assert temp_files(root) == []
+    assert not big.exists()
+    after = free_bytes(root)
+    assert after >= before - SLACK, f"{before - after} bytes still taken after the failed snapshot"
+    assert datastates.latest(root) == "step1"
+    assert_intact(root, "step1", expected)
+    waited = d.ctl("wait", "--timeout", "60")
+    assert waited.returncode == 1 and "disk full" in waited.stdout + waited.stderr
+
+    third = state_of(3, 4 * MiB)
+    with Client(d.endpoint, timeout=60) as c:  # a new client: the daemon serves on
+        save(c, third, root / "step3" / "model_states.pt")
+    assert datastates.latest(root) == "step3"
+    assert_state_equal(copy_of(third), datastates.load(root / "step3" / "model_states.pt"))
+    assert_intact(root, "step1", expected)
+    assert "Traceback" not in d.log_text()
+
+
+def test_read_only_root_fails_the_tag_until_it_is_writable(
+    fs_daemon: Callable[..., DaemonProc], small_fs: Path
+) -> None:
+    """A root that turns read-only fails the snapshot at once (wait and commit say so); rw again, it commits."""
+    root = small_fs
+    d = fs_daemon()
+    first = state_of(1, 8 * MiB)
+    expected = copy_of(first)
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, first, root / "step1" / "model_states.pt")
+        ro = root / "step2" / "model_states.pt"
+        with read_only(root):
+            c.snapshot(state_of(2, 4 * MiB), ro)
+            fut = c.commit("step2")
+            with pytest.raises(SnapshotFailedError) as failed:
+                c.wait()
+            assert "read-only file system" in failed.value.message and str(ro) in failed.value.message
+            with pytest.raises(CommitError) as not_committed:
+                fut.result(timeout=120)
+            assert "read-only file system" in not_committed.value.message and str(ro) in not_committed.value.message
+            entry = status_of(c, ro)
+            assert entry["state"] == "failed" and "read-only file system" in entry["error"]
+            assert d.proc.poll() is None, d.log_text()
+            assert datastates.latest(root) == "step1"
+        third = state_of(3, 4 * MiB)
+        save(c, third, root / "step3" / "model_states.pt")  # writable again: the same client commits
+    assert datastates.latest(root) == "step3"
+    assert_state_equal(copy_of(third), datastates.load(root / "step3" / "model_states.pt"))
+    assert_intact(root, "step1", expected)
+    assert temp_files(root) == [] and not ro.exists()
+
+
+@pytest.mark.parametrize("fault, cause", [(read_only, "read-only file system"), (full, "disk full")],
+                         ids=["read-only", "disk-full"])
+def test_a_marker_that_cannot_be_written_fails_the_commit_and_a_retry_succeeds(
+    fs_daemon: Callable[..., DaemonProc], small_fs: Path,
+    fault: Callable[[Path], contextlib.AbstractContextManager[None]], cause: str,
+) -> None:
+    """The files are durable but the marker cannot be written (read-only root, or no block left): the commit
+    fails, the tag is not taken as committed, and once the fault is gone a retry of the same commit goes through."""
+    root = small_fs
+    d = fs_daemon()
+    first = state_of(1, 4 * MiB)
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, first, root / "step1" / "model_states.pt")
+        second = state_of(2, 4 * MiB)
+        path = root / "step2" / "model_states.pt"
+        c.snapshot(second, path)
+        c.wait()
+        wait_durable(c, path)
+        with fault(root):
+            with pytest.raises(CommitError) as not_committed:
+                c.commit("step2").result(timeout=120)
+            msg = not_committed.value.message
+            assert cause in msg and "datastates-commit.step2" in msg and str(root / "step2") in msg
+            assert datastates.latest(root) == "step1"
+            assert temp_files(root) == []
+        committed = c.commit("step2").result(timeout=120)  # the tag stays open after a marker failure
+    assert committed.tag == "step2" and committed.files == [str(path)]
+    assert datastates.latest(root) == "step2"
+    assert_state_equal(copy_of(second), datastates.load(path))
+    assert temp_files(root) == []
+    assert d.proc.poll() is None, d.log_text()
