@@ -30,7 +30,7 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), 
                     st.text(max_size=40), st.binary(max_size=64))
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
                       max_leaves=12)
-types = st.sampled_from(["hello", "snapshot", "wait", "commit", "status", "bye", "welcome", "error", "nope", ""]) | st.text(max_size=20)
+types = st.sampled_from(["hello", "snapshot", "wait", "commit", "status", "bye", "heartbeat", "welcome", "error", "nope", ""]) | st.text(max_size=20)
 
 sources = st.lists(st.fixed_dictionaries({
     "kind": st.sampled_from(["shm", "empty", "cuda_ipc", ""]) | st.text(max_size=8),
