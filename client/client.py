@@ -15,6 +15,7 @@ import torch
 
 from datastates.daemon.paths import check_path
 from datastates.protocol import messages as m
+from datastates.protocol.descriptors import Ranks
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import check_tag
@@ -23,6 +24,7 @@ from datastates.protocol.liveness import pid_namespace
 from .capture import capture
 from .connection import DEFAULT_LIVENESS, Connection
 from .local import LocalSaver
+from .ranks import ranks_from_env
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -83,6 +85,7 @@ class Client:
     def __init__(
         self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, name: str | None = None,
         liveness: float = DEFAULT_LIVENESS, on_busy: str = "block", fallback: str | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         if on_busy not in m.ON_BUSY:
             raise InvalidRequestError(f"on_busy: {on_busy!r} is not one of {list(m.ON_BUSY)}")
@@ -91,6 +94,7 @@ class Client:
         self.endpoint = resolve_endpoint(endpoint)
         self.timeout = timeout
         self.fallback = fallback
+        self.ranks = (ranks or ranks_from_env()).check()
         self.client_id = ""
         self.roots: list[str] = []
         self._local: LocalSaver | None = None
@@ -98,7 +102,7 @@ class Client:
         """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
         self._conn = Connection(self.endpoint, liveness)
         hello = m.Hello(pid=os.getpid(), name=name or f"pid{os.getpid()}", host=socket.gethostname(), on_busy=on_busy,
-                        pidns=pid_namespace())
+                        pidns=pid_namespace(), ranks=self.ranks)
         try:
             welcome = self._conn.call(hello, timeout)
         except DaemonUnavailable as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from datastates.daemon.commit import make_marker
+from datastates.daemon.commit import make_marker, tag_folder
 from datastates.daemon.copier import copy_piece
 from datastates.daemon.engine import write_header
 from datastates.daemon.memory import Chunk
@@ -19,6 +19,7 @@ from datastates.daemon.sources import open_region
 from datastates.daemon.storage import writer_class
 from datastates.protocol import messages as m
 from datastates.protocol.errors import CommitError
+from datastates.protocol.format import marker_name
 
 PIECE = 16 << 20
 """Small enough to keep the trainer's extra memory low, large enough for sequential writes."""
@@ -56,6 +57,7 @@ class LocalSaver:
         files = self._files.pop(tag, None)
         if not files:
             raise CommitError(f"nothing to commit for tag {tag!r}: no snapshot with it was saved locally", tag=tag)
-        path, marker = make_marker(tag, files, None)
-        writer_class(path)(direct_io=False, owner=f"local{os.getpid()}").publish(path, marker.encode())
+        folder = tag_folder(tag, files, None)
+        path = os.path.join(folder, marker_name(tag))
+        writer_class(path)(direct_io=False, owner=f"local{os.getpid()}").publish(path, make_marker(tag, files, folder).encode())
         return m.Committed(tag=tag, marker=path, files=list(files))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from datastates.protocol import messages as m
-from datastates.protocol.descriptors import SourceDesc
+from datastates.protocol.descriptors import Ranks, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, UnknownClientError
 from datastates.protocol.liveness import pid_namespace, process_start
 
@@ -34,6 +34,7 @@ class ClientRecord:
     name: str
     host: str
     on_busy: str = "block"
+    ranks: Ranks = field(default_factory=Ranks)
     connected: float = field(default_factory=time.monotonic)
     seen: float = field(default_factory=time.monotonic)
     """When the client last sent anything; a client silent past client_timeout is taken as gone."""
@@ -86,6 +87,11 @@ class ClientRecord:
             "silent_s": round(time.monotonic() - self.seen, 1),
             "watched_by": "heartbeat" if self.started is None else "pid",
             "on_busy": self.on_busy,
+            "rank": self.ranks.rank,
+            "local_rank": self.ranks.local_rank,
+            "world_size": self.ranks.world_size,
+            "node_rank": self.ranks.node_rank,
+            "job": self.ranks.job,
             "regions": len(self._regions),
         }
 
@@ -105,7 +111,7 @@ class ClientRegistry:
             old.release()
         record = ClientRecord(
             id=f"c{next(self._ids)}-{hello.pid}", identity=identity, pid=hello.pid, name=hello.name[:128],
-            host=hello.host[:128], on_busy=hello.on_busy,
+            host=hello.host[:128], on_busy=hello.on_busy, ranks=hello.ranks.check(),
         )
         if hello.pidns and hello.pidns == self._pidns and hello.host == self._host:
             record.started = process_start(hello.pid)

@@ -1,9 +1,13 @@
 """Commit: a tag becomes committed when all its files are durable and its marker is in place.
 
 The marker lists every file of the tag with its size; it is written under a temporary
-name, fsynced and renamed into the folder that holds the tag's files. Readers trust
-nothing else (client/reader.py). Commits are per client for now: a tag's marker lists
-the files that client snapshotted under it.
+name, fsynced and renamed into the tag's folder. Readers trust nothing else
+(client/reader.py). A job of one client commits its own files. In a job of many ranks
+the daemon gathers its node's ranks first; across nodes the daemons never talk, they
+meet on the shared file system, as DLRover's done-files and DCP's metadata-last rename
+do: each node writes a durable done marker of its files, node 0 waits for all of them
+and then writes the tag's marker and the ``latest`` trackers, and the other nodes wait
+for that marker. A node that never reports leaves the tag uncommitted.
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import re
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from datastates.protocol import messages as m
-from datastates.protocol.errors import CommitError, SnapshotSkippedError, StorageError
-from datastates.protocol.format import CommitMarker, MarkerFile, marker_name
+from datastates.protocol.descriptors import Ranks
+from datastates.protocol.errors import CommitError, DatastatesError, SnapshotSkippedError, StorageError
+from datastates.protocol.format import MEGATRON_TRACKER, TRACKER, CommitMarker, MarkerFile, done_name, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
 from .engine import Engine
@@ -24,28 +31,76 @@ from .job import SnapshotJob
 from .paths import within
 
 HISTORY = 64
+POLL_S = 0.2
+_ITERATION_RE = re.compile(r"^iter_(\d+)$")
 
 
-def make_marker(tag: str, files: dict[str, int], roots: list[str] | None) -> tuple[str, CommitMarker]:
-    """The marker listing ``files`` (path → size), and where it goes: their common folder, inside a root."""
-    folder = os.path.commonpath([os.path.dirname(p) for p in files])
-    if roots is not None and not any(within(folder, r) for r in roots):
+def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
+    """Where the tag's marker goes: the nearest folder above its files named after the tag, else their common folder.
+
+    The tag-named folder is one every node finds by itself (DeepSpeed's global_step<N>,
+    Megatron's iter_<N>), even when each node holds files in different subfolders.
+    """
+    common = os.path.commonpath([os.path.dirname(p) for p in files])
+    if roots is not None and not any(within(common, r) for r in roots):
         raise CommitError(f"tag {tag!r} spans folders with no common folder inside the roots", tag=tag)
-    marker = CommitMarker(
+    folder = common
+    while os.path.basename(folder) != tag:
+        parent = os.path.dirname(folder)
+        if parent == folder or (roots is not None and not any(within(parent, r) for r in roots)):
+            return common
+        folder = parent
+    return folder
+
+
+def make_marker(tag: str, files: dict[str, int], folder: str) -> CommitMarker:
+    return CommitMarker(
         version=COMMIT_VERSION,
         tag=tag,
         committed_ns=time.time_ns(),
         files=[MarkerFile(path=os.path.relpath(p, folder), size=n) for p, n in files.items()],
     )
-    return os.path.join(folder, marker_name(tag)), marker
+
+
+def trackers(tag: str, folder: str) -> dict[str, bytes]:
+    """The tracker files beside the tag folder that frameworks read to find the newest checkpoint."""
+    parent = os.path.dirname(folder)
+    out = {os.path.join(parent, TRACKER): tag.encode()}
+    iteration = _ITERATION_RE.match(tag)
+    if iteration:
+        out[os.path.join(parent, MEGATRON_TRACKER)] = str(int(iteration.group(1))).encode()
+    return out
+
+
+def _read_marker(path: str) -> CommitMarker | None:
+    try:
+        with open(path, "rb") as f:
+            return CommitMarker.decode(f.read())
+    except (OSError, ValueError, DatastatesError):
+        return None  # absent, or not yet renamed into place
+
+
+@dataclass
+class _TagGroup:
+    """One tag of one multi-rank job on this node, while its local ranks commit."""
+
+    ranks: Ranks
+    done: asyncio.Future
+    committed: set[int] = field(default_factory=set)
+    """Ranks whose COMMIT arrived."""
+    durable: int = 0
+    """Of those, how many have all their files durable: the one that makes it local_world_size finishes."""
+    files: dict[str, int] = field(default_factory=dict)
 
 
 class CommitLedger:
-    def __init__(self, engine: Engine, roots: list[str]) -> None:
+    def __init__(self, engine: Engine, roots: list[str], timeout: float) -> None:
         self._engine = engine
         self._roots = roots
+        self._timeout = timeout
         self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        self._groups: dict[tuple[str, int, str], _TagGroup] = {}
         self.committed: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.pending = 0
 
@@ -67,31 +122,154 @@ class CommitLedger:
             for key in [k for k in table if k[0] == client_id]:
                 del table[key]
 
-    async def commit(self, client_id: str, tag: str) -> m.Committed:
+    def groups(self) -> list[dict[str, Any]]:
+        """Multi-rank tags waiting for ranks or nodes, for ``status``."""
+        return [{"tag": tag, "job": job, "committed_ranks": sorted(g.committed), "local_ranks": g.ranks.local_world_size,
+                 "nodes": g.ranks.num_nodes} for (job, _, tag), g in self._groups.items()]
+
+    async def commit(self, client_id: str, tag: str, ranks: Ranks) -> m.Committed:
         reason = self._skipped.pop((client_id, tag), "")
         if reason:
             raise SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({reason})", tag=tag)
-        jobs = self._open.pop((client_id, tag), None)
-        if not jobs:
-            raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
+        jobs = self._open.pop((client_id, tag), None) or []
         self.pending += 1
         try:
-            results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
-            failed = [(j, r) for j, r in zip(jobs, results) if isinstance(r, BaseException)]
-            if failed:
-                job, exc = failed[0]
-                raise CommitError(
-                    f"tag {tag!r} not committed: {len(failed)} of its {len(jobs)} snapshot(s) failed; first: {job.path}: {exc}",
-                    tag=tag,
-                )
-            files = {j.path: j.file_size for j in jobs}
-            path, marker = make_marker(tag, files, self._roots)
-            try:
-                await self._engine.flush(self._engine.writer(path).publish, path, marker.encode())
-            except StorageError as exc:
-                self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
-                raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None
-            self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(files), "committed_ns": marker.committed_ns})
-            return m.Committed(tag=tag, marker=path, files=list(files))
+            if ranks.world_size == 1:
+                return await self._commit_alone(client_id, tag, jobs)
+            return await self._commit_rank(client_id, tag, ranks, jobs)
         finally:
             self.pending -= 1
+
+    async def _durable(self, tag: str, jobs: list[SnapshotJob]) -> dict[str, int]:
+        """The files of ``jobs`` once all are durable (path → size); CommitError if one failed."""
+        results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
+        failed = [(j, r) for j, r in zip(jobs, results) if isinstance(r, BaseException)]
+        if failed:
+            job, exc = failed[0]
+            raise CommitError(
+                f"tag {tag!r} not committed: {len(failed)} of its {len(jobs)} snapshot(s) failed; first: {job.path}: {exc}",
+                tag=tag,
+            )
+        return {j.path: j.file_size for j in jobs}
+
+    async def _commit_alone(self, client_id: str, tag: str, jobs: list[SnapshotJob]) -> m.Committed:
+        if not jobs:
+            raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
+        files = await self._durable(tag, jobs)
+        try:
+            return await self._publish(client_id, tag, files, tag_folder(tag, files, self._roots))
+        except CommitError:
+            self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
+            raise
+
+    async def _commit_rank(self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob]) -> m.Committed:
+        """One rank's share; the node's last rank to arrive finishes the tag for all of them."""
+        key = (ranks.job, ranks.world_size, tag)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _TagGroup(ranks=ranks, done=asyncio.get_running_loop().create_future())
+            group.done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if ranks.rank in group.committed:
+            raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
+        group.committed.add(ranks.rank)
+        try:
+            group.files.update(await self._durable(tag, jobs))
+        except CommitError as exc:
+            if not group.done.done():
+                group.done.set_exception(exc)
+            self._groups.pop(key, None)
+            raise
+        group.durable += 1
+        if group.durable == ranks.local_world_size:
+            try:
+                group.done.set_result(await self._finish(client_id, tag, group))
+            except DatastatesError as exc:
+                group.done.set_exception(exc if isinstance(exc, CommitError) else CommitError(
+                    f"tag {tag!r} not committed: {exc.message}", tag=tag))
+            finally:
+                self._groups.pop(key, None)
+        try:
+            return await asyncio.wait_for(asyncio.shield(group.done), self._timeout)
+        except TimeoutError:
+            missing = sorted(set(range(ranks.world_size)) - group.committed)
+            raise CommitError(
+                f"tag {tag!r} not committed: {ranks.local_world_size - len(group.committed)} rank(s) of this node "
+                f"did not commit within {self._timeout:.0f} s (committed: {sorted(group.committed)}; not yet: {missing[:16]})",
+                tag=tag,
+            ) from None
+
+    async def _finish(self, client_id: str, tag: str, group: _TagGroup) -> m.Committed:
+        if not group.files:
+            raise CommitError(f"tag {tag!r} not committed: no rank of this node snapshotted a file for it", tag=tag)
+        ranks = group.ranks
+        folder = tag_folder(tag, group.files, self._roots)
+        if ranks.num_nodes == 1:
+            return await self._publish(client_id, tag, group.files, folder)
+        if os.path.basename(folder) != tag:
+            raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
+        mine = make_marker(tag, group.files, folder)
+        await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
+        if ranks.node_rank != 0:
+            return await self._await_global(tag, folder, mine.committed_ns)
+        files = await self._gather(tag, folder, ranks.num_nodes)
+        committed = await self._publish(client_id, tag, files, folder)
+        for node in range(ranks.num_nodes):
+            await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, node)))
+        return committed
+
+    async def _gather(self, tag: str, folder: str, nodes: int) -> dict[str, int]:
+        """Every node's files, from their done markers; CommitError naming the nodes that never reported."""
+        deadline = time.monotonic() + self._timeout
+        found: dict[int, CommitMarker] = {}
+        while True:
+            for node in range(nodes):
+                if node not in found:
+                    marker = await self._engine.flush(_read_marker, os.path.join(folder, done_name(tag, node)))
+                    if marker is not None and marker.tag == tag:
+                        found[node] = marker
+            if len(found) == nodes:
+                return {os.path.join(folder, f.path): f.size for mk in found.values() for f in mk.files}
+            if time.monotonic() > deadline:
+                missing = [n for n in range(nodes) if n not in found]
+                raise CommitError(
+                    f"tag {tag!r} not committed: node(s) {missing} wrote no done marker in {folder} within "
+                    f"{self._timeout:.0f} s (their daemon or ranks may have died)", tag=tag, missing=str(missing),
+                )
+            await asyncio.sleep(POLL_S)
+
+    async def _await_global(self, tag: str, folder: str, since_ns: int) -> m.Committed:
+        """A node other than 0 is done once node 0 has written the tag's marker, after this node's done marker."""
+        path = os.path.join(folder, marker_name(tag))
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() <= deadline:
+            marker = await self._engine.flush(_read_marker, path)
+            if marker is not None and marker.committed_ns >= since_ns:
+                return m.Committed(tag=tag, marker=path, files=[os.path.join(folder, f.path) for f in marker.files])
+            await asyncio.sleep(POLL_S)
+        raise CommitError(f"tag {tag!r} not committed: node 0 wrote no marker in {folder} within {self._timeout:.0f} s", tag=tag)
+
+    async def _publish(self, client_id: str, tag: str, files: dict[str, int], folder: str) -> m.Committed:
+        """The tag's marker, then the trackers: a tracker never names a tag before its marker exists."""
+        marker = make_marker(tag, files, folder)
+        path = os.path.join(folder, marker_name(tag))
+        await self._write(path, marker.encode(), tag)
+        parent = os.path.dirname(folder)
+        if os.path.basename(folder) == tag and any(within(parent, r) for r in self._roots):
+            for tracker, data in trackers(tag, folder).items():
+                await self._write(tracker, data, tag)
+        self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(files),
+                               "committed_ns": marker.committed_ns})
+        return m.Committed(tag=tag, marker=path, files=list(files))
+
+    async def _write(self, path: str, data: bytes, tag: str) -> None:
+        try:
+            await self._engine.flush(self._engine.writer(path).publish, path, data)
+        except StorageError as exc:
+            raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -84,6 +84,8 @@ class NodeConfig:
     """Write data with O_DIRECT where the file system allows it (falls back by itself)."""
     prefault: bool = True
     """Map and touch the whole pool at start, in the background, instead of on first use."""
+    commit_timeout: float = 600.0
+    """In a multi-rank job, how long a commit waits for the node's other ranks, and across nodes for the others' done markers."""
     client_timeout: float = 30.0
     """A client silent this long (clients heartbeat every sixth of it) is taken as gone, and its memory released."""
     allow_tcp: bool = False
@@ -128,9 +130,9 @@ def from_mapping(data: dict | None) -> NodeConfig:
             if not isinstance(value, bool):
                 raise ConfigError(f"{key}: {value!r} is not true or false", key=key)
             kwargs[key] = value
-        elif key == "client_timeout":
+        elif key in ("client_timeout", "commit_timeout"):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"client_timeout: {value!r} is not a positive number of seconds", key=key)
+                raise ConfigError(f"{key}: {value!r} is not a positive number of seconds", key=key)
             kwargs[key] = float(value)
         elif key == "log_level":
             if str(value).lower() not in _LEVELS:

@@ -77,7 +77,7 @@ class Engine:
             nonlocal uncopied
             if failures:
                 return
-            chunk = await self.pool.acquire()
+            chunk = await self.pool.acquire(job.client_id)
             try:
                 if failures:
                     return

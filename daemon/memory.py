@@ -3,7 +3,9 @@
 Chunks are mapped on first use, up to ``host_memory / chunk_size`` of them, and never
 freed or re-allocated afterwards: memory touched for the first time is slow here, and
 peers leak exactly where per-save buffers are allocated and freed on other threads. A
-copy that finds the pool empty waits, first come first served, for a flush to return one.
+copy that finds the pool empty waits for a flush to return one. Waiters queue per owner
+(one client, one rank) and returned chunks go round-robin between owners, so a rank with
+a huge snapshot never starves a rank with a small one.
 All methods run on the event loop thread.
 """
 
@@ -36,7 +38,8 @@ class HostPool:
         self.capacity = chunks
         self._all: list[Chunk] = []
         self._free: list[Chunk] = []
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._queues: dict[str, collections.deque[asyncio.Future]] = {}
+        """Waiting copies per owner; dict order is the round-robin order."""
         self.peak_in_use = 0
         self._mapping = 0
 
@@ -59,15 +62,15 @@ class HostPool:
             self._all.append(chunk)
             self.release(chunk)
 
-    async def acquire(self) -> Chunk:
-        if self._free and not self._waiters:
+    async def acquire(self, owner: str = "") -> Chunk:
+        if self._free and not self._queues:
             chunk = self._free.pop()
-        elif self._room() and not self._waiters:
+        elif self._room() and not self._queues:
             chunk = Chunk(self.chunk_size)
             self._all.append(chunk)
         else:
             fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
+            self._queues.setdefault(owner, collections.deque()).append(fut)
             try:
                 chunk = await fut
             except asyncio.CancelledError:
@@ -78,11 +81,19 @@ class HostPool:
         return chunk
 
     def release(self, chunk: Chunk) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(chunk)
-                return
+        """Hand ``chunk`` to the next owner in turn that still waits, or back to the free list."""
+        while self._queues:
+            owner = next(iter(self._queues))
+            queue = self._queues.pop(owner)
+            while queue and queue[0].done():  # cancelled: its job failed
+                queue.popleft()
+            if not queue:
+                continue
+            fut = queue.popleft()
+            if queue:
+                self._queues[owner] = queue  # to the back of the line
+            fut.set_result(chunk)
+            return
         self._free.append(chunk)
 
     def status(self) -> dict[str, int]:
@@ -92,5 +103,5 @@ class HostPool:
             "chunks_allocated": len(self._all),
             "chunks_in_use": self.in_use,
             "peak_in_use_bytes": self.peak_in_use * self.chunk_size,
-            "waiting_copies": len(self._waiters),
+            "waiting_copies": sum(1 for q in self._queues.values() for f in q if not f.done()),
         }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from datastates.protocol.errors import PathNotAllowedError
-from datastates.protocol.format import MARKER_PREFIX, TEMP_SUFFIX
+from datastates.protocol.format import DONE_PREFIX, MARKER_PREFIX, TEMP_SUFFIX
 
 NAME_MAX = 255
 PATH_MAX = 4096
@@ -39,7 +39,7 @@ def check_path(path: str, roots: list[str]) -> str:
     if "\x00" in path:
         raise refuse("it contains a NUL byte")
     name = os.path.basename(path)
-    if not name or name.endswith(TEMP_SUFFIX) or name.startswith(MARKER_PREFIX):
+    if not name or name.endswith(TEMP_SUFFIX) or name.startswith((MARKER_PREFIX, DONE_PREFIX)):
         raise refuse("the file name is empty or reserved for datastates' own files")
     if os.path.islink(path):
         raise refuse("it is a symbolic link")

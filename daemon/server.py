@@ -58,7 +58,7 @@ class Daemon:
         self.leftovers: list[str] | None = None
         self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
-        self.ledger = CommitLedger(self.engine, cfg.storage.roots)
+        self.ledger = CommitLedger(self.engine, cfg.storage.roots, cfg.commit_timeout)
         self.jobs: dict[int, SnapshotJob] = {}
         self._finished: collections.deque[int] = collections.deque()
         self._job_ids = itertools.count(1)
@@ -228,7 +228,7 @@ class Daemon:
     async def _commit(self, identity: bytes, body: m.Commit) -> m.Committed:
         client = self.clients.get(identity)
         await self._admitted(client.id)
-        committed = await self.ledger.commit(client.id, check_tag(body.tag))
+        committed = await self.ledger.commit(client.id, check_tag(body.tag), client.ranks)
         log.info("tag %s committed by %s: %s", body.tag, client.id, committed.marker)
         return committed
 
@@ -319,5 +319,6 @@ class Daemon:
             "snapshots": jobs,
             "pending": sum(1 for j in self.jobs.values() if j.pending),
             "commits_pending": self.ledger.pending,
+            "tags_gathering": self.ledger.groups(),
             "committed": list(self.ledger.committed),
         }

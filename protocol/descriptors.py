@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import InvalidRequestError
+
 SHM = "shm"
 """Source kind: a POSIX shared-memory segment under /dev/shm, named as torch names them."""
 
@@ -38,3 +40,28 @@ class EntryDesc:
     provider: str
     name: str
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where a client sits in its job; the daemon commits a tag once every rank of ``job`` has."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    job: str = ""
+    """Names the job (torchrun's run id, Slurm's job id), so two jobs on one node never share a tag."""
+
+    def check(self) -> Ranks:
+        ok = (
+            0 <= self.rank < self.world_size
+            and 0 <= self.local_rank < self.local_world_size <= self.world_size
+            and 0 <= self.node_rank < self.num_nodes <= self.world_size
+            and len(self.job) <= 128
+        )
+        if not ok:
+            raise InvalidRequestError(f"inconsistent ranks {self}: each index must be below its size")
+        return self

@@ -133,6 +133,20 @@ def marker_name(tag: str) -> str:
     return f"{MARKER_PREFIX}{tag}{MARKER_SUFFIX}"
 
 
+DONE_PREFIX = "datastates-done."
+
+
+def done_name(tag: str, node_rank: int) -> str:
+    """One node's part of a multi-node tag, a CommitMarker of that node's files; never taken as committed."""
+    return f"{DONE_PREFIX}{tag}.node{node_rank}{MARKER_SUFFIX}"
+
+
+TRACKER = "latest"
+"""Beside the tag folders: the newest committed tag, as DeepSpeed's ``load_checkpoint`` reads it."""
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron's tracker, holding the iteration number; written for tags named ``iter_<N>``."""
+
+
 @dataclass(frozen=True)
 class MarkerFile:
     path: str

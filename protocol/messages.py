@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from .descriptors import EntryDesc, SourceDesc
+from .descriptors import EntryDesc, Ranks, SourceDesc
 from .errors import DatastatesError, ProtocolError, UnknownMessageError, VersionMismatchError
 from .schema import from_dict, pack
 from .version import PROTOCOL_VERSION
@@ -67,6 +67,7 @@ class Hello(Body):
     """What the daemon does with a new tag's snapshot while an older tag's is still pending: see ON_BUSY."""
     pidns: int = 0
     """Inode of the client's pid namespace: a daemon in the same one watches ``pid`` itself, not heartbeats."""
+    ranks: Ranks = field(default_factory=Ranks)
 
 
 ON_BUSY = ("block", "skip")

@@ -1,0 +1,168 @@
+"""Many ranks on one daemon, and many daemons on one shared root: a tag commits once every rank has.
+
+Each "node" here is its own datastatesd with its own endpoint; the daemons never talk,
+they meet on the shared root through done markers, as on a real cluster's parallel file
+system. The torchrun case launches 2 nodes x 2 ranks for real, with gloo on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import datastates
+from datastates.client import Client, daemon_status
+from datastates.protocol.descriptors import Ranks
+from datastates.protocol.errors import CommitError
+from datastates.protocol.format import TRACKER, marker_name
+
+from conftest import BIN, DaemonProc, assert_state_equal, save
+
+HERE = Path(__file__).parent
+
+
+def rank_client(d: DaemonProc, rank: int, world: int, local_world: int, nodes: int, job: str = "j1") -> Client:
+    ranks = Ranks(rank=rank, local_rank=rank % local_world, world_size=world, local_world_size=local_world,
+                  node_rank=rank // local_world, num_nodes=nodes, job=job)
+    return Client(d.endpoint, timeout=60, ranks=ranks)
+
+
+def marker_files(root: Path, tag: str) -> list[str]:
+    return sorted(f["path"] for f in json.loads((root / tag / marker_name(tag)).read_text())["files"])
+
+
+def test_a_tag_commits_once_every_local_rank_has(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon()
+    states = [{"w": torch.randn(1000), "rank": r} for r in range(2)]
+    with rank_client(d, 0, 2, 2, 1) as c0, rank_client(d, 1, 2, 2, 1) as c1:
+        st = daemon_status(d.endpoint)
+        assert sorted((c["rank"], c["world_size"]) for c in st["clients"]) == [(0, 2), (1, 2)]
+        c0.snapshot(states[0], d.root / "global_step1" / "rank0.pt")
+        c0.wait()
+        first = c0.commit("global_step1")
+        gathering = daemon_status(d.endpoint)["tags_gathering"]  # answered after the COMMIT was admitted
+        assert gathering == [{"tag": "global_step1", "job": "j1", "committed_ranks": [0], "local_ranks": 2, "nodes": 1}]
+        assert not first.done() and datastates.latest(d.root) is None  # rank 1 has not committed
+        c1.snapshot(states[1], d.root / "global_step1" / "rank1.pt")
+        c1.wait()
+        second = c1.commit("global_step1")
+        for fut in (first, second):
+            assert sorted(fut.result(timeout=120).files) == [str(d.root / "global_step1" / f"rank{r}.pt") for r in range(2)]
+    assert datastates.latest(d.root) == "global_step1"
+    assert marker_files(d.root, "global_step1") == ["rank0.pt", "rank1.pt"]
+    assert (d.root / TRACKER).read_text() == "global_step1"
+    for r in range(2):
+        assert_state_equal(states[r], datastates.load(d.root / "global_step1" / f"rank{r}.pt"))
+
+
+def test_a_rank_that_saved_nothing_still_counts(start_daemon: Callable[..., DaemonProc]) -> None:
+    """DeepSpeed has ranks that write no file for a tag; they commit all the same."""
+    d = start_daemon()
+    with rank_client(d, 0, 2, 2, 1) as c0, rank_client(d, 1, 2, 2, 1) as c1:
+        c0.snapshot({"w": torch.ones(4)}, d.root / "iter_0000010" / "model.pt")  # rank 1 writes nothing
+        c0.wait()
+        futs = [c0.commit("iter_0000010"), c1.commit("iter_0000010")]
+        for fut in futs:
+            fut.result(timeout=120)
+    assert datastates.latest(d.root) == "iter_0000010"
+    assert (d.root / "latest_checkpointed_iteration.txt").read_text() == "10"
+
+
+def test_no_rank_starves_another(start_daemon: Callable[..., DaemonProc]) -> None:
+    """Pool chunks go round-robin between ranks: a small snapshot is copied long before a huge one sent first."""
+    d = start_daemon(host_memory="4MiB", chunk_size="1MiB", flush_threads=1)
+    with rank_client(d, 0, 2, 2, 1) as big, rank_client(d, 1, 2, 2, 1) as small:
+        big.snapshot({"w": torch.randn(64 << 20)}, d.root / "global_step1" / "rank0.pt")  # 256 MiB
+        small.snapshot({"w": torch.randn(1 << 20)}, d.root / "global_step1" / "rank1.pt")  # 4 MiB, sent second
+        small.wait()
+        big_job = next(j for j in daemon_status(d.endpoint)["snapshots"] if j["client"] == big.client_id)
+        assert big_job["state"] == "copying", big_job  # first come, first served would have copied all of it first
+        futs = [big.commit("global_step1"), small.commit("global_step1")]
+        for fut in futs:
+            fut.result(timeout=300)
+
+
+def two_nodes(start_daemon: Callable[..., DaemonProc], **cfg: object) -> tuple[DaemonProc, DaemonProc]:
+    """Two daemons, as on two nodes: own endpoints, one shared root."""
+    return start_daemon(**cfg), start_daemon(**cfg)
+
+
+def test_two_nodes_commit_through_the_shared_root(start_daemon: Callable[..., DaemonProc]) -> None:
+    n0, n1 = two_nodes(start_daemon)
+    states = [{"w": torch.randn(100), "rank": r} for r in range(4)]
+    clients = [rank_client(n0 if r < 2 else n1, r, 4, 2, 2) for r in range(4)]
+    try:
+        for r, c in enumerate(clients):
+            c.snapshot(states[r], n0.root / "global_step3" / f"rank{r}.pt")
+            c.wait()
+        futs = [c.commit("global_step3") for c in clients]
+        for fut in futs:
+            assert len(fut.result(timeout=120).files) == 4
+    finally:
+        for c in clients:
+            c.close()
+    assert datastates.latest(n0.root) == "global_step3"
+    assert marker_files(n0.root, "global_step3") == [f"rank{r}.pt" for r in range(4)]
+    assert not list((n0.root / "global_step3").glob("datastates-done.*"))  # node 0 tidied the done markers
+    for r in range(4):
+        assert_state_equal(states[r], datastates.load(n0.root / "global_step3" / f"rank{r}.pt"))
+
+
+def test_a_node_that_dies_leaves_the_tag_uncommitted(start_daemon: Callable[..., DaemonProc]) -> None:
+    n0, n1 = two_nodes(start_daemon, commit_timeout=3)
+    with Client(n0.endpoint, timeout=60) as solo:
+        save(solo, {"w": torch.zeros(3)}, n0.root / "global_step1" / "model.pt")
+    c0, c1 = rank_client(n0, 0, 2, 1, 2), rank_client(n1, 1, 2, 1, 2)
+    try:
+        c0.snapshot({"w": torch.ones(3)}, n0.root / "global_step2" / "rank0.pt")
+        c1.snapshot({"w": torch.ones(3)}, n0.root / "global_step2" / "rank1.pt")
+        c0.wait()
+        c1.wait()
+        n1.proc.send_signal(signal.SIGKILL)  # node 1's daemon dies before its rank commits
+        n1.proc.wait(30)
+        with pytest.raises(CommitError, match=r"node\(s\) \[1\] wrote no done marker"):
+            c0.commit("global_step2").result(timeout=120)
+    finally:
+        c0.close()
+        c1.close(timeout=1)
+    assert datastates.latest(n0.root) == "global_step1"
+    assert not (n0.root / "global_step2" / marker_name("global_step2")).exists()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_nodes_two_ranks_each(start_daemon: Callable[..., DaemonProc]) -> None:
+    n0, n1 = two_nodes(start_daemon)
+    port = free_port()
+    procs = []
+    for node, d in enumerate((n0, n1)):
+        env = {**os.environ, "DATASTATES_ENDPOINT": d.endpoint, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [str(BIN / "torchrun"), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(port),
+             str(HERE / "multinode_train.py"), str(n0.root), "3"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out
+    assert datastates.latest(n0.root) == "global_step3"
+    assert marker_files(n0.root, "global_step3") == [f"rank{r}.pt" for r in range(4)]
+    assert (n0.root / TRACKER).read_text() == "global_step3"
+    loaded = [datastates.load(n0.root / "global_step3" / f"rank{r}.pt") for r in range(4)]
+    for r, state in enumerate(loaded):
+        assert state["rank"] == r and state["step"] == 3
+        assert_state_equal(loaded[0]["model"], state["model"])  # data-parallel replicas agree bitwise
