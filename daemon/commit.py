@@ -91,6 +91,8 @@ class _TagGroup:
     durable: int = 0
     """Of those, how many have all their files durable: the one that makes it local_world_size finishes."""
     files: dict[str, int] = field(default_factory=dict)
+    order: int = 0
+    """The newest snapshot id among the node's files: see CommitLedger._tracked."""
 
 
 class CommitLedger:
@@ -101,6 +103,9 @@ class CommitLedger:
         self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._groups: dict[tuple[str, int, str], _TagGroup] = {}
+        self._tracker_lock = asyncio.Lock()
+        self._tracked: dict[str, int] = {}
+        """Per tracker file, the newest snapshot id of the tag it names: commits that finish out of order never move it back."""
         self.committed: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.pending = 0
 
@@ -157,7 +162,7 @@ class CommitLedger:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
         files = await self._durable(tag, jobs)
         try:
-            return await self._publish(client_id, tag, files, tag_folder(tag, files, self._roots))
+            return await self._publish(client_id, tag, files, tag_folder(tag, files, self._roots), max(j.id for j in jobs))
         except CommitError:
             self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
             raise
@@ -174,6 +179,7 @@ class CommitLedger:
         group.committed.add(ranks.rank)
         try:
             group.files.update(await self._durable(tag, jobs))
+            group.order = max([group.order, *(j.id for j in jobs)])
         except CommitError as exc:
             if not group.done.done():
                 group.done.set_exception(exc)
@@ -204,7 +210,7 @@ class CommitLedger:
         ranks = group.ranks
         folder = tag_folder(tag, group.files, self._roots)
         if ranks.num_nodes == 1:
-            return await self._publish(client_id, tag, group.files, folder)
+            return await self._publish(client_id, tag, group.files, folder, group.order)
         if os.path.basename(folder) != tag:
             raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
         mine = make_marker(tag, group.files, folder)
@@ -212,7 +218,7 @@ class CommitLedger:
         if ranks.node_rank != 0:
             return await self._await_global(tag, folder, mine.committed_ns)
         files = await self._gather(tag, folder, ranks.num_nodes)
-        committed = await self._publish(client_id, tag, files, folder)
+        committed = await self._publish(client_id, tag, files, folder, group.order)
         for node in range(ranks.num_nodes):
             await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, node)))
         return committed
@@ -248,15 +254,18 @@ class CommitLedger:
             await asyncio.sleep(POLL_S)
         raise CommitError(f"tag {tag!r} not committed: node 0 wrote no marker in {folder} within {self._timeout:.0f} s", tag=tag)
 
-    async def _publish(self, client_id: str, tag: str, files: dict[str, int], folder: str) -> m.Committed:
+    async def _publish(self, client_id: str, tag: str, files: dict[str, int], folder: str, order: int) -> m.Committed:
         """The tag's marker, then the trackers: a tracker never names a tag before its marker exists."""
         marker = make_marker(tag, files, folder)
         path = os.path.join(folder, marker_name(tag))
         await self._write(path, marker.encode(), tag)
         parent = os.path.dirname(folder)
         if os.path.basename(folder) == tag and any(within(parent, r) for r in self._roots):
-            for tracker, data in trackers(tag, folder).items():
-                await self._write(tracker, data, tag)
+            async with self._tracker_lock:  # one tracker write at a time, so renames land in order
+                for tracker, data in trackers(tag, folder).items():
+                    if order >= self._tracked.get(tracker, -1):
+                        self._tracked[tracker] = order
+                        await self._write(tracker, data, tag)
         self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(files),
                                "committed_ns": marker.committed_ns})
         return m.Committed(tag=tag, marker=path, files=list(files))

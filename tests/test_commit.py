@@ -54,7 +54,9 @@ def test_several_tags_in_flight(client: Client, daemon: DaemonProc) -> None:
         "global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "global_step20/datastates-commit.global_step20.json",
         "global_step20/mp_rank_00_model_states.pt",
+        "latest",
     ]), "no temporary files or anything else left behind"
+    assert (daemon.root / "latest").read_text() == "global_step20"  # the newer tag, whichever commit finished last
     assert temp_files(daemon.root) == []
 
 
