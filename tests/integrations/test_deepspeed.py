@@ -1,0 +1,241 @@
+"""DatastatesCheckpointEngine against DeepSpeed itself: its base class, its call order, and its engine on the CPU."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the CPU accelerator, without DeepSpeed's warning that it found no GPU
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
+
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine  # noqa: E402
+from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
+
+import datastates  # noqa: E402
+from datastates.client.integrations.deepspeed import DatastatesCheckpointEngine  # noqa: E402
+from datastates.protocol.errors import CommitError, InvalidRequestError  # noqa: E402
+
+from conftest import DaemonProc, assert_state_equal  # noqa: E402
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+def ds_states(seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What DeepSpeed's engine saves for one rank: tensors among args, enums, lists, ints and its config."""
+    g = torch.Generator().manual_seed(seed)
+    module = collections.OrderedDict(
+        [("0.weight", torch.randn(16, 8, generator=g)), ("0.bias", torch.randn(16, generator=g)),
+         ("1.weight", torch.randn(4, 16, generator=g).to(torch.bfloat16))]
+    )
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 1}}
+    model_states = {
+        "module": module,
+        "buffer_names": [],
+        "optimizer": None,
+        "param_shapes": [collections.OrderedDict((k, v.shape) for k, v in module.items())],
+        "lr_scheduler": {"last_epoch": 3, "_last_lr": [1e-3]},
+        "global_steps": 3,
+        "global_samples": 3,
+        "dp_world_size": 1,
+        "mp_world_size": 1,
+        "ds_config": config,
+        "ds_version": deepspeed.__version__,
+        "args": argparse.Namespace(lr=1e-3, seed=seed),
+    }
+    optim_states = {
+        "optimizer_state_dict": {
+            "zero_stage": ZeroStageEnum.optimizer_states,
+            "loss_scaler": None,
+            "base_optimizer_state": {
+                "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(324, generator=g),
+                              "exp_avg_sq": torch.rand(324, generator=g)}},
+                "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}],
+            },
+            "single_partition_of_fp32_groups": [torch.randn(324, generator=g)],
+            "partition_count": [1],
+        },
+        "ds_config": config,
+        "ds_version": deepspeed.__version__,
+    }
+    return model_states, optim_states
+
+
+def checkpoint(engine: DatastatesCheckpointEngine, save_dir: Path, tag: str, seed: int) -> tuple[dict, dict]:
+    """create → makedirs → save the model file → save the optimizer file, as ``save_checkpoint`` calls them."""
+    model_states, optim_states = ds_states(seed)
+    engine.create(CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=True))
+    engine.makedirs(str(save_dir / tag), exist_ok=True)
+    engine.save(model_states, str(save_dir / tag / MODEL_FILE))
+    engine.save(optim_states, str(save_dir / tag / OPTIM_FILE))
+    return model_states, optim_states
+
+
+@pytest.fixture
+def ds_engine(daemon: DaemonProc) -> Iterator[DatastatesCheckpointEngine]:
+    engine = DatastatesCheckpointEngine(endpoint=daemon.endpoint, timeout=60)
+    yield engine
+    engine.cleanup()
+
+
+def test_a_real_deepspeed_checkpoint_engine() -> None:
+    """Every abstract method of DeepSpeed's base is implemented; constructing it connects to nothing yet."""
+    assert issubclass(DatastatesCheckpointEngine, CheckpointEngine)
+    assert not DatastatesCheckpointEngine.__abstractmethods__
+    engine = DatastatesCheckpointEngine(None, endpoint="ipc:///nonexistent/datastatesd.sock")
+    assert isinstance(engine, CheckpointEngine)
+    assert engine.name == "DatastatesCheckpointEngine"
+    assert not engine.is_decoupled() and DatastatesCheckpointEngine(decoupled=True).is_decoupled()
+    assert engine.get_commit_info() is None
+    engine.cleanup()
+
+
+def test_saved_as_deepspeed_calls_it_loads_bitwise(ds_engine: DatastatesCheckpointEngine, daemon: DaemonProc) -> None:
+    save_dir = daemon.root / "ds"
+    model_states, optim_states = checkpoint(ds_engine, save_dir, "global_step3", seed=1)
+    assert ds_engine.commit(CheckpointCommitInfo(tag="global_step3", save_dir=str(save_dir), save_latest=True)) is True
+    assert datastates.latest(save_dir) == "global_step3"
+    assert_state_equal(model_states, ds_engine.load(str(save_dir / "global_step3" / MODEL_FILE)))
+    assert_state_equal(optim_states, ds_engine.load(str(save_dir / "global_step3" / OPTIM_FILE), torch.device("cpu")))
+    # DeepSpeed's state-dict loaders pass a callable that keeps storages where they are
+    assert_state_equal(model_states, ds_engine.load(str(save_dir / "global_step3" / MODEL_FILE), lambda s, loc: s))
+
+
+def test_decoupled_commits_at_deepspeeds_next_step_or_save_or_cleanup(daemon: DaemonProc) -> None:
+    """Decoupled: nothing commits in save_checkpoint; the step (get_commit_info → commit), a new create or cleanup does."""
+    engine = DatastatesCheckpointEngine(endpoint=daemon.endpoint, timeout=60, decoupled=True)
+    save_dir = daemon.root / "ds"
+    checkpoint(engine, save_dir, "global_step1", seed=1)
+    info = engine.get_commit_info()
+    assert info is not None and info.tag == "global_step1"
+    assert datastates.latest(save_dir) is None
+    assert engine.commit(info) is True  # what DeepSpeed's _commit_decoupled_checkpoint does before the optimizer step
+    assert engine.get_commit_info() is None and datastates.latest(save_dir) == "global_step1"
+
+    checkpoint(engine, save_dir, "global_step2", seed=2)
+    expected = checkpoint(engine, save_dir, "global_step3", seed=3)  # two saves with no step between
+    assert datastates.latest(save_dir) == "global_step2"
+    engine.cleanup()  # engine.destroy() calls it for a decoupled engine
+    assert datastates.latest(save_dir) == "global_step3"
+    assert_state_equal(expected[1], engine.load(str(save_dir / "global_step3" / OPTIM_FILE)))
+
+
+def test_out_of_order_calls_are_refused(ds_engine: DatastatesCheckpointEngine, daemon: DaemonProc) -> None:
+    save_dir = daemon.root / "ds"
+    with pytest.raises(InvalidRequestError, match="create"):
+        ds_engine.save({"w": torch.zeros(2)}, str(save_dir / "global_step1" / MODEL_FILE))
+    with pytest.raises(InvalidRequestError, match="invalid tag"):
+        ds_engine.create(CheckpointCommitInfo(tag="step 1/2", save_dir=str(save_dir), save_latest=True))
+    checkpoint(ds_engine, save_dir, "global_step1", seed=1)
+    with pytest.raises(CommitError, match="global_step2"):
+        ds_engine.commit(CheckpointCommitInfo(tag="global_step2", save_dir=str(save_dir), save_latest=True))
+    ds_engine.commit(CheckpointCommitInfo(tag="global_step1", save_dir=str(save_dir), save_latest=True))
+    with pytest.raises(CommitError, match="None"):
+        ds_engine.commit(CheckpointCommitInfo(tag="global_step1", save_dir=str(save_dir), save_latest=True))
+
+
+def test_loads_what_deepspeeds_torch_engine_wrote(tmp_path: Path) -> None:
+    """A job that switches engines resumes from the checkpoints torch.save wrote before."""
+    model_states, _ = ds_states(seed=5)
+    path = tmp_path / MODEL_FILE
+    torch.save(model_states, path)
+    assert_state_equal(model_states, DatastatesCheckpointEngine().load(str(path), lambda s, loc: s))
+
+
+def test_datastates_never_needs_deepspeed() -> None:
+    """Without DeepSpeed, datastates imports and this module says what is missing."""
+    code = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        "import datastates, datastates.client, datastates.client.integrations\n"
+        "try:\n"
+        "    import datastates.client.integrations.deepspeed\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "needs DeepSpeed (pip install deepspeed)" in out.stdout, out.stdout + out.stderr
+
+
+# -- DeepSpeed's engine, end to end ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ds_dist() -> Iterator[None]:
+    """A gloo process group of one, as the ``deepspeed`` launcher would set up for a single rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
+                            "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+            mp.setenv(name, value)
+        # DeepSpeed builds a C++ shared-memory allreduce on the CPU at init (minutes, and useless for one
+        # rank); its op table is cached in the module so that edits like this one persist
+        mp.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", False)
+        deepspeed.init_distributed(dist_backend="gloo")
+        yield
+        torch.distributed.destroy_process_group()
+
+
+def ds_initialize(seed: int) -> Any:
+    """A tiny model under ZeRO stage 1 with torch's Adam (DeepSpeed's FusedAdam would compile a CPU op)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 1}, "steps_per_print": 1 << 30}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def train_step(engine: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    loss = engine(torch.randn(1, 8, generator=g)).square().sum()
+    engine.backward(loss)
+    engine.step()
+
+
+def snapshot_of(engine: Any) -> tuple[dict, dict]:
+    """The parameters and the optimizer's fp32 master state, cloned."""
+    params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    opt = engine.optimizer.state_dict()
+    master = [t.clone() for t in opt["single_partition_of_fp32_groups"]]
+    moments = {k: v.clone() for k, v in opt["base_optimizer_state"]["state"][0].items()}
+    return params, {"master": master, "moments": moments}
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_deepspeed_save_and_load_checkpoint(ds_dist: None, daemon: DaemonProc, decoupled: bool) -> None:
+    save_dir = daemon.root / "ds"
+    engine = ds_initialize(seed=0)
+    engine.checkpoint_engine = DatastatesCheckpointEngine(endpoint=daemon.endpoint, timeout=60, decoupled=decoupled)
+    for step in range(2):
+        train_step(engine, seed=step)
+    saved = snapshot_of(engine)
+    engine.save_checkpoint(str(save_dir), tag="global_step2", client_state={"epoch": 7, "args": argparse.Namespace(x=1)})
+    if decoupled:
+        assert datastates.latest(save_dir) is None  # the tag waits for the next step, the fence
+        train_step(engine, seed=2)
+    assert datastates.latest(save_dir) == "global_step2"
+    assert sorted(p.name for p in (save_dir / "global_step2").glob("*.pt")) == [MODEL_FILE, OPTIM_FILE]
+    assert (save_dir / "latest").read_text() == "global_step2"
+    engine.checkpoint_engine.cleanup()
+    engine.destroy()
+
+    fresh = ds_initialize(seed=1)
+    fresh.checkpoint_engine = DatastatesCheckpointEngine(endpoint=daemon.endpoint, timeout=60)
+    path, client_state = fresh.load_checkpoint(str(save_dir))  # the tag from DeepSpeed's own 'latest' file
+    assert path == str(save_dir / "global_step2" / MODEL_FILE)
+    assert client_state["epoch"] == 7 and client_state["args"] == argparse.Namespace(x=1)
+    assert fresh.global_steps == 2
+    assert_state_equal(saved, snapshot_of(fresh))
+    fresh.checkpoint_engine.cleanup()
+    fresh.destroy()
