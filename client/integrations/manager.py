@@ -1,0 +1,228 @@
+"""Checkpointing a plain PyTorch loop through datastatesd: save every K steps, resume, keep the last N.
+
+One ``CheckpointManager`` per rank. Each save writes this rank's whole training state
+(model, optimizer, scheduler, data order, RNG, extra values) to ``root/step<8 digits>/rank<R>.pt``
+and commits the tag; the trainer pays for a tree walk and one message, because the copy
+happens while the next forward and backward run and the commit resolves in the background.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import random
+import re
+import shutil
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from datastates.client.client import Client
+from datastates.client.reader import latest, load, markers, read_marker
+from datastates.protocol.errors import CommitError, InvalidRequestError, SnapshotSkippedError, WaitTimeout
+from datastates.protocol.format import marker_name
+
+log = logging.getLogger(__name__)
+
+_TAG = re.compile(r"step\d{8,}")
+"""The tags this manager writes, and the only ones its pruning may delete."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every generator a step may draw from implicitly (dropout, augmentation, shuffles)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_initialized():  # only then can CUDA have drawn anything; asking would create a context
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Save, restore and prune one rank's training state under ``root``.
+
+    ``every``: ``maybe_save(step)`` saves when ``step % every == 0``. ``keep_last``: once a
+    newer tag is known committed, rank 0 deletes the tags older than the ``keep_last``
+    newest committed ones (None keeps every tag). ``data_loader`` is anything with
+    ``state_dict()``/``load_state_dict()`` (a torchdata ``StatefulDataLoader``, a sampler);
+    ``extra`` is a dict of further values, saved as it is at each save and updated in
+    place by ``restore()``. ``rank`` defaults to ``$RANK``, else 0.
+
+    The manager fences ``optimizer.step()`` with ``client.protect``. Anything else that
+    changes checkpointed tensors in place before the step (an EMA, BatchNorm statistics
+    in a forward pass) needs ``client.wait()`` first.
+    """
+
+    def __init__(
+        self, client: Client, root: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        scheduler: Stateful | None = None, data_loader: Stateful | None = None, extra: dict[str, Any] | None = None,
+        keep_last: int | None = None, every: int = 1, rank: int | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise InvalidRequestError(f"keep_last: {keep_last} would delete the newest committed tag; use >= 1 or None")
+        if every < 1:
+            raise InvalidRequestError(f"every: {every} is not a positive number of steps")
+        self.client = client
+        self.root = os.path.abspath(os.fspath(root))
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.data_loader = data_loader
+        self.extra = extra
+        self.keep_last = keep_last
+        self.every = every
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self._pending: list[tuple[str, Future]] = []
+        """Commits not yet taken in, oldest first: their outcome is reported and acted on once, by _settle."""
+        self._fence = client.protect(optimizer)
+
+    @staticmethod
+    def tag(step: int) -> str:
+        return f"step{step:08d}"
+
+    def path(self, tag: str) -> str:
+        """This rank's file of ``tag``."""
+        return os.path.join(self.root, tag, f"rank{self.rank}.pt")
+
+    def maybe_save(self, step: int) -> Future | None:
+        return self.save(step) if step % self.every == 0 else None
+
+    def save(self, step: int) -> Future:
+        """Snapshot this rank's state as of ``step`` and commit it; returns the commit's future.
+
+        Returns once the snapshot message is sent: the daemon copies while training goes
+        on, and the commit resolves later. A commit that failed since the last save is
+        raised here, as CommitError, before anything new is saved.
+        """
+        self._settle()
+        state: dict[str, Any] = {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": _rng_state(),
+        }
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.data_loader is not None:
+            state["data_loader"] = self.data_loader.state_dict()
+        if self.extra is not None:
+            state["extra"] = self.extra
+        tag = self.tag(step)
+        self.client.snapshot(state, self.path(tag), tag=tag)
+        fut = self.client.commit(tag)
+        self._pending.append((tag, fut))
+        return fut
+
+    def restore(self) -> int | None:
+        """Load the newest committed tag under ``root`` into the objects; its step, or None if there is none."""
+        self.client.wait()  # model.load_state_dict copies into tensors a pending snapshot may still be reading
+        tag = latest(self.root)
+        if tag is None:
+            return None
+        path = self.path(tag)
+        state = load(path)
+
+        def part(key: str) -> Any:
+            if key not in state:
+                raise InvalidRequestError(f"{path} holds no {key} state, but the manager was given one", path=path)
+            return state[key]
+
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(part("scheduler"))
+        if self.data_loader is not None:
+            self.data_loader.load_state_dict(part("data_loader"))
+        if self.extra is not None:
+            self.extra.clear()
+            self.extra.update(part("extra"))
+        _set_rng_state(state["rng"])
+        log.info("restored step %d from %s", state["step"], path)
+        return state["step"]
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for every commit, prune, and remove the fence; raises a failed commit as CommitError.
+
+        Leaves the client open: it belongs to the caller.
+        """
+        try:
+            not_done = concurrent.futures.wait([f for _, f in self._pending], timeout).not_done
+            if not_done:
+                raise WaitTimeout(f"{len(not_done)} checkpoint commit(s) under {self.root} not answered within {timeout} s")
+            self._settle()
+        finally:
+            self._fence.remove()
+
+    def _settle(self) -> None:
+        """Take in the commits that have resolved: prune after a success, then raise any failure."""
+        done, pending = [], []
+        for tag, fut in self._pending:
+            (done if fut.done() else pending).append((tag, fut))
+        self._pending = pending
+        failed, committed = [], False
+        for tag, fut in done:
+            exc = fut.exception()
+            if exc is None:
+                committed = True
+            elif isinstance(exc, SnapshotSkippedError):  # on_busy="skip" chose to drop it: not an error
+                log.warning("checkpoint %s skipped: %s", tag, exc.message)
+            else:
+                failed.append((tag, exc))
+        if committed and self.rank == 0 and self.keep_last is not None:
+            self._prune()
+        if failed:
+            tag, exc = failed[0]
+            more = f" (and {len(failed) - 1} later one(s): {', '.join(t for t, _ in failed[1:])})" if failed[1:] else ""
+            raise CommitError(f"checkpoint {tag} under {self.root} was not committed: {exc}{more}", tag=tag) from exc
+
+    def _prune(self) -> None:
+        """Delete the committed tags older than the ``keep_last`` newest, as ``latest()`` orders them.
+
+        Only tags whose marker is valid count, so an uncommitted folder (a save in flight,
+        or one a killed run left) is never deleted, and the newest committed tag never is.
+        """
+        committed = []
+        for path in markers(self.root):
+            folder = os.path.dirname(path)
+            tag = os.path.basename(folder)
+            if folder == self.root or not _TAG.fullmatch(tag) or os.path.basename(path) != marker_name(tag):
+                continue
+            marker = read_marker(path)
+            if marker is not None:
+                committed.append((marker.committed_ns, tag, path))
+        committed.sort(reverse=True)
+        in_flight = {tag for tag, _ in self._pending}  # being saved again: its files are about to be replaced
+        for _, tag, marker in committed[self.keep_last:]:
+            if tag not in in_flight:
+                self._delete(os.path.dirname(marker), marker)
+
+    def _delete(self, folder: str, marker: str) -> None:
+        """Marker first, made durable before any file goes: a half-deleted tag is never taken as committed."""
+        os.unlink(marker)
+        _fsync_dir(folder)
+        shutil.rmtree(folder)
+        _fsync_dir(self.root)
+        log.info("pruned checkpoint %s", folder)
