@@ -19,6 +19,7 @@ def ranks_from_env(env: Mapping[str, str] = os.environ) -> Ranks:
         if names[2] in env:
             rank, local, world, local_world, node, nodes, job = (env.get(n, "") for n in names)
             world_size = int(world or 1)
+            local_world = local_world or env.get("LOCAL_SIZE", "")  # the deepspeed launcher's name for it
             local_world_size = int((local_world or str(world_size)).split("(")[0].split(",")[0])
             return Ranks(
                 rank=int(rank), local_rank=int(local or 0), world_size=world_size, local_world_size=local_world_size,
