@@ -47,7 +47,7 @@ class Connection:
         self._ctx = zmq.Context()
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _send may fail requests while _check_liveness holds it
         inproc = f"inproc://datastates-client-{uuid.uuid4().hex}"
         self._inbox = self._ctx.socket(zmq.PAIR)
         self._inbox.bind(inproc)
@@ -55,7 +55,14 @@ class Connection:
         self._outbox.connect(inproc)
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 2000)
-        secure_client(self._dealer, endpoint)
+        self._dealer.setsockopt(zmq.SNDHWM, 0)  # queue without bound: a send that would block means no peer at all
+        try:
+            secure_client(self._dealer, endpoint)
+        except BaseException:
+            for sock in (self._dealer, self._inbox, self._outbox):
+                sock.close(0)
+            self._ctx.term()
+            raise
         self._dealer.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="datastates-client-io", daemon=True)
         self._closed = False
@@ -111,7 +118,20 @@ class Connection:
                 self._send(m.encode(m.Heartbeat(), next(self._ids)))  # its reply matches no request: dropped
 
     def _send(self, frames: list[Any]) -> None:
-        self._dealer.send_multipart(frames, copy=False)
+        """Send without ever blocking the I/O thread: a peer that dropped us (a refused CURVE key) fails every request."""
+        try:
+            self._dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            with self._lock:
+                pending, self._pending = self._pending, {}
+                self.lost = True
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(DaemonUnavailable(
+                        f"datastatesd at {self.endpoint} dropped this connection (for tcp: is this client's CURVE key "
+                        "authorized, and the server key right?)", endpoint=self.endpoint,
+                    ))
+            return
         self._sent = time.monotonic()
 
     def _check_liveness(self) -> None:

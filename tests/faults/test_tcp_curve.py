@@ -284,11 +284,7 @@ def test_unauthorized_keypair_is_refused_by_the_daemon(tcp_daemon: DaemonProc, k
     assert_serves(tcp_daemon, "after-outsider")
 
 
-_DROPPED_PIPE = ("client/connection.py: once the daemon refuses the key, libzmq drops the DEALER's only pipe for good, "
-                 "and the next send (the liveness probe, or a HELLO forwarded after the refusal) blocks the I/O thread")
 
-
-@pytest.mark.xfail(strict=False, reason=_DROPPED_PIPE + "; here only when the HELLO loses that race (now and then, under load)")
 def test_unauthorized_client_gets_daemon_unavailable(tcp_daemon: DaemonProc, keys: Keys,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     as_client(monkeypatch, keys.daemon_public, keys.outsider_secret)
@@ -297,7 +293,6 @@ def test_unauthorized_client_gets_daemon_unavailable(tcp_daemon: DaemonProc, key
     assert_serves(tcp_daemon, "after-outsider")
 
 
-@pytest.mark.xfail(strict=True, reason=_DROPPED_PIPE)
 def test_unauthorized_client_probing_before_its_hello_times_out(tcp_daemon: DaemonProc, keys: Keys,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """With the defaults (timeout 30 s > liveness / 2) the client probes a refused daemon before HELLO times out."""
