@@ -40,7 +40,12 @@ def render(status: dict[str, Any]) -> str:
         "",
         f"clients ({len(status['clients'])}):",
     ]
-    lines += [f"  {c['id']:<14} {c['name']:<20} pid {c['pid']:<8} {c['host']}  regions {c['regions']}" for c in status["clients"]]
+    lines += [f"  {c['id']:<14} {c['name']:<20} pid {c['pid']:<8} rank {c['rank']}/{c['world_size']} node {c['node_rank']}"
+              f"  {c['host']}  regions {c['regions']}" for c in status["clients"]]
+    lines += [f"  lost: {c['id']} {c['name']} pid {c['pid']} ({c['how']}, {c['pending_snapshots']} snapshot(s) were pending)"
+              for c in status["clients_lost"]]
+    lines += [f"  gathering: tag {g['tag']} ranks {g['committed_ranks']} of {g['local_ranks']} local, {g['nodes']} node(s)"
+              for g in status["tags_gathering"]]
     lines += ["", "snapshots:", f"  {'id':>5} {'state':<9} {'copied':>9} {'flushed':>9} {'total':>10} {'rate':>11}  tag / path"]
     for s in status["snapshots"]:
         total = s["total_bytes"] or 1
