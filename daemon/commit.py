@@ -127,6 +127,14 @@ class CommitLedger:
             for key in [k for k in table if k[0] == client_id]:
                 del table[key]
 
+    def rank_lost(self, ranks: Ranks) -> None:
+        """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout."""
+        for key, group in list(self._groups.items()):
+            if key[:2] == (ranks.job, ranks.world_size) and ranks.rank not in group.committed and not group.done.done():
+                group.done.set_exception(CommitError(
+                    f"tag {key[2]!r} not committed: rank {ranks.rank} is gone without committing it", tag=key[2]))
+                del self._groups[key]
+
     def groups(self) -> list[dict[str, Any]]:
         """Multi-rank tags waiting for ranks or nodes, for ``status``."""
         return [{"tag": tag, "job": job, "committed_ranks": sorted(g.committed), "local_ranks": g.ranks.local_world_size,

@@ -263,6 +263,8 @@ class Daemon:
                 pass
             for record in self.clients.gone(timeout):
                 self._drop(record.identity)
+                if record.ranks.world_size > 1:
+                    self.ledger.rank_lost(record.ranks)
                 pending = sum(1 for j in self.jobs.values() if j.client_id == record.id and j.pending)
                 how = "exited" if record.started is not None else f"silent for {timeout:.0f} s"
                 self.lost.append({"id": record.id, "name": record.name, "pid": record.pid, "how": how,

@@ -166,3 +166,25 @@ def test_torchrun_two_nodes_two_ranks_each(start_daemon: Callable[..., DaemonPro
     for r, state in enumerate(loaded):
         assert state["rank"] == r and state["step"] == 3
         assert_state_equal(loaded[0]["model"], state["model"])  # data-parallel replicas agree bitwise
+
+
+def test_a_rank_killed_before_committing_fails_the_tag_at_once(start_daemon: Callable[..., DaemonProc]) -> None:
+    """The other ranks' commits fail when the daemon sees the rank gone, not after commit_timeout."""
+    d = start_daemon(client_timeout=1.5)  # commit_timeout stays 600 s: a pass shows it was not waited for
+    rank1 = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from datastates.client import Client\n"
+        "from datastates.protocol.descriptors import Ranks\n"
+        "c = Client(sys.argv[1], ranks=Ranks(rank=1, local_rank=1, world_size=2, local_world_size=2, job='j1'))\n"
+        "print('READY', flush=True)\n"
+        "time.sleep(600)\n"), d.endpoint], stdout=subprocess.PIPE, text=True)
+    assert rank1.stdout is not None and rank1.stdout.readline().strip() == "READY"
+    with rank_client(d, 0, 2, 2, 1) as c0:
+        c0.snapshot({"w": torch.ones(3)}, d.root / "global_step1" / "rank0.pt")
+        c0.wait()
+        fut = c0.commit("global_step1")
+        rank1.send_signal(signal.SIGKILL)
+        rank1.wait(30)
+        with pytest.raises(CommitError, match="rank 1 is gone"):
+            fut.result(timeout=120)
+    assert datastates.latest(d.root) is None
