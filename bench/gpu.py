@@ -1,0 +1,270 @@
+"""The GPU path: datastates against a plain pinned copy and DCP ``async_save`` with pinned staging.
+
+Why: on a GPU the checkpoint's first cost is the device-to-host copy, and the question is
+whether copying through CUDA IPC on the daemon's own stream reaches the link's speed
+without holding the trainer. For one GPT-shaped state on the GPU it measures, per run:
+
+- peak: ``tensor.copy_(non_blocking=True)`` of every tensor into one pinned host buffer,
+  in the trainer: the device-to-host limit of this machine;
+- datastates: ``snapshot()`` (blocking), until ``wait()`` returns (the device-to-host copy
+  is done: GB/s), and until ``commit()`` is durable;
+- DCP: ``async_save`` in thread mode with a ``DefaultStager`` staging asynchronously into
+  pinned memory (blocking), until staging completes (GB/s), and until the upload is done;
+
+and, training a small MLP on the GPU with a checkpoint every ``--every`` steps, the mean
+step time of no checkpointing, datastates and DCP. It prints medians over ``--runs``
+(contenders interleaved within each run) and the ratios; only the ratios compare across
+runs. Without a CUDA device it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import datastatesd, gpt_state, median, state_bytes, tensors_of, wait_pool_mapped  # noqa: E402
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is what we want
+
+Timing = tuple[float, float, float]
+"""(blocking, safe, durable) seconds of one checkpoint."""
+
+
+def to_cuda(state: Any) -> Any:
+    """Floating-point tensors onto the GPU, as a trainer holds them; RNG states and objects stay."""
+    if isinstance(state, torch.Tensor):
+        return state.cuda() if state.is_floating_point() else state
+    if isinstance(state, dict):
+        return type(state)((k, to_cuda(v)) for k, v in state.items())
+    if isinstance(state, list):
+        return [to_cuda(v) for v in state]
+    return state
+
+
+def peak_copy(state: Any) -> Callable[[], float]:
+    """Seconds to copy every GPU tensor into one reused pinned buffer: the device-to-host limit."""
+    gpu = [t for t in tensors_of(state) if t.is_cuda]
+    host = torch.empty(sum(t.nbytes for t in gpu), dtype=torch.uint8, pin_memory=True)
+    views, cursor = [], 0
+    for t in gpu:
+        views.append(host[cursor:cursor + t.nbytes].view(t.dtype).view(t.shape))
+        cursor += t.nbytes
+
+    def run() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for dst, src in zip(views, gpu):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    return run
+
+
+def datastates_save(client: Any, state: Any, root: str) -> Callable[[int], Timing]:
+    def save(i: int) -> Timing:
+        tag = f"ds{i}"
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        client.snapshot(state, os.path.join(root, tag, "model_states.pt"), tag=tag)
+        blocking = time.perf_counter() - t0
+        client.wait()
+        safe = time.perf_counter() - t0
+        client.commit(tag).result()
+        return blocking, safe, time.perf_counter() - t0
+
+    return save
+
+
+def pinned_stager() -> Any:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=True))
+
+
+def dcp_async(state: Any, folder: str, stager: Any) -> tuple[float, Future | None, Future]:
+    """Start one ``async_save``: (blocking seconds, staging future or None, upload future)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+    t0 = time.perf_counter()
+    resp = dcp.async_save(state, checkpoint_id=folder, async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                          async_stager=stager, no_dist=True)
+    blocking = time.perf_counter() - t0
+    if isinstance(resp, AsyncSaveResponse):
+        return blocking, resp.staging_completion, resp.upload_completion
+    return blocking, None, resp
+
+
+def dcp_save(state: Any, root: str, stager: Any) -> Callable[[int], Timing]:
+    def save(i: int) -> Timing:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        blocking, staging, upload = dcp_async(state, os.path.join(root, f"dcp{i}"), stager)
+        if staging is not None:
+            staging.result()
+        safe = time.perf_counter() - t0
+        upload.result()
+        return blocking, safe, time.perf_counter() - t0
+
+    return save
+
+
+# -- step-time overhead --------------------------------------------------------------------
+
+
+def mlp(dim: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(dim, dim), torch.nn.GELU())]).cuda()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
+def train(mode: str, run: int, args: argparse.Namespace, root: str, endpoint: str) -> float:
+    """Mean step time (synchronized), checkpointing every ``args.every`` steps the ``mode`` way into ``root``."""
+    from datastates.client import Client
+
+    model, opt = mlp(args.mlp_dim, args.mlp_layers)
+    x = torch.randn(args.batch, args.mlp_dim, device="cuda")
+    client = Client(endpoint, timeout=600) if mode == "datastates" else None
+    stager = pinned_stager() if mode == "dcp" else None
+    pending: dict[str, Future | None] = {"staging": None, "upload": None}
+    commits: list[Future] = []
+    if client is not None:
+        client.protect(opt)
+    elif stager is not None:
+        def fence(*_: Any) -> None:  # DCP reads the live tensors until staging completes
+            if pending["staging"] is not None:
+                pending["staging"].result()
+                pending["staging"] = None
+
+        opt.register_step_pre_hook(fence)
+    steps = []
+    for step in range(1, args.steps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % args.every == 0 and mode != "none":
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+            tag = f"r{run}-{mode}{step}"
+            if client is not None:
+                client.snapshot(state, os.path.join(root, tag, "model_states.pt"), tag=tag)
+                commits.append(client.commit(tag))
+            else:
+                if pending["upload"] is not None:
+                    pending["upload"].result()  # the reused stager overwrites its buffers
+                _, pending["staging"], pending["upload"] = dcp_async(state, os.path.join(root, tag), stager)
+        torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t0)
+    for fut in [*commits, pending["upload"]]:
+        if fut is not None:
+            fut.result()
+    if client is not None:
+        client.close()
+    if stager is not None:
+        stager.close()
+    return sum(steps[args.warmup:]) / len(steps[args.warmup:])
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def clear(root: str) -> None:
+    """Remove the checkpoints under ``root``: at several GB each, the runs would fill the disk."""
+    for name in os.listdir(root):
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the step-time mean")
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--mlp-dim", type=int, default=2048)
+    parser.add_argument("--mlp-layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh temp dir)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gpu.py: no CUDA device here (torch.cuda.is_available() is False); nothing measured")
+        return 0
+
+    from datastates.client import Client
+
+    root = args.root or tempfile.mkdtemp(prefix="ds-bench-gpu-")
+    os.makedirs(root, exist_ok=True)
+    state = to_cuda(gpt_state(layers=args.layers, dim=args.dim))
+    nbytes = state_bytes(state)
+    pool = -(-nbytes * 5 // 4 // (64 << 20)) * 64  # MiB: the whole state fits, so wait() measures the copy alone
+    print(f"state: {nbytes / 1e9:.2f} GB in {len(tensors_of(state))} tensors on {torch.cuda.get_device_name()}; "
+          f"{args.runs} runs; daemon pool {pool} MiB; root {root}")
+    samples: dict[str, list[Timing]] = {"datastates": [], "dcp pinned": []}
+    peaks: list[float] = []
+    step_s: dict[str, list[float]] = {"none": [], "datastates": [], "dcp": []}
+    try:
+        with datastatesd(root, host_memory=f"{pool}MiB", chunk_size="64MiB") as endpoint:
+            wait_pool_mapped(endpoint)
+            peak = peak_copy(state)
+            stager = pinned_stager()
+            with Client(endpoint, timeout=600) as client:
+                contenders = {"datastates": datastates_save(client, state, root), "dcp pinned": dcp_save(state, root, stager)}
+                for save in contenders.values():  # first calls: sharing, pinning, allocations
+                    save(-1)
+                    clear(root)
+                for r in range(args.runs):
+                    peaks.append(peak())
+                    for name, save in contenders.items():
+                        samples[name].append(save(r))
+                        clear(root)
+                    for mode in step_s:
+                        step_s[mode].append(train(mode, r, args, root, endpoint))
+                        clear(root)
+                    print(f"run {r + 1}/{args.runs}: peak {nbytes / peaks[-1] / 1e9:.1f} GB/s, "
+                          + ", ".join(f"{n} safe {s[-1][1]:.3f} s" for n, s in samples.items())
+                          + ", step " + ", ".join(f"{m} {v[-1] * 1e3:.1f} ms" for m, v in step_s.items()), flush=True)
+            stager.close()
+    finally:
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+    report(nbytes, median(peaks), samples, {m: median(v) for m, v in step_s.items()}, args.runs)
+    return 0
+
+
+def report(nbytes: int, peak: float, samples: dict[str, list[Timing]], steps: dict[str, float], runs: int) -> None:
+    print(f"\nmedians of {runs} runs, state {nbytes / 1e9:.2f} GB; peak pinned copy_ {nbytes / peak / 1e9:.1f} GB/s")
+    print(f"{'contender':<12} {'blocking s':>11} {'safe s':>8} {'D2H GB/s':>9} {'durable s':>10}")
+    med = {n: [median([s[k] for s in xs]) for k in range(3)] for n, xs in samples.items()}
+    for name, (blocking, safe, durable) in med.items():
+        print(f"{name:<12} {blocking:>11.4f} {safe:>8.3f} {nbytes / safe / 1e9:>9.1f} {durable:>10.3f}")
+    print("\nmean step time: " + ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in steps.items()))
+    ds, dcp = med["datastates"], med["dcp pinned"]
+    ratios = {
+        "D2H throughput: datastates / peak pinned copy_": peak / ds[1],
+        "D2H throughput: dcp pinned / peak pinned copy_": peak / dcp[1],
+        "D2H throughput: datastates / dcp pinned": dcp[1] / ds[1],
+        "blocking per checkpoint: datastates / dcp pinned": ds[0] / dcp[0],
+        "step-time overhead vs none: datastates": steps["datastates"] / steps["none"] - 1,
+        "step-time overhead vs none: dcp pinned": steps["dcp"] / steps["none"] - 1,
+    }
+    print()
+    for k, v in ratios.items():
+        print(f"{k:<56} {v:8.4f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
