@@ -95,6 +95,9 @@ class Client:
         self.timeout = timeout
         self.fallback = fallback
         self.ranks = (ranks or ranks_from_env()).check()
+        if fallback and self.ranks.world_size > 1:
+            raise InvalidRequestError("fallback='local' is for jobs of one rank: without their daemons, ranks cannot "
+                                      "commit a tag together, and one rank's marker would name a partial tag")
         self.client_id = ""
         self.roots: list[str] = []
         self._local: LocalSaver | None = None

@@ -92,3 +92,11 @@ def test_skip_drops_a_tag_while_an_older_one_is_pending(
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="on_busy"):
         Client("ipc:///nonexistent/datastatesd.sock", on_busy="drop")
+
+
+def test_the_local_fallback_is_refused_for_many_ranks() -> None:
+    """Ranks saving alone could not commit a tag together: one rank's marker would name a partial tag."""
+    from datastates.protocol.descriptors import Ranks
+
+    with pytest.raises(InvalidRequestError, match="jobs of one rank"):
+        Client("ipc:///nonexistent/datastatesd.sock", fallback="local", ranks=Ranks(world_size=2, local_world_size=2))
