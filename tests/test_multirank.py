@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +37,16 @@ def rank_client(d: DaemonProc, rank: int, world: int, local_world: int, nodes: i
     return Client(d.endpoint, timeout=60, ranks=ranks)
 
 
+def gathering_tags(d: DaemonProc) -> list[dict]:
+    """The daemon's multi-rank tags once the COMMIT sent just now has reached it (a hang guard, not a timing check)."""
+    for _ in range(1200):
+        gathering = daemon_status(d.endpoint)["tags_gathering"]
+        if gathering:
+            return gathering
+        time.sleep(0.05)
+    raise AssertionError("the daemon never listed the tag as gathering")
+
+
 def marker_files(root: Path, tag: str) -> list[str]:
     return sorted(f["path"] for f in json.loads((root / tag / marker_name(tag)).read_text())["files"])
 
@@ -49,7 +60,7 @@ def test_a_tag_commits_once_every_local_rank_has(start_daemon: Callable[..., Dae
         c0.snapshot(states[0], d.root / "global_step1" / "rank0.pt")
         c0.wait()
         first = c0.commit("global_step1")
-        gathering = daemon_status(d.endpoint)["tags_gathering"]  # answered after the COMMIT was admitted
+        gathering = gathering_tags(d)
         assert gathering == [{"tag": "global_step1", "job": "j1", "committed_ranks": [0], "local_ranks": 2, "nodes": 1}]
         assert not first.done() and datastates.latest(d.root) is None  # rank 1 has not committed
         c1.snapshot(states[1], d.root / "global_step1" / "rank1.pt")
