@@ -69,7 +69,7 @@ class CheckpointManager:
     newest committed ones (None keeps every tag). ``data_loader`` is anything with
     ``state_dict()``/``load_state_dict()`` (a torchdata ``StatefulDataLoader``, a sampler);
     ``extra`` is a dict of further values, saved as it is at each save and updated in
-    place by ``restore()``. ``rank`` defaults to ``$RANK``, else 0.
+    place by ``restore()``. ``rank`` defaults to the client's rank in a job of several, else ``$RANK``, else 0.
 
     The manager fences ``optimizer.step()`` with ``client.protect``. Anything else that
     changes checkpointed tensors in place before the step (an EMA, BatchNorm statistics
@@ -94,7 +94,9 @@ class CheckpointManager:
         self.extra = extra
         self.keep_last = keep_last
         self.every = every
-        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        if rank is None:  # the client's ranks come from torchrun or an srun step; $RANK alone covers other launchers
+            rank = client.ranks.rank if client.ranks.world_size > 1 else int(os.environ.get("RANK", "0"))
+        self.rank = rank
         self._pending: list[tuple[str, Future]] = []
         """Commits not yet taken in, oldest first: their outcome is reported and acted on once, by _settle."""
         self._fence = client.protect(optimizer)
