@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from datastates.daemon.providers import get_provider
-from datastates.protocol.errors import CorruptCheckpointError, DatastatesError, UnsupportedFormatError
+from datastates.protocol.errors import CorruptCheckpointError, UnsupportedFormatError
 from datastates.protocol.format import (
     MARKER_PREFIX,
     MARKER_SUFFIX,
@@ -193,10 +193,8 @@ def markers(root: str) -> list[str]:
 
 def read_marker(path: str) -> CommitMarker | None:
     """The marker at ``path`` if it is whole and every file it lists has the size it lists."""
-    try:
-        with open(path, "rb") as f:
-            marker = CommitMarker.decode(f.read())
-    except (OSError, ValueError, DatastatesError):
+    marker = CommitMarker.read(path)
+    if marker is None:
         return None
     folder = os.path.dirname(path)
     for rec in marker.files:
@@ -216,6 +214,6 @@ def latest(root: str | os.PathLike) -> str | None:
     best: CommitMarker | None = None
     for path in markers(root):
         marker = read_marker(path)
-        if marker is not None and (best is None or marker.committed_ns > best.committed_ns):
+        if marker is not None and (best is None or marker.newness > best.newness):
             best = marker
     return best.tag if best else None

@@ -53,12 +53,13 @@ def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
     return folder
 
 
-def make_marker(tag: str, files: dict[str, int], folder: str) -> CommitMarker:
+def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int) -> CommitMarker:
     return CommitMarker(
         version=COMMIT_VERSION,
         tag=tag,
         committed_ns=time.time_ns(),
         files=[MarkerFile(path=os.path.relpath(p, folder), size=n) for p, n in files.items()],
+        requested_ns=requested_ns,
     )
 
 
@@ -72,20 +73,14 @@ def trackers(tag: str, folder: str) -> dict[str, bytes]:
     return out
 
 
-def _read_marker(path: str) -> CommitMarker | None:
-    try:
-        with open(path, "rb") as f:
-            return CommitMarker.decode(f.read())
-    except (OSError, ValueError, DatastatesError):
-        return None  # absent, or not yet renamed into place
-
-
 @dataclass
 class _TagGroup:
     """One tag of one multi-rank job on this node, while its local ranks commit."""
 
     ranks: Ranks
     done: asyncio.Future
+    requested_ns: int
+    """When the node's first rank asked to commit the tag: ranks commit tags in order, so groups are created in order."""
     committed: set[int] = field(default_factory=set)
     """Ranks whose COMMIT arrived."""
     durable: int = 0
@@ -145,11 +140,12 @@ class CommitLedger:
         if reason:
             raise SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({reason})", tag=tag)
         jobs = self._open.pop((client_id, tag), None) or []
+        requested_ns = time.time_ns()
         self.pending += 1
         try:
             if ranks.world_size == 1:
-                return await self._commit_alone(client_id, tag, jobs)
-            return await self._commit_rank(client_id, tag, ranks, jobs)
+                return await self._commit_alone(client_id, tag, jobs, requested_ns)
+            return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns)
         finally:
             self.pending -= 1
 
@@ -165,22 +161,26 @@ class CommitLedger:
             )
         return {j.path: j.file_size for j in jobs}
 
-    async def _commit_alone(self, client_id: str, tag: str, jobs: list[SnapshotJob]) -> m.Committed:
+    async def _commit_alone(self, client_id: str, tag: str, jobs: list[SnapshotJob], requested_ns: int) -> m.Committed:
         if not jobs:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
         files = await self._durable(tag, jobs)
         try:
-            return await self._publish(client_id, tag, files, tag_folder(tag, files, self._roots), max(j.id for j in jobs))
+            folder = tag_folder(tag, files, self._roots)
+            return await self._publish(client_id, tag, make_marker(tag, files, folder, requested_ns), folder, max(j.id for j in jobs))
         except CommitError:
             self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
             raise
 
-    async def _commit_rank(self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob]) -> m.Committed:
+    async def _commit_rank(
+        self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob], requested_ns: int,
+    ) -> m.Committed:
         """One rank's share; the node's last rank to arrive finishes the tag for all of them."""
         key = (ranks.job, ranks.world_size, tag)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _TagGroup(ranks=ranks, done=asyncio.get_running_loop().create_future())
+            group = self._groups[key] = _TagGroup(
+                ranks=ranks, done=asyncio.get_running_loop().create_future(), requested_ns=requested_ns)
             group.done.add_done_callback(lambda f: f.cancelled() or f.exception())
         if ranks.rank in group.committed:
             raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
@@ -218,15 +218,17 @@ class CommitLedger:
         ranks = group.ranks
         folder = tag_folder(tag, group.files, self._roots)
         if ranks.num_nodes == 1:
-            return await self._publish(client_id, tag, group.files, folder, group.order)
+            return await self._publish(client_id, tag, make_marker(tag, group.files, folder, group.requested_ns),
+                                       folder, group.order)
         if os.path.basename(folder) != tag:
             raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
-        mine = make_marker(tag, group.files, folder)
+        mine = make_marker(tag, group.files, folder, group.requested_ns)
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
             return await self._await_global(tag, folder, mine.committed_ns)
         files = await self._gather(tag, folder, ranks.num_nodes)
-        committed = await self._publish(client_id, tag, files, folder, group.order)
+        committed = await self._publish(client_id, tag, make_marker(tag, files, folder, group.requested_ns),
+                                        folder, group.order)
         for node in range(ranks.num_nodes):
             await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, node)))
         return committed
@@ -238,7 +240,7 @@ class CommitLedger:
         while True:
             for node in range(nodes):
                 if node not in found:
-                    marker = await self._engine.flush(_read_marker, os.path.join(folder, done_name(tag, node)))
+                    marker = await self._engine.flush(CommitMarker.read, os.path.join(folder, done_name(tag, node)))
                     if marker is not None and marker.tag == tag:
                         found[node] = marker
             if len(found) == nodes:
@@ -256,15 +258,14 @@ class CommitLedger:
         path = os.path.join(folder, marker_name(tag))
         deadline = time.monotonic() + self._timeout
         while time.monotonic() <= deadline:
-            marker = await self._engine.flush(_read_marker, path)
+            marker = await self._engine.flush(CommitMarker.read, path)
             if marker is not None and marker.committed_ns >= since_ns:
                 return m.Committed(tag=tag, marker=path, files=[os.path.join(folder, f.path) for f in marker.files])
             await asyncio.sleep(POLL_S)
         raise CommitError(f"tag {tag!r} not committed: node 0 wrote no marker in {folder} within {self._timeout:.0f} s", tag=tag)
 
-    async def _publish(self, client_id: str, tag: str, files: dict[str, int], folder: str, order: int) -> m.Committed:
+    async def _publish(self, client_id: str, tag: str, marker: CommitMarker, folder: str, order: int) -> m.Committed:
         """The tag's marker, then the trackers: a tracker never names a tag before its marker exists."""
-        marker = make_marker(tag, files, folder)
         path = os.path.join(folder, marker_name(tag))
         await self._write(path, marker.encode(), tag)
         parent = os.path.dirname(folder)
@@ -274,9 +275,9 @@ class CommitLedger:
                     if order >= self._tracked.get(tracker, -1):
                         self._tracked[tracker] = order
                         await self._write(tracker, data, tag)
-        self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(files),
+        self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(marker.files),
                                "committed_ns": marker.committed_ns})
-        return m.Committed(tag=tag, marker=path, files=list(files))
+        return m.Committed(tag=tag, marker=path, files=[os.path.join(folder, f.path) for f in marker.files])
 
     async def _write(self, path: str, data: bytes, tag: str) -> None:
         try:

@@ -27,7 +27,7 @@ import msgpack
 import xxhash
 
 from .descriptors import EntryDesc
-from .errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError
+from .errors import CorruptCheckpointError, DatastatesError, InvalidRequestError, UnsupportedFormatError
 from .schema import from_dict, pack, plain
 from .version import COMMIT_VERSION, FORMAT_VERSION
 
@@ -161,6 +161,14 @@ class CommitMarker:
     tag: str
     committed_ns: int
     files: list[MarkerFile]
+    requested_ns: int = 0
+    """When the commit was asked for. Tags committed concurrently finish in any order, so
+    this, not ``committed_ns``, says which is newest: the one the training loop asked for last."""
+
+    @property
+    def newness(self) -> tuple[int, int]:
+        """The key ``latest()`` and retention order tags by."""
+        return (self.requested_ns, self.committed_ns)
 
     def encode(self) -> bytes:
         return json.dumps(self, default=plain, indent=1).encode()
@@ -171,3 +179,12 @@ class CommitMarker:
         if marker.version != COMMIT_VERSION:
             raise UnsupportedFormatError(f"commit marker version {marker.version} is not supported")
         return marker
+
+    @classmethod
+    def read(cls, path: str) -> CommitMarker | None:
+        """The marker at ``path``, or None if it is absent, not yet renamed into place, or not a marker."""
+        try:
+            with open(path, "rb") as f:
+                return cls.decode(f.read())
+        except (OSError, ValueError, DatastatesError):
+            return None

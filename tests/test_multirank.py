@@ -88,6 +88,31 @@ def test_a_rank_that_saved_nothing_still_counts(start_daemon: Callable[..., Daem
     assert (d.root / "latest_checkpointed_iteration.txt").read_text() == "10"
 
 
+def test_latest_is_the_tag_asked_for_last_even_when_an_older_one_commits_after_it(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """Concurrent tags finish in any order (here rank 1 commits them backwards); resume must not go back a step."""
+    d = start_daemon()
+    with rank_client(d, 0, 2, 2, 1) as c0, rank_client(d, 1, 2, 2, 1) as c1:
+        for step in (1, 2):
+            for r, c in enumerate((c0, c1)):
+                c.snapshot({"step": step, "rank": r}, d.root / f"global_step{step}" / f"rank{r}.pt")
+        c0.wait()
+        c1.wait()
+        futs = [c0.commit("global_step1"), c0.commit("global_step2")]
+        while len(gathering_tags(d)) < 2:
+            time.sleep(0.05)
+        futs.append(c1.commit("global_step2"))
+        futs[-1].result(timeout=120)
+        futs.append(c1.commit("global_step1"))  # committed, and so published, after global_step2
+        for fut in futs:
+            fut.result(timeout=120)
+    markers = {t: json.loads((d.root / t / marker_name(t)).read_text()) for t in ("global_step1", "global_step2")}
+    assert markers["global_step1"]["committed_ns"] > markers["global_step2"]["committed_ns"]
+    assert datastates.latest(d.root) == "global_step2"
+    assert (d.root / TRACKER).read_text() == "global_step2"
+    assert datastates.load(d.root / "global_step2" / "rank1.pt") == {"step": 2, "rank": 1}
+
+
 def test_no_rank_starves_another(start_daemon: Callable[..., DaemonProc]) -> None:
     """Pool chunks go round-robin between ranks: a small snapshot is copied long before a huge one sent first."""
     d = start_daemon(host_memory="4MiB", chunk_size="1MiB", flush_threads=1)

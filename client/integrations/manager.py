@@ -214,7 +214,7 @@ class CheckpointManager:
                 continue
             marker = read_marker(path)
             if marker is not None:
-                committed.append((marker.committed_ns, tag, path))
+                committed.append((marker.newness, tag, path))
         committed.sort(reverse=True)
         in_flight = {tag for tag, _ in self._pending}  # being saved again: its files are about to be replaced
         for _, tag, marker in committed[self.keep_last:]:
