@@ -8,6 +8,7 @@ without holding the trainer. For one GPT-shaped state on the GPU it measures, pe
   in the trainer: the device-to-host limit of this machine;
 - datastates: ``snapshot()`` (blocking), until ``wait()`` returns (the device-to-host copy
   is done: GB/s), and until ``commit()`` is durable;
+- torch.save: the whole save, fsynced, in the trainer (everything blocks);
 - DCP: ``async_save`` in thread mode with a ``DefaultStager`` staging asynchronously into
   pinned memory (blocking), until staging completes (GB/s), and until the upload is done;
 
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import datastatesd, gpt_state, median, state_bytes, tensors_of, wait_pool_mapped  # noqa: E402
+from common import datastatesd, fsync_tree, gpt_state, median, state_bytes, tensors_of, wait_pool_mapped  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is what we want
 
@@ -82,6 +83,21 @@ def datastates_save(client: Any, state: Any, root: str) -> Callable[[int], Timin
         safe = time.perf_counter() - t0
         client.commit(tag).result()
         return blocking, safe, time.perf_counter() - t0
+
+    return save
+
+
+def torch_save(state: Any, root: str) -> Callable[[int], Timing]:
+    """torch.save in the trainer, fsynced: every phase blocks, so blocking = safe = durable."""
+    def save(i: int) -> Timing:
+        folder = os.path.join(root, f"ts{i}")
+        os.makedirs(folder, exist_ok=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.save(state, os.path.join(folder, "model_states.pt"))
+        fsync_tree(folder)
+        elapsed = time.perf_counter() - t0
+        return elapsed, elapsed, elapsed
 
     return save
 
@@ -213,7 +229,7 @@ def main() -> int:
     pool = -(-nbytes * 5 // 4 // (64 << 20)) * 64  # MiB: the whole state fits, so wait() measures the copy alone
     print(f"state: {nbytes / 1e9:.2f} GB in {len(tensors_of(state))} tensors on {torch.cuda.get_device_name()}; "
           f"{args.runs} runs; daemon pool {pool} MiB; root {root}")
-    samples: dict[str, list[Timing]] = {"datastates": [], "dcp pinned": []}
+    samples: dict[str, list[Timing]] = {"datastates": [], "dcp pinned": [], "torch.save": []}
     peaks: list[float] = []
     step_s: dict[str, list[float]] = {"none": [], "datastates": [], "dcp": []}
     try:
@@ -222,7 +238,8 @@ def main() -> int:
             peak = peak_copy(state)
             stager = pinned_stager()
             with Client(endpoint, timeout=600) as client:
-                contenders = {"datastates": datastates_save(client, state, root), "dcp pinned": dcp_save(state, root, stager)}
+                contenders = {"datastates": datastates_save(client, state, root), "dcp pinned": dcp_save(state, root, stager),
+                              "torch.save": torch_save(state, root)}
                 for save in contenders.values():  # first calls: sharing, pinning, allocations
                     save(-1)
                     clear(root)
@@ -252,12 +269,14 @@ def report(nbytes: int, peak: float, samples: dict[str, list[Timing]], steps: di
     for name, (blocking, safe, durable) in med.items():
         print(f"{name:<12} {blocking:>11.4f} {safe:>8.3f} {nbytes / safe / 1e9:>9.1f} {durable:>10.3f}")
     print("\nmean step time: " + ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in steps.items()))
-    ds, dcp = med["datastates"], med["dcp pinned"]
+    ds, dcp, ts = med["datastates"], med["dcp pinned"], med["torch.save"]
     ratios = {
         "D2H throughput: datastates / peak pinned copy_": peak / ds[1],
         "D2H throughput: dcp pinned / peak pinned copy_": peak / dcp[1],
         "D2H throughput: datastates / dcp pinned": dcp[1] / ds[1],
         "blocking per checkpoint: datastates / dcp pinned": ds[0] / dcp[0],
+        "blocking per checkpoint: datastates / torch.save": ds[0] / ts[0],
+        "durable per checkpoint: datastates / torch.save": ds[2] / ts[2],
         "step-time overhead vs none: datastates": steps["datastates"] / steps["none"] - 1,
         "step-time overhead vs none: dcp pinned": steps["dcp"] / steps["none"] - 1,
     }

@@ -1,9 +1,9 @@
 """Turning a state tree into handles and entries, in the trainer, without copying bytes.
 
 The state is pickled once with a ``persistent_id`` hook: each leaf a registered capturer
-claims (CPU tensors, for now) becomes an entry that references shared memory, and
-everything else stays in the pickled skeleton, the object provider's payload. New kinds of
-leaves plug in by registering a capturer for their type.
+claims (CPU and CUDA tensors) becomes an entry that references shared memory or a CUDA IPC
+block, and everything else stays in the pickled skeleton, the object provider's payload.
+New kinds of leaves plug in by registering a capturer for their type.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from datastates.protocol.descriptors import EMPTY, SHM, EntryDesc, SourceDesc
+from datastates.protocol.descriptors import CUDA_IPC, EMPTY, SHM, EntryDesc, SourceDesc
 from datastates.protocol.errors import InvalidRequestError
 
+from .cuda import describe_cuda_storage, encode_handle, snapshot_event
 from .shm import share
 
 PICKLE_PROTOCOL = 2
@@ -33,19 +34,48 @@ class Capture:
     entries: list[EntryDesc] = field(default_factory=list)
     root: int = -1
     keepalive: list[Any] = field(default_factory=list)
+    """Held until the daemon has copied: the tensors, and the CUDA event it waits on."""
+    storages: list[torch.UntypedStorage | None] = field(default_factory=list)
+    """Each source's storage, for a local save that cannot open its own CUDA IPC handles."""
     _source_index: dict[tuple[int, int], int] = field(default_factory=dict)
+    _cuda: list[int] = field(default_factory=list)
+    """Sources whose CUDA handle ``seal()`` fills in."""
 
     def add_storage(self, storage: torch.UntypedStorage) -> int:
         """Index of ``storage`` among this capture's sources; a storage shared by views counts once."""
         nbytes = storage.nbytes()
         if nbytes == 0:
-            self.sources.append(SourceDesc(kind=EMPTY, handle="", nbytes=0))
-            return len(self.sources) - 1
+            return self._add(SourceDesc(kind=EMPTY, handle="", nbytes=0), None)
         key = (storage._cdata, nbytes)  # the StorageImpl: stable when sharing moves its data
         if key not in self._source_index:
-            self.sources.append(SourceDesc(kind=SHM, handle=share(storage), nbytes=nbytes))
-            self._source_index[key] = len(self.sources) - 1
+            self._source_index[key] = self._add(self._describe(storage), storage)
         return self._source_index[key]
+
+    def _describe(self, storage: torch.UntypedStorage) -> SourceDesc:
+        if storage.device.type != "cuda":
+            return SourceDesc(kind=SHM, handle=share(storage), nbytes=storage.nbytes())
+        self._cuda.append(len(self.sources))
+        return SourceDesc(kind=CUDA_IPC, handle="", nbytes=storage.nbytes())
+
+    def seal(self) -> None:
+        """Record the snapshot's CUDA event and name it in every CUDA source.
+
+        Recorded after the whole tree is walked, so it also orders the kernels capture
+        queued itself (``resolve_conj``): the daemon's copy waits on this one event.
+        """
+        if not self._cuda:
+            return
+        event = snapshot_event(self.keepalive)
+        for i in self._cuda:
+            storage = self.storages[i]
+            assert storage is not None
+            self.sources[i] = SourceDesc(kind=CUDA_IPC, handle=encode_handle(describe_cuda_storage(storage), event),
+                                         nbytes=storage.nbytes())
+
+    def _add(self, desc: SourceDesc, storage: torch.UntypedStorage | None) -> int:
+        self.sources.append(desc)
+        self.storages.append(storage)
+        return len(self.sources) - 1
 
     def add_entry(self, entry: EntryDesc) -> int:
         self.entries.append(entry)
@@ -87,14 +117,14 @@ _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in vars(torch).values() i
 
 
 class TensorCapturer(LeafCapturer):
-    """Dense CPU tensors and Parameters: shared storage plus dtype, shape, stride and offset."""
+    """Dense CPU and CUDA tensors and Parameters: shared storage plus dtype, shape, stride and offset."""
 
     types = (torch.Tensor,)
 
     def capture(self, obj: torch.Tensor, name: str, cap: Capture) -> EntryDesc | None:
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             return None  # subclasses carry state of their own: let pickle keep it
-        if obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized:
+        if obj.device.type not in ("cpu", "cuda") or obj.layout != torch.strided or obj.is_quantized:
             return None
         t = obj
         if t.is_conj() or t.is_neg():
@@ -166,4 +196,5 @@ def capture(state: Any) -> Capture:
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise InvalidRequestError(f"state cannot be serialized: {exc}") from None
     cap.root = cap.add_entry(EntryDesc(provider="pickle", name="<skeleton>", meta={"data": buf.getvalue()}))
+    cap.seal()
     return cap

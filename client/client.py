@@ -15,13 +15,13 @@ import torch
 
 from datastates.daemon.paths import check_path
 from datastates.protocol import messages as m
-from datastates.protocol.descriptors import Ranks
+from datastates.protocol.descriptors import CUDA_IPC, Ranks
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import check_tag
 from datastates.protocol.liveness import pid_namespace
 
-from .capture import capture
+from .capture import Capture, capture
 from .connection import DEFAULT_LIVENESS, Connection
 from .local import LocalSaver
 from .ranks import ranks_from_env
@@ -101,7 +101,7 @@ class Client:
         self.client_id = ""
         self.roots: list[str] = []
         self._local: LocalSaver | None = None
-        self._uncopied: list[tuple[Future, m.Snapshot, list[Any]]] = []
+        self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
         """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
         self._conn = Connection(self.endpoint, liveness)
         hello = m.Hello(pid=os.getpid(), name=name or f"pid{os.getpid()}", host=socket.gethostname(), on_busy=on_busy,
@@ -150,9 +150,9 @@ class Client:
         cap = capture(state)
         msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)
         if self._local is not None:
-            return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg)))
+            return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg, cap.storages)))
         ack = self._conn.request(msg)
-        self._uncopied.append((ack, msg, cap.keepalive))
+        self._uncopied.append((ack, msg, cap))
         return SnapshotHandle(path=path, tag=tag, ack=ack)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -168,12 +168,12 @@ class Client:
             self._wait_daemon(pending, timeout)
         except DaemonUnavailable as exc:
             local = self._go_local(exc)
-            for _ack, msg, _keepalive in pending:  # unchanged since snapshot(): this is the fence
-                local.save(msg)
+            for _ack, msg, cap in pending:  # unchanged since snapshot(): this is the fence
+                local.save(msg, cap.storages)
             if self._uncopied and self._uncopied[0] is pending[0]:
                 del self._uncopied[: len(pending)]
 
-    def _wait_daemon(self, pending: list[tuple[Future, m.Snapshot, list[Any]]], timeout: float | None) -> None:
+    def _wait_daemon(self, pending: list[tuple[Future, m.Snapshot, Capture]], timeout: float | None) -> None:
         acks = [ack for ack, _, _ in pending]
         start = time.monotonic()
         if concurrent.futures.wait(acks, timeout).not_done:
@@ -222,10 +222,17 @@ class Client:
     def close(self, timeout: float | None = None) -> None:
         """Leave the daemon once outstanding requests (commits) are answered, or ``timeout`` passes.
 
-        What the daemon has already taken is flushed whether or not the client stays.
+        What the daemon has already taken is flushed whether or not the client stays. GPU
+        snapshots are waited for first: the daemon reads them from this process's device
+        memory, which goes when the process does.
         """
         if self._local is not None:
             return
+        if any(any(d.kind == CUDA_IPC for d in msg.sources) for _, msg, _ in self._uncopied):
+            try:
+                self.wait(timeout)
+            except DatastatesError as exc:
+                log.warning("a GPU snapshot was not copied before close: %s", exc)
         concurrent.futures.wait(self._conn.outstanding(), timeout)
         try:
             self._conn.call(m.Bye(), min(self.timeout, 5.0))

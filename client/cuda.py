@@ -25,15 +25,6 @@ from typing import Any
 import msgpack
 import torch
 
-CUDA_IPC = "cuda_ipc"
-"""Source kind: one storage inside a CUDA caching-allocator block, opened through CUDA IPC."""
-
-
-def cuda_available() -> bool:
-    """Whether this process can share CUDA storages (a CUDA build and at least one device)."""
-    return torch.cuda.is_available()
-
-
 @functools.cache
 def device_uuid(index: int) -> str:
     """The UUID of the device ``index`` is in this process's numbering (stable across processes)."""

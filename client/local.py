@@ -9,20 +9,31 @@ are the same format, loaded by ``datastates.load`` and found by ``datastates.lat
 from __future__ import annotations
 
 import os
+import time
+from typing import Sequence
+
+import torch
 
 from datastates.daemon.commit import make_marker, tag_folder
 from datastates.daemon.copier import copy_piece
 from datastates.daemon.engine import write_header
 from datastates.daemon.memory import Chunk
 from datastates.daemon.plan import plan_snapshot
-from datastates.daemon.sources import open_region
+from datastates.daemon.sources import Region, open_region
 from datastates.daemon.storage import writer_class
 from datastates.protocol import messages as m
+from datastates.protocol.descriptors import CUDA_IPC
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import marker_name
 
 PIECE = 16 << 20
 """Small enough to keep the trainer's extra memory low, large enough for sequential writes."""
+
+
+class _DeviceRegion(Region):
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.nbytes = storage.nbytes()
+        self.tensor = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (self.nbytes,), (1,))
 
 
 class LocalSaver:
@@ -31,10 +42,15 @@ class LocalSaver:
         self._files: dict[str, dict[str, int]] = {}
         """Per tag, the files saved since its last commit, with their sizes."""
 
-    def save(self, msg: m.Snapshot) -> m.SnapshotAck:
-        """Write ``msg``'s file now: the same layout and checksums as the daemon writes."""
+    def save(self, msg: m.Snapshot, storages: Sequence[torch.UntypedStorage | None]) -> m.SnapshotAck:
+        """Write ``msg``'s file now: the same layout and checksums as the daemon writes.
+
+        ``storages`` are the capture's: a process cannot open its own CUDA IPC handles, so
+        GPU storages are read directly (a synchronous copy, as torch.save makes).
+        """
         plan = plan_snapshot(msg, msg.path, PIECE)
-        regions = [open_region(d) for d in msg.sources]
+        regions = [_DeviceRegion(st) if d.kind == CUDA_IPC and st is not None else open_region(d)
+                   for d, st in zip(msg.sources, storages, strict=True)]
         if self._chunk is None:
             self._chunk = Chunk(PIECE)
         writer = writer_class(msg.path)(direct_io=False, owner=f"local{os.getpid()}")
@@ -59,5 +75,6 @@ class LocalSaver:
             raise CommitError(f"nothing to commit for tag {tag!r}: no snapshot with it was saved locally", tag=tag)
         folder = tag_folder(tag, files, None)
         path = os.path.join(folder, marker_name(tag))
-        writer_class(path)(direct_io=False, owner=f"local{os.getpid()}").publish(path, make_marker(tag, files, folder).encode())
+        writer_class(path)(direct_io=False, owner=f"local{os.getpid()}").publish(
+            path, make_marker(tag, files, folder, time.time_ns()).encode())
         return m.Committed(tag=tag, marker=path, files=list(files))

@@ -3,7 +3,8 @@
 A region is opened once per client and handle. The cache keeps the regions that the
 latest snapshot of each file name used (model_states.pt, optim_states.pt, ...), which are
 the ones the next checkpoint will name again; a region no snapshot uses any longer is
-dropped, and unmapped once no job still copies from it.
+dropped, and unmapped once no job still copies from it. CUDA regions are never cached:
+each snapshot shares its blocks anew, and a held region keeps trainer GPU memory alive.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ClientRecord:
                 region = self._regions.get(key)
                 if region is None:
                     region = open_region(desc)
-                    if desc.handle:
+                    if desc.handle and not region.device_memory:
                         self._regions[key] = region
                 elif region.nbytes != desc.nbytes:
                     raise InvalidRequestError(

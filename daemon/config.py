@@ -84,6 +84,8 @@ class NodeConfig:
     """Write data with O_DIRECT where the file system allows it (falls back by itself)."""
     prefault: bool = True
     """Map and touch the whole pool at start, in the background, instead of on first use."""
+    pin_host_memory: bool = True
+    """Where CUDA is present, page-lock each pool chunk once (cudaHostRegister), so GPU copies run async."""
     commit_timeout: float = 600.0
     """In a multi-rank job, how long a commit waits for the node's other ranks, and across nodes for the others' done markers."""
     client_timeout: float = 30.0
@@ -126,7 +128,7 @@ def from_mapping(data: dict | None) -> NodeConfig:
             kwargs[key] = _positive_int(value, key)
         elif key == "endpoint":
             kwargs[key] = value
-        elif key in ("direct_io", "prefault", "allow_tcp"):
+        elif key in ("direct_io", "prefault", "pin_host_memory", "allow_tcp"):
             if not isinstance(value, bool):
                 raise ConfigError(f"{key}: {value!r} is not true or false", key=key)
             kwargs[key] = value

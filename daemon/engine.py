@@ -70,7 +70,6 @@ class Engine:
         sums: list[list[bytes]] = [list(s.checksums) for s in plan.header.storages]
         failures: list[BaseException] = []
         uncopied = len(plan.pieces)
-        regions = job.regions
         loop = asyncio.get_running_loop()
 
         async def one(piece: Piece) -> None:
@@ -81,7 +80,9 @@ class Engine:
             try:
                 if failures:
                     return
-                for storage, slot, digest in await loop.run_in_executor(self._copy, copy_piece, piece, chunk, regions):
+                if job.abandoned is not None:
+                    raise job.abandoned
+                for storage, slot, digest in await loop.run_in_executor(self._copy, copy_piece, piece, chunk, job.regions):
                     sums[storage][slot] = digest
                 job.copied_bytes += sum(s.length for s in piece.segments)
                 uncopied -= 1

@@ -12,6 +12,8 @@ import enum
 import time
 from typing import Any, Sequence
 
+from datastates.protocol.errors import SnapshotFailedError
+
 from .plan import FilePlan
 from .sources import Region
 
@@ -45,6 +47,8 @@ class SnapshotJob:
         self.error: str | None = None
         self.started = time.monotonic()
         self.finished: float | None = None
+        self.abandoned: SnapshotFailedError | None = None
+        """Set when the trainer went before the copy finished and its memory went with it."""
         self.copied: asyncio.Future = loop.create_future()
         self.durable: asyncio.Future = loop.create_future()
         for fut in (self.copied, self.durable):
@@ -53,6 +57,18 @@ class SnapshotJob:
     @property
     def pending(self) -> bool:
         return self.state in (JobState.COPYING, JobState.FLUSHING)
+
+    def abandon_device_copy(self, why: str) -> bool:
+        """Stop copying from trainer GPU memory that is gone; whether this job had any left to copy.
+
+        Shared memory outlives the trainer (the daemon maps it), so a host-only snapshot
+        still finishes; device memory does not, so its pieces not yet copied must not be read.
+        """
+        if self.state != JobState.COPYING or not any(r.device_memory for r in self.regions):
+            return False
+        self.abandoned = SnapshotFailedError(f"snapshot of {self.path} failed: {why} before its GPU state was "
+                                             "copied, and its GPU memory went with it", path=self.path)
+        return True
 
     def mark_copied(self) -> None:
         self.state = JobState.FLUSHING

@@ -19,23 +19,31 @@ from concurrent.futures import Executor
 
 import torch
 
+from .pinning import pin
+
 
 class Chunk:
-    """One page-aligned buffer, seen both as bytes (for writes) and as a uint8 tensor (for copies)."""
+    """One page-aligned buffer, seen both as bytes (for writes) and as a uint8 tensor (for copies).
 
-    def __init__(self, size: int) -> None:
+    ``pinned`` page-locks it once, where CUDA is present, so device-to-host copies into it
+    are asynchronous; the CPU path copies into the same chunks, so there is one pool, not two.
+    """
+
+    def __init__(self, size: int, pinned: bool = False) -> None:
         self.size = size
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         self.view = memoryview(self._map)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.pinned = pinned and pin(self.tensor)
 
 
 class HostPool:
-    def __init__(self, chunk_size: int, chunks: int) -> None:
+    def __init__(self, chunk_size: int, chunks: int, pinned: bool = False) -> None:
         self.chunk_size = chunk_size
         self.capacity = chunks
+        self.pinned = pinned
         self._all: list[Chunk] = []
         self._free: list[Chunk] = []
         self._queues: dict[str, collections.deque[asyncio.Future]] = {}
@@ -56,7 +64,7 @@ class HostPool:
         while self._room():
             self._mapping += 1
             try:
-                chunk = await loop.run_in_executor(executor, Chunk, self.chunk_size)
+                chunk = await loop.run_in_executor(executor, Chunk, self.chunk_size, self.pinned)
             finally:
                 self._mapping -= 1
             self._all.append(chunk)
@@ -66,7 +74,7 @@ class HostPool:
         if self._free and not self._queues:
             chunk = self._free.pop()
         elif self._room() and not self._queues:
-            chunk = Chunk(self.chunk_size)
+            chunk = Chunk(self.chunk_size, self.pinned)
             self._all.append(chunk)
         else:
             fut = asyncio.get_running_loop().create_future()
@@ -102,6 +110,7 @@ class HostPool:
             "chunk_size": self.chunk_size,
             "chunks_allocated": len(self._all),
             "chunks_in_use": self.in_use,
+            "chunks_pinned": sum(c.pinned for c in self._all),
             "peak_in_use_bytes": self.peak_in_use * self.chunk_size,
             "waiting_copies": sum(1 for q in self._queues.values() for f in q if not f.done()),
         }

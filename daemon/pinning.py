@@ -41,13 +41,3 @@ def pin(tensor: torch.Tensor) -> bool:
         _check(torch.cuda.cudart().cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE), f"cudaHostRegister of {size} bytes")
         _pinned.add(ptr)
     return True
-
-
-def unpin(tensor: torch.Tensor) -> None:
-    """Undo ``pin``; call it before the memory is unmapped, which a registered range must outlive."""
-    ptr = tensor.data_ptr()
-    with _lock:
-        if ptr not in _pinned:
-            return
-        _check(torch.cuda.cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
-        _pinned.discard(ptr)

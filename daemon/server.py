@@ -18,6 +18,7 @@ import socket
 import time
 from typing import Any, Awaitable, Callable
 
+import torch
 import zmq
 import zmq.asyncio
 
@@ -52,7 +53,7 @@ Handler = Callable[[bytes, Any], Awaitable[m.Body]]
 class Daemon:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
-        self.pool = HostPool(cfg.chunk_size, cfg.chunks)
+        self.pool = HostPool(cfg.chunk_size, cfg.chunks, pinned=cfg.pin_host_memory and torch.cuda.is_available())
         owner = hashlib.sha1(f"{socket.gethostname()} {cfg.endpoint}".encode()).hexdigest()[:10]
         self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads, cfg.direct_io, owner)
         self.leftovers: list[str] | None = None
@@ -265,12 +266,16 @@ class Daemon:
                 self._drop(record.identity)
                 if record.ranks.world_size > 1:
                     self.ledger.rank_lost(record.ranks)
-                pending = sum(1 for j in self.jobs.values() if j.client_id == record.id and j.pending)
                 how = "exited" if record.started is not None else f"silent for {timeout:.0f} s"
+                mine = [j for j in self.jobs.values() if j.client_id == record.id]
+                abandoned = sum(j.abandon_device_copy(f"its trainer {how}") for j in mine)
+                pending = sum(1 for j in mine if j.pending) - abandoned
                 self.lost.append({"id": record.id, "name": record.name, "pid": record.pid, "how": how,
-                                  "pending_snapshots": pending, "lost_ns": time.time_ns()})
-                log.warning("client %s (%s, pid %d) %s without BYE: taken as gone; %d pending snapshot(s) still finish",
-                            record.id, record.name, record.pid, how, pending)
+                                  "pending_snapshots": pending, "abandoned_gpu_snapshots": abandoned,
+                                  "lost_ns": time.time_ns()})
+                log.warning("client %s (%s, pid %d) %s without BYE: taken as gone; %d pending snapshot(s) still "
+                            "finish, %d GPU snapshot(s) not yet copied fail", record.id, record.name, record.pid, how,
+                            pending, abandoned)
 
     # -- lifecycle and status ---------------------------------------------------------
 

@@ -19,6 +19,9 @@ SHM = "shm"
 EMPTY = "empty"
 """Source kind: a zero-byte storage, which has no segment at all."""
 
+CUDA_IPC = "cuda_ipc"
+"""Source kind: one storage inside a CUDA caching-allocator block, opened through CUDA IPC."""
+
 
 @dataclass(frozen=True)
 class SourceDesc:

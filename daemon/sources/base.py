@@ -10,7 +10,7 @@ in as another kind without changes elsewhere.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -18,11 +18,30 @@ from datastates.protocol.descriptors import SourceDesc
 from datastates.protocol.errors import InvalidRequestError
 
 
+class Pending(Protocol):
+    """A copy still in flight (a CUDA event): the copy thread waits on it before it checksums the bytes."""
+
+    def synchronize(self) -> None: ...
+
+
 class Region(ABC):
     """Bytes the daemon reads: ``tensor`` is a flat uint8 view of exactly ``nbytes``."""
 
     nbytes: int
     tensor: torch.Tensor
+    device_memory: ClassVar[bool] = False
+    """Trainer GPU memory: never cached (a held region keeps it alive in the trainer), and unreadable
+    once the trainer exits, unlike shared memory, which the daemon's own mapping keeps."""
+
+    def read_into(self, dst: torch.Tensor, src: int, length: int) -> Pending | None:
+        """Copy ``length`` bytes at ``src`` into the host tensor ``dst``; a Pending if the copy is asynchronous.
+
+        A host region copies at once (a memcpy that releases the GIL); a device region
+        queues the copy on the daemon's own stream, so a thread issues all of a piece's
+        copies before it waits on any.
+        """
+        dst[:length].copy_(self.tensor[src:src + length])
+        return None
 
 
 class CopySource(ABC):

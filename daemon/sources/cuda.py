@@ -30,8 +30,9 @@ Lifetime rules:
 - The handle's event must still exist when a copy opens it: the client keeps it until
   ``wait()`` returns, which is after every copy of the snapshot.
 
-Importing this module never touches CUDA; ``register_cuda_source()`` registers the kind
-only where a CUDA device is present, so the CPU path is unchanged.
+Importing this module never touches CUDA. The kind is always registered, so a daemon
+without a CUDA device still checks a GPU snapshot's handles and refuses it with a clear
+error instead of "unknown source kind".
 """
 
 from __future__ import annotations
@@ -42,17 +43,17 @@ import functools
 import os
 import re
 import stat
+import threading
 from typing import Any
 
 import msgpack
 import torch
 
-from datastates.protocol.descriptors import SourceDesc
+from datastates.protocol.descriptors import CUDA_IPC, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, SharedMemoryError
 
 from .base import CopySource, Region, register_source
 
-KIND = "cuda_ipc"
 SHM_DIR = "/dev/shm"
 MAX_HANDLE = 8192
 """Characters of an encoded handle: a block handle is 64 bytes, an expandable segment's a few hundred."""
@@ -125,6 +126,8 @@ def local_device(uuid: str) -> int:
 class CudaIpcRegion(Region):
     """One trainer storage, opened once; ``tensor`` is a flat uint8 CUDA view of exactly ``nbytes``."""
 
+    device_memory = True
+
     def __init__(self, fields: dict[str, Any]) -> None:
         _check_ref_counter(fields["ref_counter"])
         self.device = torch.device("cuda", local_device(fields["uuid"]))
@@ -140,28 +143,43 @@ class CudaIpcRegion(Region):
         self.tensor = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (self.nbytes,), (1,))
         self._event_handle = fields["event"]
         self._event: torch.cuda.Event | None = None
+        self._event_lock = threading.Lock()
 
     def ready_event(self) -> torch.cuda.Event | None:
-        """The snapshot's event, opened on first use; None when the client sent none."""
-        if self._event is None and self._event_handle:
-            self._event = torch.cuda.Event.from_ipc_handle(self.device, self._event_handle)
-        return self._event
+        """The snapshot's event, opened on first use (by whichever copy thread comes first); None if none was sent."""
+        with self._event_lock:
+            if self._event is None and self._event_handle:
+                self._event = torch.cuda.Event.from_ipc_handle(self.device, self._event_handle)
+            return self._event
+
+    def read_into(self, dst: torch.Tensor, src: int, length: int) -> torch.cuda.Event:
+        return copy_to_host(self, src, dst, length, copy_stream(self.device))
+
+
+_streams = threading.local()
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The calling copy thread's own stream on ``device``: copy threads never wait on each other's copies."""
+    streams = _streams.__dict__.setdefault("by_device", {})
+    if device.index not in streams:
+        streams[device.index] = torch.cuda.Stream(device)
+    return streams[device.index]
 
 
 def copy_to_host(region: CudaIpcRegion, src_offset: int, dst_tensor: torch.Tensor, length: int,
                  stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """Queue ``length`` bytes from ``src_offset`` into pinned ``dst_tensor`` on the daemon's ``stream``.
+    """Queue ``length`` bytes from ``src_offset`` into host ``dst_tensor`` on the daemon's ``stream``.
 
     The stream first waits for the snapshot's event, so the kernels the trainer queued
     before ``snapshot()`` are in the bytes. Returns an event the caller synchronizes on
-    before it reads ``dst_tensor`` (checksums, writes). An unpinned destination would
-    make the copy synchronous and stall the copy thread, so it is refused.
+    before it reads ``dst_tensor`` (checksums, writes). Into pinned memory (the pool's
+    chunks, see daemon/pinning.py) the copy is asynchronous; into pageable memory the
+    driver stages it and the call blocks, which is correct but slow.
     """
     if not 0 <= src_offset <= src_offset + length <= region.nbytes or length > dst_tensor.numel():
         raise ValueError(f"copy of {length} bytes at {src_offset} does not fit a {region.nbytes}-byte region "
                          f"and a {dst_tensor.numel()}-byte destination")
-    if not dst_tensor.is_pinned():
-        raise ValueError("copy_to_host needs a pinned destination (see daemon/pinning.py)")
     ready = region.ready_event()
     if ready is not None:
         stream.wait_event(ready)
@@ -173,18 +191,19 @@ def copy_to_host(region: CudaIpcRegion, src_offset: int, dst_tensor: torch.Tenso
 
 
 class CudaIpcSource(CopySource):
-    kind = KIND
+    kind = CUDA_IPC
 
     def open(self, desc: SourceDesc) -> Region:
         fields = decode_handle(desc.handle)
         if fields["nbytes"] != desc.nbytes:
             raise InvalidRequestError(f"CUDA IPC handle names {fields['nbytes']} bytes, the source {desc.nbytes}")
+        if not torch.cuda.is_available():
+            raise SharedMemoryError(
+                "a GPU tensor was snapshotted, but datastatesd sees no CUDA device (a CPU-only torch, or no GPU "
+                "visible to it): run the daemon with the node's GPUs visible, or move the state to CPU first",
+                handle=fields["uuid"][:64],
+            )
         return CudaIpcRegion(fields)
 
 
-def register_cuda_source() -> bool:
-    """Register the ``cuda_ipc`` kind where a CUDA device is present; whether it was registered."""
-    if not torch.cuda.is_available():
-        return False
-    register_source(CudaIpcSource())
-    return True
+register_source(CudaIpcSource())

@@ -10,14 +10,16 @@ import hashlib
 import mmap
 import subprocess
 import sys
+import time
 from typing import Any, Callable
 
 import msgpack
 import torch
 
 import datastates
+from datastates.client import daemon_status
 from datastates.client.cuda import describe_cuda_storage, encode_handle, snapshot_event
-from datastates.daemon.pinning import pin, unpin
+from datastates.daemon.pinning import pin
 
 from conftest import DaemonProc, assert_state_equal, same_storage, save
 
@@ -95,9 +97,7 @@ def test_region_opened_in_a_second_process_reads_the_kernels_result(run_child: C
 def test_pin_registers_a_mapped_chunk_once() -> None:
     host = torch.frombuffer(mmap.mmap(-1, 4 << 20), dtype=torch.uint8)
     assert not host.is_pinned()
-    assert pin(host) and pin(host) and host.is_pinned()
-    unpin(host)
-    assert not host.is_pinned()
+    assert pin(host) and pin(host) and host.is_pinned()  # a second pin is a no-op, not a CUDA error
 
 
 # -- end to end, through a daemon -----------------------------------------------------------
@@ -157,3 +157,68 @@ def test_two_ranks_share_one_gpu(daemon: DaemonProc) -> None:
         g = torch.Generator(device="cuda").manual_seed(r)
         expected = {"w": torch.randn(1 << 20, generator=g, device="cuda").cpu(), "rank": r}
         assert_state_equal(expected, datastates.load(daemon.root / "step1" / f"rank{r}.pt", map_location="cpu"))
+
+
+CHILD_EXITS = """
+import os, sys, time, torch
+from datastates.client import Client
+endpoint, path, how = sys.argv[1], sys.argv[2], sys.argv[3]
+x = torch.full((1 << 26,), 3.0, device="cuda")  # 256 MiB
+c = Client(endpoint, timeout=120)
+if how == "killed":  # dies before the daemon can have copied: the copy waits behind a long kernel
+    torch.cuda._sleep(40_000_000_000)
+    x.add_(1.0)
+    c.snapshot({"x": x}, path)
+    print("SENT", flush=True)
+    time.sleep(1)
+    os.kill(os.getpid(), 9)
+c.snapshot({"x": x}, path)
+c.wait()
+c.commit("exits").result(timeout=300)
+os._exit(0)  # no close(), no BYE: the daemon notices by itself
+"""
+
+
+def test_a_trainer_that_exits_after_wait_leaves_its_checkpoint_and_no_held_regions(daemon: DaemonProc) -> None:
+    path = daemon.root / "exits" / "model_states.pt"
+    subprocess.run([sys.executable, "-c", CHILD_EXITS, daemon.endpoint, str(path), "exits"], check=True, timeout=300)
+    assert datastates.latest(daemon.root) == "exits"
+    assert torch.equal(datastates.load(path, map_location="cpu")["x"], torch.full((1 << 26,), 3.0))
+    for _ in range(600):  # a hang guard: the daemon drops the exited trainer within client_timeout
+        st = daemon_status(daemon.endpoint)
+        if not st["clients"]:
+            break
+        time.sleep(0.1)
+    assert not st["clients"] and st["clients_lost"][-1]["how"] == "exited", st
+
+
+def test_a_trainer_killed_before_its_gpu_copy_fails_that_snapshot_only(daemon: DaemonProc, client: Any) -> None:
+    """Its GPU memory is gone, so the snapshot must fail, not be read from freed memory; others are served."""
+    path = daemon.root / "killed" / "model_states.pt"
+    proc = subprocess.Popen([sys.executable, "-c", CHILD_EXITS, daemon.endpoint, str(path), "killed"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "SENT"
+    assert proc.wait(120) == -9
+    for _ in range(1200):  # a hang guard, not a timing check
+        jobs = [j for j in daemon_status(daemon.endpoint)["snapshots"] if j["path"] == str(path)]
+        if jobs and jobs[0]["state"] in ("failed", "durable"):
+            break
+        time.sleep(0.1)
+    assert jobs and jobs[0]["state"] == "failed", jobs  # abandoned, or its IPC event already gone at open
+    assert not path.exists()
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    save(client, state, daemon.root / "after" / "model_states.pt")
+    assert_state_equal(to_cpu(state), datastates.load(daemon.root / "after" / "model_states.pt", map_location="cpu"))
+
+
+def test_the_daemon_does_not_keep_freed_trainer_memory_alive(client: Any, daemon: DaemonProc) -> None:
+    """Each snapshot's blocks are released once copied: ten 256 MiB checkpoints do not grow the trainer's memory."""
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    for step in range(10):
+        x = torch.full((1 << 26,), float(step), device="cuda")
+        save(client, {"x": x}, daemon.root / f"mem{step}" / "model_states.pt")
+        del x
+        torch.cuda.ipc_collect()  # frees blocks whose ref-counter slot the daemon released
+        torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() - base < 2 * (256 << 20), (base, torch.cuda.memory_reserved())
