@@ -1,5 +1,5 @@
 """What runs in the training rank: the client, state capture, and the reader."""
 
-from .client import Client, SnapshotHandle, daemon_status
+from .client import Client, Restored, SnapshotHandle, daemon_status
 
-__all__ = ["Client", "SnapshotHandle", "daemon_status"]
+__all__ = ["Client", "Restored", "SnapshotHandle", "daemon_status"]

@@ -17,18 +17,31 @@ from datastates.daemon.paths import check_path
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import CUDA_IPC, Ranks
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
-from datastates.protocol.format import check_tag
+from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
+from datastates.protocol.format import check_tag, marker_name, read_marker
 from datastates.protocol.liveness import pid_namespace
 
 from .capture import Capture, capture
 from .connection import DEFAULT_LIVENESS, Connection
 from .local import LocalSaver
+from .reader import MapLocation, latest, load
 from .ranks import ranks_from_env
 
 DEFAULT_TIMEOUT = 30.0
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``Client.restore`` read: the tag, the file on storage it stands for, and where the bytes came from."""
+
+    tag: str
+    path: str
+    source: str
+    """``memory`` (the daemon's copy, through /dev/shm) or ``storage`` (the file at ``path``)."""
+    state: Any
+    why_not_memory: str = ""
 
 
 @dataclass(frozen=True)
@@ -215,6 +228,41 @@ class Client:
         if self._local is not None:
             return _done(self._local.commit(tag))
         return self._conn.request(m.Commit(tag=tag))
+
+    def restore(self, root: str | os.PathLike, name: str, tag: str | None = None,
+                map_location: MapLocation = None) -> Restored | None:
+        """Load this rank's file ``name`` of ``tag`` (default: the newest committed under ``root``).
+
+        From the daemon's memory when it holds a copy of that very tag, else from storage,
+        and ``source`` says which. The tag comes from the commit markers on storage, so
+        every rank of a job picks the same one and never mixes steps; None if none is committed.
+        """
+        root = os.path.abspath(os.fspath(root))
+        tag = check_tag(tag) if tag is not None else latest(root)
+        if tag is None:
+            return None
+        folder = os.path.join(root, tag)
+        marker = read_marker(os.path.join(folder, marker_name(tag)))
+        if marker is None:
+            raise CommitError(f"tag {tag!r} under {root} is not committed (no valid {marker_name(tag)})", tag=tag)
+        size = next((f.size for f in marker.files if f.path == name), None)
+        if size is None:
+            raise InvalidRequestError(f"{name!r} is not a file of tag {tag!r} (it has: "
+                                      f"{', '.join(sorted(f.path for f in marker.files)[:8])})")
+        path = os.path.join(folder, name)
+        why_not = "fallback='local': no daemon"
+        if self._local is None:
+            try:
+                reply = self._conn.call(m.Restore(path=path, tag=tag, size=size), self.timeout)
+                if reply.copy:
+                    state = load(reply.copy, map_location)
+                    log.info("restored %s (tag %s) from the daemon's memory", path, tag)
+                    return Restored(tag=tag, path=path, source="memory", state=state)
+                why_not = reply.why_not
+            except DatastatesError as exc:  # the copy went, or the daemon: storage still has it
+                why_not = f"{exc.code}: {exc}"
+        log.info("restored %s (tag %s) from storage: %s", path, tag, why_not)
+        return Restored(tag=tag, path=path, source="storage", state=load(path, map_location), why_not_memory=why_not)
 
     def status(self) -> dict[str, Any]:
         return self._conn.call(m.Status(), self.timeout).status

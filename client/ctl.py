@@ -12,10 +12,10 @@ from typing import Any
 from datastates.protocol import messages as m
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DatastatesError
-from datastates.protocol.format import CommitMarker, check_tag, marker_name
+from datastates.protocol.format import CommitMarker, check_tag, marker_name, markers
 
 from .connection import Connection
-from .reader import markers, verify
+from .reader import verify
 
 POLL_S = 0.2
 

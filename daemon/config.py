@@ -86,6 +86,10 @@ class NodeConfig:
     """Map and touch the whole pool at start, in the background, instead of on first use."""
     pin_host_memory: bool = True
     """Where CUDA is present, page-lock each pool chunk once (cudaHostRegister), so GPU copies run async."""
+    memory_restore: str = "latest"
+    """``latest``: keep each rank's newest committed snapshot in /dev/shm for restores; ``none``: off."""
+    memory_restore_budget: int = 2 << 30
+    """The most /dev/shm those copies take; a snapshot over it is not kept (restores read storage)."""
     commit_timeout: float = 600.0
     """In a multi-rank job, how long a commit waits for the node's other ranks, and across nodes for the others' done markers."""
     client_timeout: float = 30.0
@@ -100,7 +104,8 @@ class NodeConfig:
         return self.host_memory // self.chunk_size
 
 
-_SIZES = {"host_memory", "chunk_size"}
+_SIZES = {"host_memory", "chunk_size", "memory_restore_budget"}
+MEMORY_RESTORE_POLICIES = ("latest", "none")
 _LEVELS = {"debug", "info", "warning", "error"}
 
 
@@ -136,6 +141,10 @@ def from_mapping(data: dict | None) -> NodeConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{key}: {value!r} is not a positive number of seconds", key=key)
             kwargs[key] = float(value)
+        elif key == "memory_restore":
+            if value not in MEMORY_RESTORE_POLICIES:
+                raise ConfigError(f"memory_restore: {value!r} is not one of {list(MEMORY_RESTORE_POLICIES)}", key=key)
+            kwargs[key] = value
         elif key == "log_level":
             if str(value).lower() not in _LEVELS:
                 raise ConfigError(f"log_level: {value!r} is not one of {sorted(_LEVELS)}", key=key)

@@ -22,6 +22,7 @@ from .copier import copy_piece
 from .job import SnapshotJob
 from .memory import HostPool
 from .plan import FilePlan, Piece
+from .restore_cache import Mirror
 from .storage import StorageWriter, writer_class
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class Engine:
                 if uncopied == 0:
                     job.mark_copied()
                 await self.flush(writer.write, handle, plan.data_offset + piece.offset, chunk.view[: piece.length])
+                if mirror is not None:
+                    await self.flush(mirror.write, plan.data_offset + piece.offset, chunk.view[: piece.length])
                 job.flushed_bytes += sum(s.length for s in piece.segments)
             except BaseException as exc:
                 failures.append(exc)
@@ -101,6 +104,9 @@ class Engine:
         except DatastatesError as exc:
             job.mark_failed(exc)
             return
+        mirror = None if job.keep is None else Mirror(self.writer(job.keep.copy), job.keep)
+        if mirror is not None:
+            await self.flush(mirror.create, f"{job.client_id}-{job.id}")
         try:
             if not plan.pieces:
                 job.mark_copied()
@@ -108,16 +114,23 @@ class Engine:
             if failures:
                 raise failures[0]
             await self.flush(write_header, writer, handle, plan, sums)
+            if mirror is not None:
+                await self.flush(mirror.write_header, write_header, plan, sums)
+                await self.flush(mirror.finalize)
             if after:
                 await asyncio.wait(after)
             await self.flush(writer.finalize, handle)
         except Exception as exc:
             await self.flush(writer.abort, handle)
+            if mirror is not None:
+                await self.flush(mirror.abort)
             if not isinstance(exc, DatastatesError):
                 log.exception("snapshot %d to %s failed", job.id, job.path)
                 exc = SnapshotFailedError(f"snapshot of {job.path} failed: {exc}", path=job.path)
             job.mark_failed(exc)
             return
+        if mirror is not None and mirror.failed:
+            job.keep = None
         job.mark_durable()
         log.info("snapshot %d durable: %s (%d bytes)", job.id, job.path, job.total_bytes)
 

@@ -82,6 +82,7 @@ async def _serve(cfg: config.NodeConfig) -> None:
             auth.stop()
         ctx.term()
         daemon.engine.close()
+        daemon.restore_cache.close()
         log.info("datastatesd stopped")
 
 

@@ -41,6 +41,7 @@ from .job import SnapshotJob
 from .memory import HostPool
 from .paths import check_path
 from .plan import plan_snapshot
+from .restore_cache import RestoreCache
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Daemon:
         self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
         self.ledger = CommitLedger(self.engine, cfg.storage.roots, cfg.commit_timeout)
+        self.restore_cache = RestoreCache(cfg.memory_restore, cfg.memory_restore_budget, owner)
         self.jobs: dict[int, SnapshotJob] = {}
         self._finished: collections.deque[int] = collections.deque()
         self._job_ids = itertools.count(1)
@@ -78,6 +80,7 @@ class Daemon:
             m.Shutdown: self._shutdown,
             m.Bye: self._bye,
             m.Heartbeat: self._heartbeat,
+            m.Restore: self._restore,
         }
         self.lost: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         """Clients that went silent without BYE (a killed trainer), newest last."""
@@ -184,6 +187,7 @@ class Daemon:
         plan, regions = await asyncio.get_running_loop().run_in_executor(None, admit)
         earlier = [j for j in self.jobs.values() if j.path == plan.path and j.pending]
         job = SnapshotJob(next(self._job_ids), client.id, body.tag, plan, regions)
+        job.keep = self.restore_cache.reserve(job, client.ranks)
         self.jobs[job.id] = job
         self.ledger.add(job)
         self._spawn(self._run(job, earlier))
@@ -205,6 +209,8 @@ class Daemon:
 
     async def _run(self, job: SnapshotJob, earlier: list[SnapshotJob]) -> None:
         await self.engine.run(job, after=[j.durable for j in earlier])
+        if job.keep is None:  # failed, or its in-memory copy did
+            self.restore_cache.discard(job.id)
         self._finished.append(job.id)
         while len(self._finished) > HISTORY:
             self.jobs.pop(self._finished.popleft(), None)
@@ -229,9 +235,16 @@ class Daemon:
     async def _commit(self, identity: bytes, body: m.Commit) -> m.Committed:
         client = self.clients.get(identity)
         await self._admitted(client.id)
+        mine = [j for j in self.jobs.values() if j.client_id == client.id and j.tag == body.tag]
         committed = await self.ledger.commit(client.id, check_tag(body.tag), client.ranks)
+        self.restore_cache.committed(body.tag, mine)
         log.info("tag %s committed by %s: %s", body.tag, client.id, committed.marker)
         return committed
+
+    async def _restore(self, identity: bytes, body: m.Restore) -> m.RestoreReply:
+        self.clients.get(identity)
+        kept, why_not = self.restore_cache.lookup(check_path(body.path, self.cfg.storage.roots), body.tag, body.size)
+        return m.RestoreReply(copy=kept.copy if kept else "", why_not=why_not)
 
     async def _status(self, identity: bytes, body: m.Status) -> m.StatusReply:
         return m.StatusReply(status=self.status())
@@ -327,5 +340,6 @@ class Daemon:
             "pending": sum(1 for j in self.jobs.values() if j.pending),
             "commits_pending": self.ledger.pending,
             "tags_gathering": self.ledger.groups(),
+            "restore_cache": self.restore_cache.status(),
             "committed": list(self.ledger.committed),
         }

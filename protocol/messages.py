@@ -40,6 +40,8 @@ class MsgType(enum.StrEnum):
     BYE_ACK = "bye_ack"
     HEARTBEAT = "heartbeat"
     HEARTBEAT_ACK = "heartbeat_ack"
+    RESTORE = "restore"
+    RESTORE_REPLY = "restore_reply"
     ERROR = "error"
 
 
@@ -128,6 +130,24 @@ class Committed(Body):
     tag: str
     marker: str
     files: list[str]
+
+
+@dataclass(frozen=True)
+class Restore(Body):
+    """Where the daemon's in-memory copy of ``path`` is, if it holds one of ``tag`` with ``size`` bytes."""
+
+    TYPE = MsgType.RESTORE
+    path: str
+    tag: str
+    size: int
+
+
+@dataclass(frozen=True)
+class RestoreReply(Body):
+    TYPE = MsgType.RESTORE_REPLY
+    copy: str
+    """A checkpoint file in the daemon's /dev/shm folder, or "" when it holds no such copy."""
+    why_not: str = ""
 
 
 @dataclass(frozen=True)

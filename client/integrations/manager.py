@@ -13,7 +13,6 @@ import logging
 import os
 import random
 import re
-import shutil
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -21,9 +20,9 @@ import numpy as np
 import torch
 
 from datastates.client.client import Client
-from datastates.client.reader import latest, load, markers, read_marker
+from datastates.client.reader import latest, load
+from datastates.daemon.retention import prune
 from datastates.protocol.errors import CommitError, InvalidRequestError, SnapshotSkippedError, WaitTimeout
-from datastates.protocol.format import marker_name
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +50,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointManager:
@@ -201,30 +192,6 @@ class CheckpointManager:
             raise CommitError(f"checkpoint {tag} under {self.root} was not committed: {exc}{more}", tag=tag) from exc
 
     def _prune(self) -> None:
-        """Delete the committed tags older than the ``keep_last`` newest, as ``latest()`` orders them.
-
-        Only tags whose marker is valid count, so an uncommitted folder (a save in flight,
-        or one a killed run left) is never deleted, and the newest committed tag never is.
-        """
-        committed = []
-        for path in markers(self.root):
-            folder = os.path.dirname(path)
-            tag = os.path.basename(folder)
-            if folder == self.root or not _TAG.fullmatch(tag) or os.path.basename(path) != marker_name(tag):
-                continue
-            marker = read_marker(path)
-            if marker is not None:
-                committed.append((marker.newness, tag, path))
-        committed.sort(reverse=True)
+        """Delete this manager's committed tags older than the ``keep_last`` newest (see daemon/retention.py)."""
         in_flight = {tag for tag, _ in self._pending}  # being saved again: its files are about to be replaced
-        for _, tag, marker in committed[self.keep_last:]:
-            if tag not in in_flight:
-                self._delete(os.path.dirname(marker), marker)
-
-    def _delete(self, folder: str, marker: str) -> None:
-        """Marker first, made durable before any file goes: a half-deleted tag is never taken as committed."""
-        os.unlink(marker)
-        _fsync_dir(folder)
-        shutil.rmtree(folder)
-        _fsync_dir(self.root)
-        log.info("pruned checkpoint %s", folder)
+        prune(self.root, self.keep_last, spare=in_flight, accept=_TAG.fullmatch)

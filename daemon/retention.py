@@ -1,0 +1,81 @@
+"""Retention: which committed tags of a root to keep, and deleting the others so no reader is misled.
+
+Shared by the daemon (``keep_last`` in node.yaml, applied after each commit), by
+``datastatesctl prune`` and by ``CheckpointManager``. Only tags with a valid commit
+marker count, so an uncommitted folder (a save in flight, or one a killed run left) is
+never deleted, and the newest ``keep_last`` (at least one) always stay: a tag goes only
+once a newer one is committed on the same root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from datastates.protocol.format import CommitMarker, marker_name, markers, read_marker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CommittedTag:
+    tag: str
+    folder: str
+    marker: CommitMarker
+
+    @property
+    def marker_path(self) -> str:
+        return os.path.join(self.folder, marker_name(self.tag))
+
+
+def committed_tags(root: str, accept: Callable[[str], bool] = lambda tag: True) -> list[CommittedTag]:
+    """The tags committed in their own folders under ``root``, newest first, as ``latest()`` orders them."""
+    found = []
+    for path in markers(root):
+        folder = os.path.dirname(path)
+        tag = os.path.basename(folder)
+        if folder == root or os.path.basename(path) != marker_name(tag) or not accept(tag):
+            continue
+        marker = read_marker(path)
+        if marker is not None:
+            found.append(CommittedTag(tag, folder, marker))
+    return sorted(found, key=lambda c: c.marker.newness, reverse=True)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def delete_tag(tag: CommittedTag) -> None:
+    """Marker first, made durable before any file goes: a half-deleted tag is never taken as committed."""
+    os.unlink(tag.marker_path)
+    fsync_dir(tag.folder)
+    shutil.rmtree(tag.folder)
+    fsync_dir(os.path.dirname(tag.folder))
+    log.info("pruned checkpoint %s", tag.folder)
+
+
+def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable[[str], bool] = lambda tag: True,
+          dry_run: bool = False) -> list[str]:
+    """Delete the committed tags of ``root`` older than its ``keep_last`` newest; the folders deleted.
+
+    ``spare`` are tags never deleted (being saved again right now, say); ``dry_run`` only lists.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, not {keep_last}: the newest committed tag always stays")
+    spare = set(spare)
+    gone = []
+    for tag in committed_tags(root, accept)[keep_last:]:
+        if tag.tag in spare:
+            continue
+        if not dry_run:
+            delete_tag(tag)
+        gone.append(tag.folder)
+    return gone

@@ -1,0 +1,149 @@
+"""Restoring from the daemon's memory: a killed trainer's restart reads no storage, and never mixes steps.
+
+The trainer is a real process, killed with SIGKILL; the restart is a new Client. To show
+that a memory restore reads nothing from storage, the storage copy is damaged (same size,
+so its marker still holds) before the restore: the state must come back bitwise anyway,
+while loading the storage file fails its checksum.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import datastates
+from datastates.client import Client, daemon_status
+from datastates.protocol.descriptors import Ranks
+from datastates.protocol.errors import CommitError, CorruptCheckpointError, InvalidRequestError
+
+from conftest import DaemonProc, assert_state_equal
+
+TRAINER = """
+import sys, time, torch
+from datastates.client import Client
+root, steps, commit_last = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+with Client(sys.argv[4], timeout=60) as c:
+    for step in range(1, steps + 1):
+        torch.manual_seed(step)
+        state = {"w": torch.randn(300_000), "b": torch.randn(77).to(torch.bfloat16), "step": step}
+        c.snapshot(state, f"{root}/step{step}/rank0.pt")
+        c.wait()
+        if step < steps or commit_last:
+            c.commit(f"step{step}").result(timeout=120)
+    print("READY", flush=True)
+    time.sleep(600)
+"""
+
+
+def expected(step: int) -> dict:
+    torch.manual_seed(step)
+    return {"w": torch.randn(300_000), "b": torch.randn(77).to(torch.bfloat16), "step": step}
+
+
+def train_then_kill(d: DaemonProc, steps: int, commit_last: bool = True) -> None:
+    """Run a trainer that checkpoints ``steps`` steps, then SIGKILL it, as a crash would."""
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(d.root), str(steps), "1" if commit_last else "0",
+                             d.endpoint], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+
+
+def damage(path: Path) -> None:
+    """Flip a byte mid-file, inside ``w``: the size (and so the commit marker) still holds, the checksum does not."""
+    middle = path.stat().st_size // 2
+    with open(path, "r+b") as f:
+        f.seek(middle)
+        byte = f.read(1)
+        f.seek(middle)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_killed_trainer_restarts_from_the_daemons_memory_bitwise(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon()
+    train_then_kill(d, steps=2)
+    damage(d.root / "step2" / "rank0.pt")
+    with pytest.raises(CorruptCheckpointError):
+        datastates.load(d.root / "step2" / "rank0.pt")
+    with Client(d.endpoint, timeout=60) as c:
+        restored = c.restore(d.root, "rank0.pt")
+    assert restored is not None and (restored.tag, restored.source) == ("step2", "memory"), restored
+    assert_state_equal(expected(2), restored.state)
+    copies = daemon_status(d.endpoint)["restore_cache"]["copies"]
+    assert [(k["tag"], k["committed"]) for k in copies] == [("step2", True)]  # step1's copy went when step2 committed
+
+
+def test_without_a_memory_copy_the_restore_reads_storage_and_says_so(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon()
+    train_then_kill(d, steps=2)
+    d.stop()
+    d2 = start_daemon()  # a new daemon holds nothing in memory
+    with Client(d2.endpoint, timeout=60) as c:
+        restored = c.restore(d2.root, "rank0.pt")
+    assert restored is not None and (restored.tag, restored.source) == ("step2", "storage")
+    assert "holds no copy" in restored.why_not_memory
+    assert_state_equal(expected(2), restored.state)
+
+
+def test_an_uncommitted_newer_snapshot_is_never_restored(start_daemon: Callable[..., DaemonProc]) -> None:
+    """step3 was copied but never committed: every rank restores step2, from memory, not a mix of steps."""
+    d = start_daemon()
+    train_then_kill(d, steps=3, commit_last=False)
+    assert datastates.latest(d.root) == "step2"
+    with Client(d.endpoint, timeout=60) as c:
+        restored = c.restore(d.root, "rank0.pt")
+    assert restored is not None and (restored.tag, restored.source) == ("step2", "memory")
+    assert_state_equal(expected(2), restored.state)
+
+
+def test_ranks_agree_on_the_tag_when_only_one_fits_in_memory(start_daemon: Callable[..., DaemonProc]) -> None:
+    """The budget holds one rank's file: rank 0 restores from memory, rank 1 from storage, both the same step."""
+    d = start_daemon(memory_restore_budget="1MiB")
+    states = {r: {"w": torch.full((150_000,), float(r)), "rank": r} for r in range(2)}  # 600 KB each
+    clients = [Client(d.endpoint, timeout=60, ranks=Ranks(rank=r, local_rank=r, world_size=2, local_world_size=2,
+                                                          job="j")) for r in range(2)]
+    try:
+        for r, c in enumerate(clients):
+            c.snapshot(states[r], d.root / "step1" / f"rank{r}.pt")
+            c.wait()
+        for fut in [c.commit("step1") for c in clients]:
+            fut.result(timeout=120)
+        for r, c in enumerate(clients):
+            c.snapshot({"w": torch.zeros(300_000), "rank": r}, d.root / "step2" / f"rank{r}.pt")  # never committed
+        for c in clients:
+            c.wait()
+        restored = [c.restore(d.root, f"rank{r}.pt") for r, c in enumerate(clients)]
+    finally:
+        for c in clients:
+            c.close()
+    assert [(x.tag, x.source) for x in restored] == [("step1", "memory"), ("step1", "storage")]
+    assert "holds no copy" in restored[1].why_not_memory
+    for r in range(2):
+        assert_state_equal(states[r], restored[r].state)
+
+
+def test_memory_restore_none_turns_it_off(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon(memory_restore="none")
+    train_then_kill(d, steps=1)
+    with Client(d.endpoint, timeout=60) as c:
+        restored = c.restore(d.root, "rank0.pt")
+    assert restored is not None and restored.source == "storage" and "memory_restore is none" in restored.why_not_memory
+    assert_state_equal(expected(1), restored.state)
+
+
+def test_restore_refusals_are_clear(start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
+    d = start_daemon()
+    with Client(d.endpoint, timeout=60) as c:
+        assert c.restore(d.root, "rank0.pt") is None  # nothing committed yet: a fresh start
+        train_then_kill(d, steps=1)
+        with pytest.raises(InvalidRequestError, match="not a file of tag 'step1'"):
+            c.restore(d.root, "rank7.pt")
+        with pytest.raises(CommitError, match="not committed"):
+            c.restore(d.root, "rank0.pt", tag="step9")
