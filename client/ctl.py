@@ -14,7 +14,12 @@ from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DatastatesError
 from datastates.protocol.format import CommitMarker, check_tag, marker_name, markers
 
+from datastates.daemon.retention import prune
+
+from .catalog import list_tags
+from .client import daemon_status
 from .connection import Connection
+from .convert import FORMATS, convert_tag
 from .reader import verify
 
 POLL_S = 0.2
@@ -97,6 +102,47 @@ def _verify(target: str, root: str) -> int:
     return 1 if failures else 0
 
 
+def _ls(root: str, endpoint: str | None, timeout: float) -> int:
+    """Tags of ``root``; the daemon, when one answers, says which it also holds in memory."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"no folder {root}")
+    try:
+        copies = daemon_status(endpoint, timeout)["restore_cache"]["copies"]
+        in_memory = {k["tag"] for k in copies if k["committed"] and os.path.dirname(os.path.dirname(k["path"]))
+                     == os.path.abspath(root)}
+    except DatastatesError:
+        in_memory = set()
+    entries = list_tags(root, in_memory)
+    print(f"{'tag':<28} {'state':<12} {'size':>11} {'files':>5}  {'where':<16} age")
+    for e in entries:
+        where = "storage+memory" if e.in_memory else "storage"
+        print(f"{e.tag:<28} {e.state:<12} {_size(e.size):>11} {e.files:>5}  {where:<16} {_age(e.age_s)}")
+    if not entries:
+        print(f"(no tags under {root})")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.1f}{unit}"
+    return f"{max(0.0, seconds):.0f}s"
+
+
+def _prune(root: str, keep_last: int, dry_run: bool) -> int:
+    gone = prune(os.path.abspath(root), keep_last, dry_run=dry_run)
+    for folder in gone:
+        print(f"{'would delete' if dry_run else 'deleted'} {folder}")
+    print(f"{len(gone)} tag(s) {'to prune' if dry_run else 'pruned'}; the {keep_last} newest committed kept")
+    return 0
+
+
+def _convert(folder: str, to: str, out: str) -> int:
+    for path in convert_tag(folder, to, out):
+        print(f"wrote {path}")
+    return 0
+
+
 def _status(conn: Connection, timeout: float) -> dict[str, Any]:
     return conn.call(m.Status(), timeout).status
 
@@ -114,13 +160,32 @@ def main(argv: list[str] | None = None) -> int:
     p_verify = sub.add_parser("verify", help="check a checkpoint file, or every file of a committed tag (no daemon needed)")
     p_verify.add_argument("target", help="a checkpoint file, a tag's folder, or a tag name under --root")
     p_verify.add_argument("--root", default=".", help="where a tag given by name is looked for (default: .)")
+    p_ls = sub.add_parser("ls", help="the tags under a root: state, size, where (storage, daemon memory), age")
+    p_ls.add_argument("root")
+    p_prune = sub.add_parser("prune", help="delete the committed tags under a root older than the --keep-last newest")
+    p_prune.add_argument("root")
+    p_prune.add_argument("--keep-last", type=int, required=True, metavar="N", help="committed tags to keep (>= 1)")
+    p_prune.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    p_convert = sub.add_parser("convert", help="write a committed tag as plain torch.save or safetensors files")
+    p_convert.add_argument("tag", help="the tag's folder")
+    p_convert.add_argument("--to", required=True, choices=FORMATS)
+    p_convert.add_argument("--out", required=True, help="the folder to write into")
     args = parser.parse_args(argv)
 
-    if args.command == "verify":
+    offline = {
+        "verify": lambda: _verify(args.target, args.root),
+        "ls": lambda: _ls(args.root, args.endpoint, args.connect_timeout),
+        "prune": lambda: _prune(args.root, args.keep_last, args.dry_run),
+        "convert": lambda: _convert(args.tag, args.to, args.out),
+    }
+    if args.command in offline:
         try:
-            return _verify(args.target, args.root)
+            return offline[args.command]()
         except DatastatesError as exc:
             print(f"datastatesctl: error: {exc.message}", file=sys.stderr)
+            return 2
+        except (OSError, ValueError) as exc:
+            print(f"datastatesctl: error: {exc}", file=sys.stderr)
             return 2
 
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import re
 import time
@@ -29,6 +30,9 @@ from datastates.protocol.version import COMMIT_VERSION
 from .engine import Engine
 from .job import SnapshotJob
 from .paths import within
+from .retention import prune
+
+log = logging.getLogger(__name__)
 
 HISTORY = 64
 POLL_S = 0.2
@@ -91,8 +95,9 @@ class _TagGroup:
 
 
 class CommitLedger:
-    def __init__(self, engine: Engine, roots: list[str], timeout: float) -> None:
+    def __init__(self, engine: Engine, roots: list[str], timeout: float, keep_last: int | None = None) -> None:
         self._engine = engine
+        self._keep_last = keep_last
         self._roots = roots
         self._timeout = timeout
         self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
@@ -275,9 +280,22 @@ class CommitLedger:
                     if order >= self._tracked.get(tracker, -1):
                         self._tracked[tracker] = order
                         await self._write(tracker, data, tag)
+            if self._keep_last is not None:
+                await self._prune(parent)
         self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(marker.files),
                                "committed_ns": marker.committed_ns})
         return m.Committed(tag=tag, marker=path, files=[os.path.join(folder, f.path) for f in marker.files])
+
+    async def _prune(self, parent: str) -> None:
+        """Retention after a commit; a tag that cannot be deleted is logged, and the commit stands."""
+        try:
+            await self._engine.flush(prune, parent, self._keep_last, self.open_tags())
+        except OSError as exc:
+            log.warning("keep_last: pruning %s failed: %s", parent, exc)
+
+    def open_tags(self) -> set[str]:
+        """Tags with snapshots not yet committed: being saved again, so never pruned."""
+        return {tag for _, tag in self._open} | {tag for _, _, tag in self._groups}
 
     async def _write(self, path: str, data: bytes, tag: str) -> None:
         try:

@@ -59,6 +59,8 @@ def _default_roots() -> list[str]:
 class StorageConfig:
     roots: list[str] = field(default_factory=_default_roots)
     """Folders a client may write under; anything else is refused."""
+    keep_last: int | None = None
+    """After each commit, keep only this many newest committed tags beside it (None: keep all)."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,10 @@ def _storage(value: Any) -> StorageConfig:
     roots = value.get("roots", _default_roots())
     if not isinstance(roots, list) or not roots or not all(isinstance(r, str) and os.path.isabs(r) for r in roots):
         raise ConfigError(f"storage.roots: {roots!r} must be a non-empty list of absolute paths", key="storage.roots")
-    return StorageConfig(roots=[os.path.realpath(r) for r in roots])
+    keep_last = value.get("keep_last")
+    if keep_last is not None:
+        keep_last = _positive_int(keep_last, "storage.keep_last")
+    return StorageConfig(roots=[os.path.realpath(r) for r in roots], keep_last=keep_last)
 
 
 def _curve(value: Any) -> CurveConfig:

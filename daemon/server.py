@@ -60,7 +60,7 @@ class Daemon:
         self.leftovers: list[str] | None = None
         self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
-        self.ledger = CommitLedger(self.engine, cfg.storage.roots, cfg.commit_timeout)
+        self.ledger = CommitLedger(self.engine, cfg.storage.roots, cfg.commit_timeout, cfg.storage.keep_last)
         self.restore_cache = RestoreCache(cfg.memory_restore, cfg.memory_restore_budget, owner)
         self.jobs: dict[int, SnapshotJob] = {}
         self._finished: collections.deque[int] = collections.deque()

@@ -1,0 +1,48 @@
+"""What ``datastatesctl ls`` shows: every tag folder under a root, with its state, size, place and age."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from datastates.protocol.format import CommitMarker, marker_name, read_marker
+
+
+@dataclass(frozen=True)
+class TagEntry:
+    tag: str
+    folder: str
+    state: str
+    """``committed`` (a valid marker), ``damaged`` (a marker whose files are missing or resized), or
+    ``uncommitted`` (no marker: a save in flight, or one a crash left; never restored or pruned)."""
+    size: int
+    files: int
+    age_s: float
+    order_ns: int
+    """When the commit was asked for, else the folder's last change: what ``ls`` sorts by, newest first."""
+    in_memory: bool = False
+
+
+def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
+    """The tag folders directly under ``root``, newest first; ``in_memory``: tags the daemon holds a copy of."""
+    root = os.path.abspath(root)
+    out = []
+    now = time.time()
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if not os.path.isdir(folder) or name.startswith("."):
+            continue
+        files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
+        size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+        marker_path = os.path.join(folder, marker_name(name))
+        marker = read_marker(marker_path)
+        if marker is not None:
+            state, age, order = "committed", now - marker.committed_ns / 1e9, marker.requested_ns or marker.committed_ns
+        else:
+            state = "damaged" if CommitMarker.read(marker_path) is not None else "uncommitted"
+            mtime = os.path.getmtime(folder)
+            age, order = now - mtime, int(mtime * 1e9)
+        out.append(TagEntry(name, folder, state, size, len(files), age, order,
+                            in_memory=state == "committed" and name in in_memory))
+    return sorted(out, key=lambda e: e.order_ns, reverse=True)

@@ -1,0 +1,79 @@
+"""Converting a committed tag out of the datastates format, so other tools can read it.
+
+``torch``: each file becomes a plain ``torch.save`` file of the same state, at the same
+relative path. ``safetensors``: each file becomes ``<name>.safetensors`` holding every
+tensor, under its dotted key path (``model.layers.0.weight``), plus ``<name>.json``, the
+state's tree with each tensor replaced by ``{"__tensor__": key}``. Values JSON cannot hold
+are written as ``{"__repr__": ..., "__type__": ...}``, so nothing is silently dropped, but
+such values do not convert back by themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from datastates.protocol.errors import CommitError, InvalidRequestError
+from datastates.protocol.format import marker_name, read_marker
+
+from .reader import load
+
+FORMATS = ("torch", "safetensors")
+
+
+def convert_tag(folder: str, to: str, out: str) -> list[str]:
+    """Write every file of the tag committed in ``folder`` under ``out`` in format ``to``; the files written."""
+    if to not in FORMATS:
+        raise InvalidRequestError(f"--to {to!r}: the formats are {', '.join(FORMATS)}")
+    folder = os.path.abspath(folder)
+    tag = os.path.basename(folder)
+    marker = read_marker(os.path.join(folder, marker_name(tag)))
+    if marker is None:
+        raise CommitError(f"{folder} holds no committed tag {tag!r} (no valid {marker_name(tag)}): nothing converted",
+                          tag=tag)
+    if os.path.abspath(out) == folder:
+        raise InvalidRequestError("the output folder must not be the tag's own folder")
+    written = []
+    for rec in marker.files:
+        state = load(os.path.join(folder, rec.path))
+        base = os.path.join(out, rec.path)
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        written += _write_torch(state, base) if to == "torch" else _write_safetensors(state, os.path.splitext(base)[0])
+    return written
+
+
+def _write_torch(state: Any, path: str) -> list[str]:
+    torch.save(state, path)
+    return [path]
+
+
+def _write_safetensors(state: Any, stem: str) -> list[str]:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _split(state, "", tensors, {})
+    save_file(tensors, stem + ".safetensors")
+    with open(stem + ".json", "w") as f:
+        json.dump(tree, f, indent=1)
+    return [stem + ".safetensors", stem + ".json"]
+
+
+def _split(obj: Any, key: str, tensors: dict[str, torch.Tensor], seen: dict[int, str]) -> Any:
+    """The JSON tree of ``obj``, its tensors moved into ``tensors`` (safetensors holds no shared or strided views)."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return {"__tensor__": seen[id(obj)]}
+        name = key or "<root>"
+        tensors[name] = obj.detach().to("cpu").contiguous().clone()
+        seen[id(obj)] = name
+        return {"__tensor__": name}
+    if isinstance(obj, dict) and all(isinstance(k, (str, int)) for k in obj):
+        return {str(k): _split(v, f"{key}.{k}" if key else str(k), tensors, seen) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_split(v, f"{key}.{i}" if key else str(i), tensors, seen) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return {"__repr__": repr(obj), "__type__": f"{type(obj).__module__}.{type(obj).__qualname__}"}

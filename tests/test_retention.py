@@ -1,0 +1,106 @@
+"""Retention and the tag tools: keep_last in the daemon, and ``datastatesctl ls``, ``prune`` and ``convert``.
+
+A tag goes only once newer ones are committed beside it, never an uncommitted folder and
+never the newest committed one; converted files load in plain torch and safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import datastates
+from datastates.client import Client
+
+from conftest import DaemonProc, assert_state_equal, save
+
+
+def state(step: int) -> dict:
+    torch.manual_seed(step)
+    return {"model": {"w": torch.randn(64, 32), "b": torch.randn(32).to(torch.bfloat16)},
+            "optim": {"step": step, "lr": 0.1, "betas": (0.9, 0.99)}, "name": f"run-{step}", "extra": None}
+
+
+def checkpoint(d: DaemonProc, steps: range, commit: bool = True) -> None:
+    with Client(d.endpoint, timeout=60) as c:
+        for step in steps:
+            if commit:
+                save(c, state(step), d.root / f"step{step}" / "rank0.pt")
+            else:
+                c.snapshot(state(step), d.root / f"step{step}" / "rank0.pt")
+                c.wait()
+
+
+def tags(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+
+def test_keep_last_keeps_the_newest_committed_and_every_uncommitted(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
+    d = start_daemon(storage={"roots": [str(tmp_path / "ckpt")], "keep_last": 2})
+    checkpoint(d, range(1, 3), commit=False)  # two saves never committed: a crash left them
+    checkpoint(d, range(3, 7))
+    assert tags(d.root) == ["step1", "step2", "step5", "step6"]
+    assert datastates.latest(d.root) == "step6"
+    assert_state_equal(state(5), datastates.load(d.root / "step5" / "rank0.pt"))
+
+
+def test_ls_shows_state_size_and_the_daemons_memory_copy(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon()
+    checkpoint(d, range(1, 3))
+    checkpoint(d, range(3, 4), commit=False)
+    out = d.ctl("ls", str(d.root))
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[1:]}
+    assert rows["step2"][1] == "committed" and "storage+memory" in rows["step2"]  # the newest committed: in memory
+    assert rows["step1"][1] == "committed" and "storage" in rows["step1"] and "storage+memory" not in rows["step1"]
+    assert rows["step3"][1] == "uncommitted"
+    assert out.stdout.splitlines()[1].split()[0] == "step3"  # newest first
+    size = (d.root / "step2" / "rank0.pt").stat().st_size + (d.root / "step2" / "datastates-commit.step2.json").stat().st_size
+    assert f"{size / 1024:.1f} KiB" in " ".join(rows["step2"])
+
+
+def test_prune_deletes_only_older_committed_tags(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon()
+    checkpoint(d, range(1, 4))
+    checkpoint(d, range(4, 5), commit=False)
+    dry = d.ctl("prune", str(d.root), "--keep-last", "1", "--dry-run")
+    assert dry.returncode == 0 and "would delete" in dry.stdout and tags(d.root) == ["step1", "step2", "step3", "step4"]
+    out = d.ctl("prune", str(d.root), "--keep-last", "1")
+    assert out.returncode == 0, out.stderr
+    assert tags(d.root) == ["step3", "step4"]  # step4 was never committed: not a candidate
+    assert datastates.latest(d.root) == "step3"
+    bad = d.ctl("prune", str(d.root), "--keep-last", "0")
+    assert bad.returncode == 2 and "newest committed tag always stays" in bad.stderr
+    assert tags(d.root) == ["step3", "step4"]
+
+
+def test_convert_to_torch_and_safetensors(start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
+    d = start_daemon()
+    checkpoint(d, range(1, 2))
+    out = d.ctl("convert", str(d.root / "step1"), "--to", "torch", "--out", str(tmp_path / "pt"))
+    assert out.returncode == 0, out.stderr
+    assert_state_equal(state(1), torch.load(tmp_path / "pt" / "rank0.pt", weights_only=True))
+
+    out = d.ctl("convert", str(d.root / "step1"), "--to", "safetensors", "--out", str(tmp_path / "st"))
+    assert out.returncode == 0, out.stderr
+    tensors = load_file(tmp_path / "st" / "rank0.safetensors")
+    expected = state(1)
+    assert torch.equal(tensors["model.w"], expected["model"]["w"]) and torch.equal(tensors["model.b"], expected["model"]["b"])
+    tree = json.loads((tmp_path / "st" / "rank0.json").read_text())
+    assert tree["model"] == {"w": {"__tensor__": "model.w"}, "b": {"__tensor__": "model.b"}}
+    assert tree["optim"] == {"step": 1, "lr": 0.1, "betas": [0.9, 0.99]} and tree["name"] == "run-1" and tree["extra"] is None
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors"])
+def test_convert_refuses_an_uncommitted_tag(start_daemon: Callable[..., DaemonProc], tmp_path: Path, to: str) -> None:
+    d = start_daemon()
+    checkpoint(d, range(1, 2), commit=False)
+    out = d.ctl("convert", str(d.root / "step1"), "--to", to, "--out", str(tmp_path / "x"))
+    assert out.returncode == 2 and "no committed tag 'step1'" in out.stderr
+    assert not (tmp_path / "x").exists()
