@@ -4,8 +4,10 @@ Most training faults are a dead trainer on a healthy node; its restart is fastes
 what the daemon still holds. With ``memory_restore: latest`` the engine writes each
 snapshot a second time, from the same pool chunks (no storage read), into a file in the
 daemon's own folder under /dev/shm, within ``memory_restore_budget``. A copy serves
-restores only once its tag is committed, and a rank's copies are dropped when a newer tag
-of that rank commits, so each rank keeps its newest committed snapshot.
+restores only once its tag is committed, and a file's older copies are dropped when a newer
+tag of it commits, so each rank keeps its newest committed snapshot. Files are told apart by
+series (the root above the tag folder, and the file's name: rank3.pt under /ckpt), not by
+job id: a restarted job, with a new run id, still replaces the copies of the run it restarts.
 
 A copy is a plain checkpoint file in shared memory: the restarted trainer maps it with
 ``datastates.load``, which checks every checksum. The tag to restore is chosen from the
@@ -45,6 +47,11 @@ class Kept:
     tag: str
     rank: tuple[str, int]
     committed: bool = False
+
+    @property
+    def series(self) -> tuple[str, str]:
+        """The root above the tag folder and the file's name: one rank's file, tag after tag, in a run or its restart."""
+        return os.path.dirname(os.path.dirname(self.path)), os.path.basename(self.path)
 
 
 class Mirror:
@@ -126,16 +133,15 @@ class RestoreCache:
                 pass
 
     def committed(self, tag: str, jobs: Iterable[SnapshotJob]) -> None:
-        """``jobs`` (one client's, of ``tag``) are committed: their copies serve restores, older ones of the rank go."""
-        ids = [j.id for j in jobs if j.id in self._kept]
-        if not ids:
-            return
-        rank = self._kept[ids[0]].rank
-        for i in ids:
-            self._kept[i].committed = True
-        oldest = min(ids)
-        for kept in [k for k in self._kept.values() if k.rank == rank and k.job_id < oldest and k.tag != tag]:
-            self.discard(kept.job_id)
+        """``jobs`` (one client's, of ``tag``) are committed: their copies serve restores, older ones of each file go."""
+        for job in jobs:
+            kept = self._kept.get(job.id)
+            if kept is None:
+                continue
+            kept.committed = True
+            for old in [k for k in self._kept.values()
+                        if k.series == kept.series and k.job_id < kept.job_id and k.tag != tag]:
+                self.discard(old.job_id)
 
     def lookup(self, path: str, tag: str, size: int) -> tuple[Kept | None, str]:
         """The committed copy of ``path`` for ``tag``, or None and why not."""

@@ -209,7 +209,7 @@ class Daemon:
 
     async def _run(self, job: SnapshotJob, earlier: list[SnapshotJob]) -> None:
         await self.engine.run(job, after=[j.durable for j in earlier])
-        if job.keep is None:  # failed, or its in-memory copy did
+        if job.keep is None or job.error is not None:  # its in-memory copy failed, or the snapshot did
             self.restore_cache.discard(job.id)
         self._finished.append(job.id)
         while len(self._finished) > HISTORY:

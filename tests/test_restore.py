@@ -147,3 +147,17 @@ def test_restore_refusals_are_clear(start_daemon: Callable[..., DaemonProc], tmp
             c.restore(d.root, "rank7.pt")
         with pytest.raises(CommitError, match="not committed"):
             c.restore(d.root, "rank0.pt", tag="step9")
+
+
+def test_a_restarted_job_replaces_the_copies_of_the_run_it_restarts(start_daemon: Callable[..., DaemonProc]) -> None:
+    """The restart has a new run id; once it commits, the crashed run's copy goes, so memory does not fill up."""
+    d = start_daemon()
+    train_then_kill(d, steps=1)
+    with Client(d.endpoint, timeout=60, ranks=Ranks(job="restarted-run")) as c:
+        restored = c.restore(d.root, "rank0.pt")
+        assert restored is not None and (restored.tag, restored.source) == ("step1", "memory")
+        c.snapshot(expected(2), d.root / "step2" / "rank0.pt")
+        c.wait()
+        c.commit("step2").result(timeout=120)
+        copies = c.status()["restore_cache"]["copies"]
+    assert [(k["tag"], k["job"], k["committed"]) for k in copies] == [("step2", "restarted-run", True)]
