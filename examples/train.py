@@ -19,7 +19,6 @@ import time
 import torch
 from torch import nn
 
-import datastates
 from datastates.client import Client, daemon_status
 from datastates.protocol.endpoint import default_endpoint
 from datastates.protocol.errors import DaemonUnavailable
@@ -118,14 +117,17 @@ def main() -> None:
     finally:
         client.close()
 
-    tag = datastates.latest(ROOT)
-    restored = datastates.load(os.path.join(ROOT, tag, "model_states.pt"), map_location="cpu")
+    with Client() as again:  # as a restarted trainer would: from the daemon's memory if it holds the tag
+        result = again.restore(ROOT, "model_states.pt", map_location="cpu")
+    assert result is not None, "nothing committed"
+    tag, restored = result.tag, result.state
     fresh = TinyGPT()
     fresh.load_state_dict(restored["model"])
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=3e-4)
     fresh_opt.load_state_dict(restored["optimizer"])
     ok = same(expected[tag], restored)
-    print(f"latest committed tag: {tag}; restored step {restored['step']}; bitwise equal to what was snapshotted: {ok}")
+    print(f"latest committed tag: {tag}; restored step {restored['step']} from {result.source}; "
+          f"bitwise equal to what was snapshotted: {ok}")
     if daemon is not None:
         daemon.terminate()
         daemon.wait(60)
