@@ -87,6 +87,17 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def print_medians(times: dict[str, list[float]], nbytes: int) -> dict[str, float]:
+    """Each contender's median time and rate over its runs; the medians, for the ratios."""
+    med = {n: median(t) for n, t in times.items()}
+    width = max(len(n) for n in med) + 1
+    print(f"\nmedians of {max(len(t) for t in times.values())} runs, {nbytes / 1e9:.2f} GB:")
+    for name, seconds in med.items():
+        print(f"  {name:<{width}} {seconds:8.3f} s  {nbytes / seconds / 1e9:6.2f} GB/s")
+    print()
+    return med
+
+
 def drop_caches() -> None:
     """Empty the page cache (root only), so every restore reads from the disk."""
     subprocess.run(["sync"], check=True)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import datastatesd, drop_caches, fsync_tree, gpt_state, median, state_bytes, tensors_of, timed  # noqa: E402
+from common import datastatesd, drop_caches, fsync_tree, gpt_state, print_medians, state_bytes, tensors_of, timed  # noqa: E402
 
 import datastates  # noqa: E402
 from datastates.client import Client  # noqa: E402
@@ -94,11 +94,7 @@ def main() -> int:
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
-    med = {n: median(t) for n, t in times.items()}
-    print(f"\nmedians of {args.runs} runs, {nbytes / 1e9:.2f} GB:")
-    for name, seconds in med.items():
-        print(f"  {name:<11} {seconds:8.3f} s  {nbytes / seconds / 1e9:6.2f} GB/s")
-    print()
+    med = print_medians(times, nbytes)
     for peer in ("storage", "torch.load", "dcp"):
         print(f"restore time: memory / {peer:<11} {med['memory'] / med[peer]:8.3f}")
     return 0

@@ -15,16 +15,17 @@ import torch
 
 from datastates.daemon.paths import check_path
 from datastates.protocol import messages as m
-from datastates.protocol.descriptors import CUDA_IPC, Ranks
+from datastates.protocol.descriptors import CUDA_IPC, Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
-from datastates.protocol.format import check_tag, marker_name, read_marker
+from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
+from datastates.protocol.format import check_tag
 from datastates.protocol.liveness import pid_namespace
 
 from .capture import Capture, capture
 from .connection import DEFAULT_LIVENESS, Connection
 from .local import LocalSaver
-from .reader import MapLocation, latest, load
+from .locate import locate, tier_roots
+from .reader import MapLocation, load
 from .ranks import ranks_from_env
 
 DEFAULT_TIMEOUT = 30.0
@@ -42,6 +43,8 @@ class Restored:
     """``memory`` (the daemon's copy, through /dev/shm) or ``storage`` (the file at ``path``)."""
     state: Any
     why_not_memory: str = ""
+    tier: str = ""
+    """With ``storage.tiers``: the tier whose copy was read (the fastest holding the tag committed)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class Client:
                                       "commit a tag together, and one rank's marker would name a partial tag")
         self.client_id = ""
         self.roots: list[str] = []
+        self.tiers: list[Tier] = []
         self._local: LocalSaver | None = None
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
         """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
@@ -130,6 +134,7 @@ class Client:
         self._conn.heartbeat = welcome.heartbeat_s
         self.client_id = welcome.client_id
         self.roots = welcome.roots
+        self.tiers = welcome.tiers
 
     @property
     def local(self) -> bool:
@@ -238,13 +243,10 @@ class Client:
         every rank of a job picks the same one and never mixes steps; None if none is committed.
         """
         root = os.path.abspath(os.fspath(root))
-        tag = check_tag(tag) if tag is not None else latest(root)
-        if tag is None:
+        found = locate(root, self.tiers, check_tag(tag) if tag is not None else None, self.ranks.num_nodes > 1)
+        if found is None:
             return None
-        folder = os.path.join(root, tag)
-        marker = read_marker(os.path.join(folder, marker_name(tag)))
-        if marker is None:
-            raise CommitError(f"tag {tag!r} under {root} is not committed (no valid {marker_name(tag)})", tag=tag)
+        tag, folder, marker = found.tag, found.folder, found.marker
         size = next((f.size for f in marker.files if f.path == name), None)
         if size is None:
             raise InvalidRequestError(f"{name!r} is not a file of tag {tag!r} (it has: "
@@ -252,17 +254,19 @@ class Client:
         path = os.path.join(folder, name)
         why_not = "fallback='local': no daemon"
         if self._local is None:
+            written = os.path.join(tier_roots(root, self.tiers)[0][1], tag, name)  # where the daemon kept it from
             try:
-                reply = self._conn.call(m.Restore(path=path, tag=tag, size=size), self.timeout)
+                reply = self._conn.call(m.Restore(path=written, tag=tag, size=size), self.timeout)
                 if reply.copy:
                     state = load(reply.copy, map_location)
-                    log.info("restored %s (tag %s) from the daemon's memory", path, tag)
-                    return Restored(tag=tag, path=path, source="memory", state=state)
+                    log.info("restored %s (tag %s) from the daemon's memory", written, tag)
+                    return Restored(tag=tag, path=written, source="memory", state=state)
                 why_not = reply.why_not
             except DatastatesError as exc:  # the copy went, or the daemon: storage still has it
                 why_not = f"{exc.code}: {exc}"
-        log.info("restored %s (tag %s) from storage: %s", path, tag, why_not)
-        return Restored(tag=tag, path=path, source="storage", state=load(path, map_location), why_not_memory=why_not)
+        log.info("restored %s (tag %s) from storage%s: %s", path, tag, f" tier {found.tier}" * bool(found.tier), why_not)
+        return Restored(tag=tag, path=path, source="storage", state=load(path, map_location), why_not_memory=why_not,
+                        tier=found.tier)
 
     def status(self) -> dict[str, Any]:
         return self._conn.call(m.Status(), self.timeout).status

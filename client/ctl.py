@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from datastates.protocol import messages as m
+from datastates.protocol.descriptors import Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DatastatesError
 from datastates.protocol.format import CommitMarker, check_tag, marker_name, markers
@@ -17,6 +18,7 @@ from datastates.protocol.format import CommitMarker, check_tag, marker_name, mar
 from datastates.daemon.retention import prune
 
 from .catalog import list_tags
+from .locate import tier_roots
 from .client import daemon_status
 from .connection import Connection
 from .convert import FORMATS, convert_tag
@@ -60,9 +62,26 @@ def render(status: dict[str, Any]) -> str:
             f" {_size(s['total_bytes']):>10} {_size(s['throughput_bps']) + '/s':>11}  {s['tag']}  {s['path']}"
             + (f"\n        error: {s['error']}" if s["error"] else "")
         )
+    tiers = status["tier_copies"]
+    if tiers["tiers"]:
+        lines += ["", "tiers: " + ", ".join(f"{t['name']} {t['path']}" + ("" if t["shared"] else " (node-local)")
+                                            for t in tiers["tiers"]), f"  {'tag':<24} " + "  ".join(
+            f"{t['name']:<22}" for t in tiers["tiers"])]
+        for e in tiers["tags"]:
+            cells = {c["tier"]: c for c in e["tiers"]}
+            lines.append(f"  {e['tag']:<24} " + "  ".join(f"{_tier_cell(cells.get(t['name'])):<22}" for t in tiers["tiers"]))
     lines += ["", "committed tags:"]
     lines += [f"  {c['tag']:<24} {c['files']} file(s)  {c['marker']}" for c in status["committed"]]
     return "\n".join(lines)
+
+
+def _tier_cell(copy: dict[str, Any] | None) -> str:
+    """One tag on one tier: its state, with progress while it is copied."""
+    if copy is None:
+        return "-"
+    if copy["state"] == "copying":
+        return f"copying {100 * copy['bytes_done'] / max(1, copy['bytes_total']):.0f}%"
+    return copy["state"]
 
 
 def _tag_files(target: str, root: str) -> list[str]:
@@ -103,20 +122,26 @@ def _verify(target: str, root: str) -> int:
 
 
 def _ls(root: str, endpoint: str | None, timeout: float) -> int:
-    """Tags of ``root``; the daemon, when one answers, says which it also holds in memory."""
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"no folder {root}")
+    """Tags of ``root``, on every storage tier it spans; the daemon, when one answers, names the tiers and its memory copies."""
+    root = os.path.abspath(root)
     try:
-        copies = daemon_status(endpoint, timeout)["restore_cache"]["copies"]
-        in_memory = {k["tag"] for k in copies if k["committed"] and os.path.dirname(os.path.dirname(k["path"]))
-                     == os.path.abspath(root)}
+        status = daemon_status(endpoint, timeout)
+        copies = [k for k in status["restore_cache"]["copies"] if k["committed"]]
+        tiers = [Tier(**t) for t in status["tier_copies"]["tiers"]]
     except DatastatesError:
-        in_memory = set()
-    entries = list_tags(root, in_memory)
-    print(f"{'tag':<28} {'state':<12} {'size':>11} {'files':>5}  {'where':<16} age")
-    for e in entries:
+        copies, tiers = [], []
+    places = [(t, p) for t, p in tier_roots(root, tiers) if os.path.isdir(p)]
+    if not places:
+        raise FileNotFoundError(f"no folder {root}")
+    entries = []
+    for tier, place in places:
+        in_memory = {k["tag"] for k in copies if os.path.dirname(os.path.dirname(k["path"])) == place}
+        entries += [(e, tier.name if tier else "-") for e in list_tags(place, in_memory)]
+    entries.sort(key=lambda row: row[0].order_ns, reverse=True)
+    print(f"{'tag':<28} {'state':<12} {'size':>11} {'files':>5}  {'tier':<10} {'where':<16} age")
+    for e, tier in entries:
         where = "storage+memory" if e.in_memory else "storage"
-        print(f"{e.tag:<28} {e.state:<12} {_size(e.size):>11} {e.files:>5}  {where:<16} {_age(e.age_s)}")
+        print(f"{e.tag:<28} {e.state:<12} {_size(e.size):>11} {e.files:>5}  {tier:<10} {where:<16} {_age(e.age_s)}")
     if not entries:
         print(f"(no tags under {root})")
     return 0
@@ -152,15 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", help="daemon endpoint (default: $DATASTATES_ENDPOINT, else the default node config's)")
     parser.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="how long to wait for the daemon to answer")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_status = sub.add_parser("status", help="clients, pending snapshots with progress, committed tags")
+    p_status = sub.add_parser("status", help="clients, pending snapshots and tier copies with progress, committed tags")
     p_status.add_argument("--json", action="store_true", help="machine-readable output")
-    p_wait = sub.add_parser("wait", help="wait until no snapshot or commit is pending")
+    p_wait = sub.add_parser("wait", help="wait until no snapshot, commit or tier copy is pending")
     p_wait.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after S seconds (exit 1)")
     sub.add_parser("shutdown", help="drain every pending snapshot, then stop the daemon")
     p_verify = sub.add_parser("verify", help="check a checkpoint file, or every file of a committed tag (no daemon needed)")
     p_verify.add_argument("target", help="a checkpoint file, a tag's folder, or a tag name under --root")
     p_verify.add_argument("--root", default=".", help="where a tag given by name is looked for (default: .)")
-    p_ls = sub.add_parser("ls", help="the tags under a root: state, size, where (storage, daemon memory), age")
+    p_ls = sub.add_parser("ls", help="the tags under a root: state, size, storage tier, where (storage, daemon memory), age")
     p_ls.add_argument("root")
     p_prune = sub.add_parser("prune", help="delete the committed tags under a root older than the --keep-last newest")
     p_prune.add_argument("root")
@@ -201,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
             deadline = None if args.timeout is None else time.monotonic() + args.timeout
             while True:
                 status = _status(conn, args.connect_timeout)
-                if not status["pending"] and not status["commits_pending"]:
+                copies = status["tier_copies"]["pending"]
+                if not status["pending"] and not status["commits_pending"] and not copies:
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     print(f"datastatesctl: still pending after {args.timeout} s: {status['pending']} snapshot(s), "
-                          f"{status['commits_pending']} commit(s)", file=sys.stderr)
+                          f"{status['commits_pending']} commit(s), {copies} tier cop(ies)", file=sys.stderr)
                     return 1
                 time.sleep(POLL_S)
             failed = [s for s in status["snapshots"] if s["state"] == "failed"]  # the job's, as the daemon lives with it

@@ -214,8 +214,8 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     return len(header.entries), header.data_len
 
 
-def latest(root: str | os.PathLike) -> str | None:
-    """The newest tag under ``root`` (in it or one folder down) with a valid commit marker."""
+def newest_marker(root: str | os.PathLike) -> CommitMarker | None:
+    """The valid commit marker of the newest tag under ``root`` (in it or one folder down)."""
     root = os.fspath(root)
     if not os.path.isdir(root):
         return None
@@ -224,4 +224,10 @@ def latest(root: str | os.PathLike) -> str | None:
         marker = read_marker(path)
         if marker is not None and (best is None or marker.newness > best.newness):
             best = marker
+    return best
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The newest tag under ``root`` (in it or one folder down) with a valid commit marker."""
+    best = newest_marker(root)
     return best.tag if best else None

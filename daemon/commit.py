@@ -27,10 +27,12 @@ from datastates.protocol.errors import CommitError, DatastatesError, SnapshotSki
 from datastates.protocol.format import MEGATRON_TRACKER, TRACKER, CommitMarker, MarkerFile, done_name, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
+from .config import StorageConfig
 from .engine import Engine
 from .job import SnapshotJob
 from .paths import within
 from .retention import prune
+from .tiers import TierCopier
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +59,16 @@ def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
     return folder
 
 
-def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int) -> CommitMarker:
+def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int, nodes: int = 1,
+                node: int = -1) -> CommitMarker:
     return CommitMarker(
         version=COMMIT_VERSION,
         tag=tag,
         committed_ns=time.time_ns(),
         files=[MarkerFile(path=os.path.relpath(p, folder), size=n) for p, n in files.items()],
         requested_ns=requested_ns,
+        nodes=nodes,
+        node=node,
     )
 
 
@@ -95,11 +100,12 @@ class _TagGroup:
 
 
 class CommitLedger:
-    def __init__(self, engine: Engine, roots: list[str], timeout: float, keep_last: int | None = None) -> None:
+    def __init__(self, engine: Engine, storage: StorageConfig, timeout: float) -> None:
         self._engine = engine
-        self._keep_last = keep_last
-        self._roots = roots
+        self._storage = storage
+        self._roots = storage.roots
         self._timeout = timeout
+        self.tiers = TierCopier(engine, storage, self.settle)
         self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._groups: dict[tuple[str, int, str], _TagGroup] = {}
@@ -170,12 +176,14 @@ class CommitLedger:
         if not jobs:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
         files = await self._durable(tag, jobs)
+        order = max(j.id for j in jobs)
         try:
-            folder = tag_folder(tag, files, self._roots)
-            return await self._publish(client_id, tag, make_marker(tag, files, folder, requested_ns), folder, max(j.id for j in jobs))
+            committed = await self.settle(client_id, tag, files, Ranks(), requested_ns, order)
         except CommitError:
             self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
             raise
+        self.tiers.schedule(client_id, tag, files, Ranks(), requested_ns, order)
+        return committed
 
     async def _commit_rank(
         self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob], requested_ns: int,
@@ -220,20 +228,30 @@ class CommitLedger:
     async def _finish(self, client_id: str, tag: str, group: _TagGroup) -> m.Committed:
         if not group.files:
             raise CommitError(f"tag {tag!r} not committed: no rank of this node snapshotted a file for it", tag=tag)
-        ranks = group.ranks
-        folder = tag_folder(tag, group.files, self._roots)
-        if ranks.num_nodes == 1:
-            return await self._publish(client_id, tag, make_marker(tag, group.files, folder, group.requested_ns),
-                                       folder, group.order)
+        committed = await self.settle(client_id, tag, group.files, group.ranks, group.requested_ns, group.order)
+        self.tiers.schedule(client_id, tag, group.files, group.ranks, group.requested_ns, group.order)
+        return committed
+
+    async def settle(self, client_id: str, tag: str, files: dict[str, int], ranks: Ranks, requested_ns: int,
+                     order: int) -> m.Committed:
+        """Commit this node's durable ``files`` as ``tag`` where they lie: a first commit, or a tier copy's.
+
+        One node, or a tier only this node sees: this node's marker. Several nodes on a
+        shared folder: each writes a done marker, node 0 gathers them and writes the tag's.
+        """
+        folder = tag_folder(tag, files, self._roots)
+        nodes = ranks.num_nodes
+        if nodes == 1 or not self.tiers.shared(folder):
+            marker = make_marker(tag, files, folder, requested_ns, nodes, -1 if nodes == 1 else ranks.node_rank)
+            return await self._publish(client_id, tag, marker, folder, order)
         if os.path.basename(folder) != tag:
             raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
-        mine = make_marker(tag, group.files, folder, group.requested_ns)
+        mine = make_marker(tag, files, folder, requested_ns, nodes, ranks.node_rank)
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
             return await self._await_global(tag, folder, mine.committed_ns)
-        files = await self._gather(tag, folder, ranks.num_nodes)
-        committed = await self._publish(client_id, tag, make_marker(tag, files, folder, group.requested_ns),
-                                        folder, group.order)
+        everyone = await self._gather(tag, folder, ranks.num_nodes)
+        committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, nodes), folder, order)
         for node in range(ranks.num_nodes):
             await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, node)))
         return committed
@@ -280,22 +298,23 @@ class CommitLedger:
                     if order >= self._tracked.get(tracker, -1):
                         self._tracked[tracker] = order
                         await self._write(tracker, data, tag)
-            if self._keep_last is not None:
-                await self._prune(parent)
+            keep_last = self._storage.keep_last_at(parent)
+            if keep_last is not None:
+                await self._prune(parent, keep_last)
         self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(marker.files),
                                "committed_ns": marker.committed_ns})
         return m.Committed(tag=tag, marker=path, files=[os.path.join(folder, f.path) for f in marker.files])
 
-    async def _prune(self, parent: str) -> None:
+    async def _prune(self, parent: str, keep_last: int) -> None:
         """Retention after a commit; a tag that cannot be deleted is logged, and the commit stands."""
         try:
-            await self._engine.flush(prune, parent, self._keep_last, self.open_tags())
+            self.tiers.pruned(await self._engine.flush(prune, parent, keep_last, self.open_tags()))
         except OSError as exc:
             log.warning("keep_last: pruning %s failed: %s", parent, exc)
 
     def open_tags(self) -> set[str]:
-        """Tags with snapshots not yet committed: being saved again, so never pruned."""
-        return {tag for _, tag in self._open} | {tag for _, _, tag in self._groups}
+        """Tags with snapshots not yet committed (being saved again), or not yet copied down the tiers: never pruned."""
+        return {tag for _, tag in self._open} | {tag for _, _, tag in self._groups} | self.tiers.pending_tags()
 
     async def _write(self, path: str, data: bytes, tag: str) -> None:
         try:

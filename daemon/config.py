@@ -17,11 +17,15 @@ import yaml
 
 from datastates.protocol import security
 from datastates.protocol.endpoint import resolve_endpoint
+from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import ConfigError
+
+from .paths import within
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_TIER_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 _TCP_RE = re.compile(r"^tcp://(\*|[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
 
 ALIGN = 4096
@@ -58,9 +62,21 @@ def _default_roots() -> list[str]:
 @dataclass(frozen=True)
 class StorageConfig:
     roots: list[str] = field(default_factory=_default_roots)
-    """Folders a client may write under; anything else is refused."""
+    """Folders a client may write under; anything else is refused. The tiers' paths are always allowed."""
     keep_last: int | None = None
     """After each commit, keep only this many newest committed tags beside it (None: keep all)."""
+    tiers: list[Tier] = field(default_factory=list)
+    """Fastest first; empty: no tiers, every root is its own single level."""
+
+    def tier_of(self, path: str) -> int | None:
+        """The index of the tier ``path`` (resolved) lies in, if any."""
+        return next((i for i, t in enumerate(self.tiers) if within(path, t.path)), None)
+
+    def keep_last_at(self, path: str) -> int | None:
+        tier = self.tier_of(path)
+        if tier is not None and self.tiers[tier].keep_last is not None:
+            return self.tiers[tier].keep_last
+        return self.keep_last
 
 
 @dataclass(frozen=True)
@@ -169,15 +185,48 @@ def from_mapping(data: dict | None) -> NodeConfig:
 
 def _storage(value: Any) -> StorageConfig:
     if not isinstance(value, dict):
-        raise ConfigError("storage: must be a mapping with 'roots'", key="storage")
+        raise ConfigError("storage: must be a mapping with 'roots' and/or 'tiers'", key="storage")
     _check_keys(value, StorageConfig, "storage: ")
-    roots = value.get("roots", _default_roots())
+    tiers = _tiers(value.get("tiers", []))
+    roots = value.get("roots", [t.path for t in tiers] or _default_roots())
     if not isinstance(roots, list) or not roots or not all(isinstance(r, str) and os.path.isabs(r) for r in roots):
         raise ConfigError(f"storage.roots: {roots!r} must be a non-empty list of absolute paths", key="storage.roots")
     keep_last = value.get("keep_last")
     if keep_last is not None:
         keep_last = _positive_int(keep_last, "storage.keep_last")
-    return StorageConfig(roots=[os.path.realpath(r) for r in roots], keep_last=keep_last)
+    roots = [os.path.realpath(r) for r in roots]
+    roots += [t.path for t in tiers if t.path not in roots]
+    return StorageConfig(roots=roots, keep_last=keep_last, tiers=tiers)
+
+
+def _tiers(value: Any) -> list[Tier]:
+    """Fastest first; names unique, paths absolute and none inside another (a copy must land on another tier)."""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError("storage.tiers: must be a list of mappings with 'name' and 'path'", key="storage.tiers")
+    tiers = []
+    for i, raw in enumerate(value):
+        where = f"storage.tiers[{i}]"
+        _check_keys(raw, Tier, f"{where}: ")
+        name, path = raw.get("name"), raw.get("path")
+        if not isinstance(name, str) or not _TIER_NAME_RE.match(name):
+            raise ConfigError(f"{where}.name: {name!r} must be a short name of letters, digits, '_' or '-'",
+                              key=f"{where}.name")
+        if not isinstance(path, str) or not os.path.isabs(path):
+            raise ConfigError(f"{where}.path: {path!r} must be an absolute path", key=f"{where}.path")
+        keep_last = raw.get("keep_last")
+        shared = raw.get("shared", True)
+        if not isinstance(shared, bool):
+            raise ConfigError(f"{where}.shared: {shared!r} is not true or false", key=f"{where}.shared")
+        tier = Tier(name=name, path=os.path.realpath(path), shared=shared,
+                          keep_last=None if keep_last is None else _positive_int(keep_last, f"{where}.keep_last"))
+        for other in tiers:
+            if other.name == tier.name:
+                raise ConfigError(f"{where}.name: {name!r} names two tiers", key=f"{where}.name")
+            if within(tier.path, other.path) or within(other.path, tier.path):
+                raise ConfigError(f"{where}.path: {tier.path} and tier {other.name!r} ({other.path}) lie inside one "
+                                  "another; each tier needs its own folder", key=f"{where}.path")
+        tiers.append(tier)
+    return tiers
 
 
 def _curve(value: Any) -> CurveConfig:

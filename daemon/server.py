@@ -60,7 +60,7 @@ class Daemon:
         self.leftovers: list[str] | None = None
         self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
-        self.ledger = CommitLedger(self.engine, cfg.storage.roots, cfg.commit_timeout, cfg.storage.keep_last)
+        self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout)
         self.restore_cache = RestoreCache(cfg.memory_restore, cfg.memory_restore_budget, owner)
         self.jobs: dict[int, SnapshotJob] = {}
         self._finished: collections.deque[int] = collections.deque()
@@ -102,6 +102,7 @@ class Daemon:
                 break
             frames = recv.result()
             self._spawn(self._handle(frames[0], frames[1:]))
+        self.ledger.tiers.close()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=5)
 
@@ -139,7 +140,7 @@ class Daemon:
         log.info("client %s connected (pid %d, %s)", record.id, body.pid, body.name)
         return m.Welcome(
             client_id=record.id, daemon_pid=os.getpid(), roots=self.cfg.storage.roots,
-            heartbeat_s=self.cfg.client_timeout / HEARTBEATS_PER_TIMEOUT,
+            heartbeat_s=self.cfg.client_timeout / HEARTBEATS_PER_TIMEOUT, tiers=self.cfg.storage.tiers,
         )
 
     async def _admitted(self, client_id: str) -> None:
@@ -206,6 +207,9 @@ class Daemon:
             self._recovered.set()
         if self.leftovers:
             log.warning("removed %d partial file(s) left by an earlier run: %s", len(self.leftovers), self.leftovers[:5])
+        resumed = await self.ledger.tiers.resume()
+        if resumed:
+            log.warning("resuming %d tier cop(ies) an earlier run left undone: %s", len(resumed), resumed[:5])
 
     async def _run(self, job: SnapshotJob, earlier: list[SnapshotJob]) -> None:
         await self.engine.run(job, after=[j.durable for j in earlier])
@@ -300,7 +304,7 @@ class Daemon:
         self._spawn(self.drain())
 
     async def drain(self) -> None:
-        """Stop taking snapshots, let every pending one and every commit finish, then stop.
+        """Stop taking snapshots, let every pending one, every commit and every tier copy finish, then stop.
 
         For DRAIN_GRACE seconds snapshots are still admitted: ``snapshot()`` returns once its
         message is sent, so one sent just before the signal may not have been read yet.
@@ -314,7 +318,7 @@ class Daemon:
             pending = [j.durable for j in self.pending_jobs()]
             if pending:
                 await asyncio.wait(pending, timeout=0.5)
-            elif self.ledger.pending or any(self._admitting.values()):
+            elif self.ledger.pending or self.ledger.tiers.pending() or any(self._admitting.values()):
                 await asyncio.sleep(0.05)
             else:
                 break
@@ -340,6 +344,7 @@ class Daemon:
             "pending": sum(1 for j in self.jobs.values() if j.pending),
             "commits_pending": self.ledger.pending,
             "tags_gathering": self.ledger.groups(),
+            "tier_copies": self.ledger.tiers.status(),
             "restore_cache": self.restore_cache.status(),
             "committed": list(self.ledger.committed),
         }

@@ -68,3 +68,20 @@ class Ranks:
         if not ok:
             raise InvalidRequestError(f"inconsistent ranks {self}: each index must be below its size")
         return self
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One level of storage (node.yaml's ``storage.tiers``), as the daemon also announces it in WELCOME.
+
+    Snapshots land on the first tier and the daemon copies each committed tag down the
+    rest; clients map a tag's folder across the tiers to read the fastest committed copy.
+    """
+
+    name: str
+    path: str
+    keep_last: int | None = None
+    """Committed tags kept beside each other on this tier (None: the storage-wide keep_last)."""
+    shared: bool = True
+    """Every node sees this tier (a parallel file system); false for a node-local disk or /dev/shm.
+    Only shared tiers decide which tag a multi-node job restores."""

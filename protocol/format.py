@@ -165,6 +165,10 @@ class CommitMarker:
     requested_ns: int = 0
     """When the commit was asked for. Tags committed concurrently finish in any order, so
     this, not ``committed_ns``, says which is newest: the one the training loop asked for last."""
+    nodes: int = 1
+    """How many nodes the job that committed the tag ran on."""
+    node: int = -1
+    """-1: the marker lists every node's files. Else, on a tier only one node sees, the one node whose files it lists."""
 
     @property
     def newness(self) -> tuple[int, int]:

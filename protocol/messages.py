@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from .descriptors import EntryDesc, Ranks, SourceDesc
+from .descriptors import EntryDesc, Ranks, SourceDesc, Tier
 from .errors import DatastatesError, ProtocolError, UnknownMessageError, VersionMismatchError
 from .schema import from_dict, pack
 from .version import PROTOCOL_VERSION
@@ -83,6 +83,8 @@ class Welcome(Body):
     roots: list[str] = field(default_factory=list)
     heartbeat_s: float = 0.0
     """How often the client should show it is alive when it has nothing else to send (0: never)."""
+    tiers: list[Tier] = field(default_factory=list)
+    """The storage tiers, fastest first (empty: none)."""
 
 
 @dataclass(frozen=True)

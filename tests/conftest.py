@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -223,6 +224,24 @@ def assert_state_equal(expected: Any, actual: Any, where: str = "<root>") -> Non
 def same_storage(a: Any, b: Any) -> bool:
     """Whether two tensors view one storage (what tied weights and views must keep after a load)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def sh(*cmd: str | os.PathLike) -> subprocess.CompletedProcess:
+    return subprocess.run([os.fspath(c) for c in cmd], capture_output=True, text=True, timeout=60)
+
+
+@contextlib.contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    """``folder`` read-only for everyone while inside: a read-only bind mount of it onto itself."""
+    bound = sh("mount", "--bind", folder, folder)
+    if bound.returncode != 0:
+        pytest.skip(f"mount --bind is not possible here: {bound.stderr.strip()}")
+    try:
+        ro = sh("mount", "-o", "remount,bind,ro", folder)
+        assert ro.returncode == 0, ro.stderr
+        yield
+    finally:
+        assert sh("umount", folder).returncode == 0, f"cannot drop the read-only bind mount of {folder}"
 
 
 def temp_files(root: Path) -> list[Path]:

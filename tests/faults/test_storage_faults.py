@@ -30,16 +30,12 @@ import datastates
 from datastates.client import Client
 from datastates.protocol.errors import CommitError, SnapshotFailedError
 
-from conftest import DATASTATESCTL, DaemonProc, assert_state_equal, save, temp_files
+from conftest import DATASTATESCTL, DaemonProc, assert_state_equal, read_only, save, sh, temp_files
 
 MiB = 1 << 20
 FS_SIZE = 48 * MiB
 SLACK = 1 * MiB
 """What ext4 may keep for itself after a failed file (a new tag folder, metadata): not the file's blocks."""
-
-
-def sh(*cmd: str | os.PathLike) -> subprocess.CompletedProcess:
-    return subprocess.run([os.fspath(c) for c in cmd], capture_output=True, text=True, timeout=60)
 
 
 def unmount_all(mnt: Path) -> None:
@@ -84,20 +80,6 @@ def fs_daemon(small_fs: Path, start_daemon: Callable[..., DaemonProc]) -> Callab
         return start_daemon(storage={"roots": [str(small_fs)]}, **overrides)
 
     return start
-
-
-@contextlib.contextmanager
-def read_only(folder: Path) -> Iterator[None]:
-    """``folder`` read-only for everyone while inside: a read-only bind mount of it onto itself."""
-    bound = sh("mount", "--bind", folder, folder)
-    if bound.returncode != 0:
-        pytest.skip(f"mount --bind is not possible here: {bound.stderr.strip()}")
-    try:
-        ro = sh("mount", "-o", "remount,bind,ro", folder)
-        assert ro.returncode == 0, ro.stderr
-        yield
-    finally:
-        assert sh("umount", folder).returncode == 0, f"cannot drop the read-only bind mount of {folder}"
 
 
 @contextlib.contextmanager

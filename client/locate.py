@@ -1,0 +1,58 @@
+"""Finding the copy of a tag to restore: which tag, and on which storage tier.
+
+With ``storage.tiers``, one folder of checkpoints exists once per tier (the same path
+below each tier's root). The tag is the newest committed on any of them, so a tag still
+being copied to the slow tier is restored from the fast one. In a multi-node job only
+shared tiers decide the tag: a node-local tier of one node may hold a step the others
+lack, and ranks must never mix steps (dlrover#1233). The bytes are then read from the
+fastest tier that holds a committed copy of that tag.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from datastates.daemon.paths import within
+from datastates.protocol.descriptors import Tier
+from datastates.protocol.errors import CommitError
+from datastates.protocol.format import CommitMarker, marker_name, read_marker
+
+from .reader import newest_marker
+
+
+@dataclass(frozen=True)
+class Located:
+    tag: str
+    folder: str
+    marker: CommitMarker
+    tier: str
+    """The tier's name, or '' where ``root`` lies in no tier."""
+
+
+def tier_roots(root: str, tiers: list[Tier]) -> list[tuple[Tier | None, str]]:
+    """``root`` as it lies on each tier, fastest first; just ``root`` if it is in no tier."""
+    real = os.path.realpath(root)
+    home = next((t for t in tiers if within(real, t.path)), None)
+    if home is None:
+        return [(None, root)]
+    below = os.path.relpath(real, home.path)
+    return [(t, os.path.normpath(os.path.join(t.path, below))) for t in tiers]
+
+
+def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: bool = False) -> Located | None:
+    """The committed copy of ``tag`` (default: the newest committed) to read; None if no tag is committed."""
+    places = tier_roots(root, tiers)
+    if tag is None:
+        deciding = [(t, r) for t, r in places if t is None or t.shared or not multi_node] or places
+        found = [mk for mk in (newest_marker(r) for _, r in deciding) if mk is not None]
+        if not found:
+            return None
+        tag = max(found, key=lambda mk: mk.newness).tag
+    for tier, place in places:
+        folder = os.path.join(place, tag)
+        marker = read_marker(os.path.join(folder, marker_name(tag)))
+        if marker is not None:
+            return Located(tag, folder, marker, tier.name if tier else "")
+    where = ", ".join(r for _, r in places)
+    raise CommitError(f"tag {tag!r} is not committed under {where} (no valid {marker_name(tag)})", tag=tag)
