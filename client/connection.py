@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -125,12 +125,9 @@ class Connection:
             with self._lock:
                 pending, self._pending = self._pending, {}
                 self.lost = True
-            for fut in pending.values():
-                if not fut.done():
-                    fut.set_exception(DaemonUnavailable(
-                        f"datastatesd at {self.endpoint} dropped this connection (for tcp: is this client's CURVE key "
-                        "authorized, and the server key right?)", endpoint=self.endpoint,
-                    ))
+            _fail(pending, lambda: DaemonUnavailable(
+                f"datastatesd at {self.endpoint} dropped this connection (for tcp: is this client's CURVE key "
+                "authorized, and the server key right?)", endpoint=self.endpoint))
             return
         self._sent = time.monotonic()
 
@@ -149,13 +146,10 @@ class Connection:
                 if silent > self.liveness / 2 and self._probe is None:
                     self._probe = next(self._ids)
                     self._send(m.encode(m.Heartbeat(), self._probe))
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(DaemonUnavailable(
-                    f"datastatesd at {self.endpoint} gave no sign of life for {self.liveness:.0f} s; it may have died "
-                    "(what it had copied before may still be on disk: check datastates.latest)",
-                    endpoint=self.endpoint,
-                ))
+        if pending:
+            _fail(pending, lambda: DaemonUnavailable(
+                f"datastatesd at {self.endpoint} gave no sign of life for {self.liveness:.0f} s; it may have died "
+                "(what it had copied before may still be on disk: check datastates.latest)", endpoint=self.endpoint))
 
     def _deliver(self, frames: list[bytes]) -> None:
         try:
@@ -191,7 +185,12 @@ class Connection:
         self._thread.join()
         self._outbox.close()
         self._ctx.term()
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(DaemonUnavailable(f"connection to {self.endpoint} closed before the reply"))
+        _fail(pending, lambda: DaemonUnavailable(f"connection to {self.endpoint} closed before the reply"))
+
+
+def _fail(pending: dict[int, Future], error: Callable[[], DaemonUnavailable]) -> None:
+    """Every request still waiting fails with an ``error()`` of its own; one answered or cancelled keeps its outcome."""
+    for fut in pending.values():
+        if not fut.done():
+            fut.set_exception(error())
 
