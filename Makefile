@@ -25,6 +25,8 @@ bench: $(STAMP)
 	$(PY) bench/train_overhead.py
 	$(PY) bench/files_per_tag.py
 	$(PY) bench/skeleton.py
+	$(PY) bench/restore.py
+	$(PY) bench/tiers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
