@@ -24,7 +24,7 @@ from datastates.protocol.liveness import pid_namespace
 from .capture import Capture, capture
 from .connection import DEFAULT_LIVENESS, Connection
 from .local import LocalSaver
-from .locate import locate, tier_roots
+from .locate import locate
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
 
@@ -254,7 +254,7 @@ class Client:
         path = os.path.join(folder, name)
         why_not = "fallback='local': no daemon"
         if self._local is None:
-            written = os.path.join(tier_roots(root, self.tiers)[0][1], tag, name)  # where the daemon kept it from
+            written = os.path.join(found.written, name)
             try:
                 reply = self._conn.call(m.Restore(path=written, tag=tag, size=size), self.timeout)
                 if reply.copy:

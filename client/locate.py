@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from datastates.daemon.paths import within
+from datastates.daemon.paths import home_tier
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import CommitMarker, marker_name, read_marker
@@ -28,16 +28,17 @@ class Located:
     marker: CommitMarker
     tier: str
     """The tier's name, or '' where ``root`` lies in no tier."""
+    written: str
+    """The tag's folder on the first tier (or under ``root``): where snapshots were written, and the daemon kept its copy from."""
 
 
 def tier_roots(root: str, tiers: list[Tier]) -> list[tuple[Tier | None, str]]:
     """``root`` as it lies on each tier, fastest first; just ``root`` if it is in no tier."""
     real = os.path.realpath(root)
-    home = next((t for t in tiers if within(real, t.path)), None)
+    home = home_tier(tiers, real)
     if home is None:
         return [(None, root)]
-    below = os.path.relpath(real, home.path)
-    return [(t, os.path.normpath(os.path.join(t.path, below))) for t in tiers]
+    return [(t, t.place(real, tiers[home])) for t in tiers]
 
 
 def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: bool = False) -> Located | None:
@@ -53,6 +54,6 @@ def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: boo
         folder = os.path.join(place, tag)
         marker = read_marker(os.path.join(folder, marker_name(tag)))
         if marker is not None:
-            return Located(tag, folder, marker, tier.name if tier else "")
+            return Located(tag, folder, marker, tier.name if tier else "", os.path.join(places[0][1], tag))
     where = ", ".join(r for _, r in places)
     raise CommitError(f"tag {tag!r} is not committed under {where} (no valid {marker_name(tag)})", tag=tag)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from datastates.daemon.providers import get_provider
+from datastates.daemon.storage.posix import open_for_reading
 from datastates.protocol.errors import CorruptCheckpointError, UnsupportedFormatError
 from datastates.protocol.format import (
     PREAMBLE_SIZE,
@@ -45,10 +46,7 @@ def _read_data(path: str, start: int, end: int) -> torch.UntypedStorage:
         return _map_private(path, start, end)
     buf = mmap.mmap(-1, end - start)
     view = memoryview(buf)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_for_reading(path)
 
     def read(pos: int) -> None:
         stop = min(end, pos + READ_PIECE)

@@ -176,14 +176,11 @@ class CommitLedger:
         if not jobs:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
         files = await self._durable(tag, jobs)
-        order = max(j.id for j in jobs)
         try:
-            committed = await self.settle(client_id, tag, files, Ranks(), requested_ns, order)
+            return await self._first_commit(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs))
         except CommitError:
             self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
             raise
-        self.tiers.schedule(client_id, tag, files, Ranks(), requested_ns, order)
-        return committed
 
     async def _commit_rank(
         self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob], requested_ns: int,
@@ -228,8 +225,13 @@ class CommitLedger:
     async def _finish(self, client_id: str, tag: str, group: _TagGroup) -> m.Committed:
         if not group.files:
             raise CommitError(f"tag {tag!r} not committed: no rank of this node snapshotted a file for it", tag=tag)
-        committed = await self.settle(client_id, tag, group.files, group.ranks, group.requested_ns, group.order)
-        self.tiers.schedule(client_id, tag, group.files, group.ranks, group.requested_ns, group.order)
+        return await self._first_commit(client_id, tag, group.files, group.ranks, group.requested_ns, group.order)
+
+    async def _first_commit(self, client_id: str, tag: str, files: dict[str, int], ranks: Ranks, requested_ns: int,
+                            order: int) -> m.Committed:
+        """The commit a client asked for, on the tier its files were written to; then their copies down the tiers."""
+        committed = await self.settle(client_id, tag, files, ranks, requested_ns, order)
+        self.tiers.schedule(client_id, tag, files, ranks, requested_ns, order)
         return committed
 
     async def settle(self, client_id: str, tag: str, files: dict[str, int], ranks: Ranks, requested_ns: int,
@@ -250,9 +252,9 @@ class CommitLedger:
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
             return await self._await_global(tag, folder, mine.committed_ns)
-        everyone = await self._gather(tag, folder, ranks.num_nodes)
+        everyone = await self._gather(tag, folder, nodes)
         committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, nodes), folder, order)
-        for node in range(ranks.num_nodes):
+        for node in range(nodes):
             await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, node)))
         return committed
 

@@ -20,7 +20,7 @@ from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import ConfigError
 
-from .paths import within
+from .paths import home_tier, within
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
@@ -70,7 +70,7 @@ class StorageConfig:
 
     def tier_of(self, path: str) -> int | None:
         """The index of the tier ``path`` (resolved) lies in, if any."""
-        return next((i for i, t in enumerate(self.tiers) if within(path, t.path)), None)
+        return home_tier(self.tiers, path)
 
     def keep_last_at(self, path: str) -> int | None:
         tier = self.tier_of(path)
@@ -218,7 +218,7 @@ def _tiers(value: Any) -> list[Tier]:
         if not isinstance(shared, bool):
             raise ConfigError(f"{where}.shared: {shared!r} is not true or false", key=f"{where}.shared")
         tier = Tier(name=name, path=os.path.realpath(path), shared=shared,
-                          keep_last=None if keep_last is None else _positive_int(keep_last, f"{where}.keep_last"))
+                    keep_last=None if keep_last is None else _positive_int(keep_last, f"{where}.keep_last"))
         for other in tiers:
             if other.name == tier.name:
                 raise ConfigError(f"{where}.name: {name!r} names two tiers", key=f"{where}.name")

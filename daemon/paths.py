@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+from typing import Iterator
+
+from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import PathNotAllowedError
 from datastates.protocol.format import DONE_PREFIX, MARKER_PREFIX, TEMP_SUFFIX
 
@@ -20,6 +23,20 @@ def _nearest_existing(path: str) -> str:
 def within(path: str, root: str) -> bool:
     """Whether ``path`` (resolved) is ``root`` or below it."""
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def home_tier(tiers: list[Tier], path: str) -> int | None:
+    """The index of the tier ``path`` (resolved) lies in, if any."""
+    return next((i for i, t in enumerate(tiers) if within(path, t.path)), None)
+
+
+def shallow_walk(root: str, depth: int) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(root)`` down to ``depth`` folders below it: checkpoints sit near a root, never crawl a whole file system."""
+    base = root.rstrip("/").count("/")
+    for folder, dirs, files in os.walk(root):
+        if folder.count("/") - base >= depth:
+            dirs.clear()
+        yield folder, dirs, files
 
 
 def check_path(path: str, roots: list[str]) -> str:

@@ -33,6 +33,8 @@ from datastates.protocol.format import CommitMarker, marker_name, read_marker
 
 from .config import StorageConfig
 from .engine import Engine
+from .paths import shallow_walk
+from .storage.posix import open_for_reading
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +89,6 @@ class TagCopies:
         """The folder holding the tag's folder: tags of one run, one after another."""
         return os.path.dirname(os.path.dirname(next(iter(self.files))))
 
-    @property
-    def pending(self) -> bool:
-        return any(c.state in (TierState.QUEUED, TierState.COPYING) for c in self.copies)
-
 
 def _copy_range(src_fd: int, writer: Any, handle: Any, buf: mmap.mmap, offset: int, length: int) -> None:
     """``length`` bytes at ``offset`` from the source file to the new copy, through one aligned buffer."""
@@ -107,10 +105,7 @@ def _copy_range(src_fd: int, writer: Any, handle: Any, buf: mmap.mmap, offset: i
 def _newest_per_series(root: str) -> list[tuple[str, CommitMarker]]:
     """(tag folder, marker) of the newest committed tag in each folder of tags under ``root``."""
     newest: dict[str, tuple[str, CommitMarker]] = {}
-    base = root.rstrip("/").count("/")
-    for folder, dirs, files in os.walk(root):
-        if folder.count("/") - base >= SCAN_DEPTH:
-            dirs.clear()
+    for folder, _, files in shallow_walk(root, SCAN_DEPTH):
         name = marker_name(os.path.basename(folder))
         marker = read_marker(os.path.join(folder, name)) if name in files else None
         if marker is None:
@@ -121,15 +116,6 @@ def _newest_per_series(root: str) -> list[tuple[str, CommitMarker]]:
     return sorted(newest.values())
 
 
-def _open_source(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # tmpfs refuses O_DIRECT: read through the cache
-            raise
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-
 class TierCopier:
     def __init__(self, engine: Engine, storage: StorageConfig, settle: Settle) -> None:
         self._engine = engine
@@ -137,6 +123,7 @@ class TierCopier:
         self.tiers = storage.tiers
         self._settle = settle
         self._queue: collections.deque[TagCopies] = collections.deque()
+        """Tags whose copies are not over: the head is being copied, the rest wait."""
         self._wake = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._scanning = len(self.tiers) > 1
@@ -154,11 +141,10 @@ class TierCopier:
         source = self._storage.tier_of(next(iter(files))) if files else None
         if source is None or source == len(self.tiers) - 1:
             return
-        src_root, size = self.tiers[source].path, sum(files.values())
-        folder = os.path.relpath(os.path.dirname(next(iter(files))), src_root)
+        home, size = self.tiers[source], sum(files.values())
+        folder = os.path.dirname(next(iter(files)))
         entry = TagCopies(client_id, tag, files, ranks, requested_ns, order, source,
-                          [TierCopy(t.name, os.path.normpath(os.path.join(t.path, folder)), bytes_total=size)
-                           for t in self.tiers[source:]])
+                          [TierCopy(t.name, t.place(folder, home), bytes_total=size) for t in self.tiers[source:]])
         entry.copies[0].state, entry.copies[0].bytes_done = TierState.COMMITTED, size
         if ranks.num_nodes == 1:
             for older in [q for q in self._queue if q.series == entry.series and q.source == source
@@ -201,17 +187,16 @@ class TierCopier:
             for folder, marker in _newest_per_series(tier.path):
                 if marker.nodes > 1 and marker.node < 0:
                     continue  # every node's files on a shared tier: which node copies what is not known at start
-                there = os.path.join(nxt.path, os.path.relpath(folder, tier.path))
-                if read_marker(os.path.join(there, marker_name(marker.tag))) is None:
+                if read_marker(os.path.join(nxt.place(folder, tier), marker_name(marker.tag))) is None:
                     out.append((folder, marker))
         return out
 
     def pending_tags(self) -> set[str]:
         """Tags still to be copied off their tier: that tier's retention must spare them."""
-        return {e.tag for e in self.history if e.pending}
+        return {e.tag for e in self._queue}
 
     def pending(self) -> int:
-        return sum(1 for e in self.history if e.pending) + self._scanning
+        return len(self._queue) + self._scanning
 
     async def _run(self) -> None:
         while True:
@@ -231,10 +216,10 @@ class TierCopier:
                         copy.state, copy.error = TierState.FAILED, copy.error or "the copy to an earlier tier failed"
 
     async def _copy_down(self, entry: TagCopies) -> None:
-        src_root = self.tiers[entry.source].path
+        home = self.tiers[entry.source]
         for i, copy in enumerate(entry.copies[1:]):
             tier = self.tiers[entry.source + 1 + i]
-            dest = {os.path.join(tier.path, os.path.relpath(p, src_root)): n for p, n in entry.files.items()}
+            dest = {tier.place(p, home): n for p, n in entry.files.items()}
             copy.state = TierState.COPYING
             try:
                 for (src, size), path in zip(entry.files.items(), dest):
@@ -250,7 +235,7 @@ class TierCopier:
 
     async def _copy_file(self, src: str, dest: str, size: int, copy: TierCopy, token: str) -> None:
         writer = self._engine.writer(dest)
-        src_fd = await self._engine.flush(_open_source, src)
+        src_fd = await self._engine.flush(open_for_reading, src)
         try:
             if os.fstat(src_fd).st_size != size:
                 raise StorageError(f"cannot copy {src}: it is {os.fstat(src_fd).st_size} bytes, its marker says {size}",

@@ -8,6 +8,7 @@ their provider, become the index of the file on disk.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,3 +86,7 @@ class Tier:
     shared: bool = True
     """Every node sees this tier (a parallel file system); false for a node-local disk or /dev/shm.
     Only shared tiers decide which tag a multi-node job restores."""
+
+    def place(self, path: str, home: Tier) -> str:
+        """``path``, which lies in tier ``home``, at the same place below this tier: where its copy goes."""
+        return os.path.normpath(os.path.join(self.path, os.path.relpath(path, home.path)))

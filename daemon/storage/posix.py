@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datastates.protocol.errors import StorageError
 from datastates.protocol.format import TEMP_SUFFIX
 
+from ..paths import shallow_walk
 from .base import StorageWriter, register_writer
 
 
@@ -45,6 +46,14 @@ def _makedirs_durable(folder: str) -> None:
         except FileExistsError:
             continue
         _fsync_dir(os.path.dirname(new))
+
+
+def open_for_reading(path: str) -> int:
+    """A descriptor for large reads of ``path``: O_DIRECT, or through the page cache where the file system refuses it (tmpfs)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
 def temp_path(path: str, token: str) -> str:
@@ -142,10 +151,7 @@ class PosixWriter(StorageWriter):
     def remove_leftovers(self, root: str) -> list[str]:
         removed = []
         mine = f".{self.owner}-"
-        base = root.rstrip("/").count("/")
-        for folder, dirs, files in os.walk(root):
-            if folder.count("/") - base >= LEFTOVER_DEPTH:
-                dirs.clear()  # checkpoints live at <root>/<tag>/<file>: do not crawl a whole file system
+        for folder, _, files in shallow_walk(root, LEFTOVER_DEPTH):  # checkpoints live at <root>/<tag>/<file>
             for name in files:
                 if name.startswith(".") and name.endswith(TEMP_SUFFIX) and mine in name:
                     path = os.path.join(folder, name)
