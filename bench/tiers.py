@@ -40,7 +40,7 @@ POLL_S = 0.01
 
 
 def committed_on(endpoint: str, tag: str, tier: str) -> bool:
-    for entry in daemon_status(endpoint)["tier_copies"]["tags"]:
+    for entry in daemon_status(endpoint)["tier_transfers"]["tags"]:
         if entry["tag"] == tag:
             return any(c["tier"] == tier and c["state"] == "committed" for c in entry["tiers"])
     return False
@@ -100,7 +100,7 @@ def main() -> int:
             for r in range(args.runs):
                 for name, fn in contenders.items():
                     step += 1
-                    tiered_idle = lambda: not daemon_status(tiered_ep)["tier_copies"]["pending"]  # noqa: E731
+                    tiered_idle = lambda: not daemon_status(tiered_ep)["tier_transfers"]["pending"]  # noqa: E731
                     while not tiered_idle():  # no contender pays for the previous one's background copy
                         time.sleep(POLL_S)
                     gc.collect()

@@ -1,5 +1,17 @@
-"""What runs in the training rank: the client, state capture, and the reader."""
+"""What runs in the training rank: the client, state capture, and the reader.
 
-from .client import Client, Restored, SnapshotHandle, daemon_status
+``Client`` and its companions load on first use, so ``import datastates`` (for ``load``
+and ``latest``) pulls in neither zmq nor the connection machinery.
+"""
+
+from typing import Any
 
 __all__ = ["Client", "Restored", "SnapshotHandle", "daemon_status"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

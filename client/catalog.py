@@ -6,7 +6,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from datastates.protocol.format import CommitMarker, marker_name, read_marker
+from datastates.protocol.format import CommitMarker, marker_name
+from datastates.protocol.tags import committed_tags
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
     root = os.path.abspath(root)
     out = []
     now = time.time()
+    committed = {c.folder: c.marker for c in committed_tags(root, own_folder=True)}
     for name in sorted(os.listdir(root)):
         folder = os.path.join(root, name)
         if not os.path.isdir(folder) or name.startswith("."):
@@ -36,7 +38,7 @@ def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
         files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
         size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
         marker_path = os.path.join(folder, marker_name(name))
-        marker = read_marker(marker_path)
+        marker = committed.get(folder)
         if marker is not None:
             state, age, order = "committed", now - marker.committed_ns / 1e9, marker.requested_ns or marker.committed_ns
         else:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from datastates.daemon.paths import check_path
+from datastates.protocol.paths import check_path
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import CUDA_IPC, Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
@@ -23,7 +23,6 @@ from datastates.protocol.liveness import pid_namespace
 
 from .capture import Capture, capture
 from .connection import DEFAULT_LIVENESS, Connection
-from .local import LocalSaver
 from .locate import locate
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
@@ -117,7 +116,8 @@ class Client:
         self.client_id = ""
         self.roots: list[str] = []
         self.tiers: list[Tier] = []
-        self._local: LocalSaver | None = None
+        self._local: Any = None
+        """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
         """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
         self._conn = Connection(self.endpoint, liveness)
@@ -141,12 +141,14 @@ class Client:
         """True once this client saves in its own process (``fallback="local"`` and no daemon)."""
         return self._local is not None
 
-    def _go_local(self, exc: DaemonUnavailable) -> LocalSaver:
+    def _go_local(self, exc: DaemonUnavailable) -> Any:
         """Switch to local saves for good, or raise ``exc`` if the fallback is off."""
         self._conn.close()
         if self.fallback != "local":
             raise exc
         log.warning("%s; fallback='local': checkpoints are now written synchronously by the trainer", exc.message)
+        from datastates.daemon.local import LocalSaver  # the one client → daemon import: the fallback only
+
         self._local = LocalSaver()
         return self._local
 
@@ -257,12 +259,12 @@ class Client:
             written = os.path.join(found.written, name)
             try:
                 reply = self._conn.call(m.Restore(path=written, tag=tag, size=size), self.timeout)
-                if reply.copy:
-                    state = load(reply.copy, map_location)
+                if reply.replica:
+                    state = load(reply.replica, map_location)
                     log.info("restored %s (tag %s) from the daemon's memory", written, tag)
                     return Restored(tag=tag, path=written, source="memory", state=state)
                 why_not = reply.why_not
-            except DatastatesError as exc:  # the copy went, or the daemon: storage still has it
+            except DatastatesError as exc:  # the replica went, or the daemon: storage still has it
                 why_not = f"{exc.code}: {exc}"
         log.info("restored %s (tag %s) from storage%s: %s", path, tag, f" tier {found.tier}" * bool(found.tier), why_not)
         return Restored(tag=tag, path=path, source="storage", state=load(path, map_location), why_not_memory=why_not,

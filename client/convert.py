@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from datastates.protocol.errors import CommitError, InvalidRequestError
-from datastates.protocol.format import marker_name, read_marker
+from datastates.protocol.format import marker_name
+from datastates.protocol.tags import read_marker
 
 from .reader import load
 

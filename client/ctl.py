@@ -13,9 +13,9 @@ from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DatastatesError
-from datastates.protocol.format import CommitMarker, check_tag, marker_name, markers
-
-from datastates.daemon.retention import prune
+from datastates.protocol.format import CommitMarker, check_tag, marker_name
+from datastates.protocol.retention import prune
+from datastates.protocol.tags import marker_paths
 
 from .catalog import list_tags
 from .locate import tier_roots
@@ -62,7 +62,7 @@ def render(status: dict[str, Any]) -> str:
             f" {_size(s['total_bytes']):>10} {_size(s['throughput_bps']) + '/s':>11}  {s['tag']}  {s['path']}"
             + (f"\n        error: {s['error']}" if s["error"] else "")
         )
-    tiers = status["tier_copies"]
+    tiers = status["tier_transfers"]
     if tiers["tiers"]:
         lines += ["", "tiers: " + ", ".join(f"{t['name']} {t['path']}" + ("" if t["shared"] else " (node-local)")
                                             for t in tiers["tiers"]), f"  {'tag':<24} " + "  ".join(
@@ -75,13 +75,13 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _tier_cell(copy: dict[str, Any] | None) -> str:
-    """One tag on one tier: its state, with progress while it is copied."""
-    if copy is None:
+def _tier_cell(transfer: dict[str, Any] | None) -> str:
+    """One tag on one tier: its state, with progress while it is transferred."""
+    if transfer is None:
         return "-"
-    if copy["state"] == "copying":
-        return f"copying {100 * copy['bytes_done'] / max(1, copy['bytes_total']):.0f}%"
-    return copy["state"]
+    if transfer["state"] == "transferring":
+        return f"transferring {100 * transfer['bytes_done'] / max(1, transfer['bytes_total']):.0f}%"
+    return transfer["state"]
 
 
 def _tag_files(target: str, root: str) -> list[str]:
@@ -93,9 +93,9 @@ def _tag_files(target: str, root: str) -> list[str]:
     if os.path.isfile(target):
         return [target]
     if os.path.isdir(target):
-        found = [p for p in markers(target) if os.path.dirname(p) == os.path.abspath(target).rstrip("/")]
+        found = [p for p in marker_paths(target) if os.path.dirname(p) == os.path.abspath(target).rstrip("/")]
     else:
-        found = [p for p in markers(root) if os.path.basename(p) == marker_name(check_tag(target))]
+        found = [p for p in marker_paths(root) if os.path.basename(p) == marker_name(check_tag(target))]
     if not found:
         raise CorruptCheckpointError(f"no commit marker for {target!r} (looked in {target if os.path.isdir(target) else root})")
     files = []
@@ -122,20 +122,20 @@ def _verify(target: str, root: str) -> int:
 
 
 def _ls(root: str, endpoint: str | None, timeout: float) -> int:
-    """Tags of ``root``, on every storage tier it spans; the daemon, when one answers, names the tiers and its memory copies."""
+    """Tags of ``root``, on every storage tier it spans; the daemon, when one answers, names the tiers and its replicas."""
     root = os.path.abspath(root)
     try:
         status = daemon_status(endpoint, timeout)
-        copies = [k for k in status["restore_cache"]["copies"] if k["committed"]]
-        tiers = [Tier(**t) for t in status["tier_copies"]["tiers"]]
+        replicas = [r for r in status["replicas"]["replicas"] if r["committed"]]
+        tiers = [Tier(**t) for t in status["tier_transfers"]["tiers"]]
     except DatastatesError:
-        copies, tiers = [], []
+        replicas, tiers = [], []
     places = [(t, p) for t, p in tier_roots(root, tiers) if os.path.isdir(p)]
     if not places:
         raise FileNotFoundError(f"no folder {root}")
     entries = []
     for tier, place in places:
-        in_memory = {k["tag"] for k in copies if os.path.dirname(os.path.dirname(k["path"])) == place}
+        in_memory = {r["tag"] for r in replicas if os.path.dirname(os.path.dirname(r["path"])) == place}
         entries += [(e, tier.name if tier else "-") for e in list_tags(place, in_memory)]
     entries.sort(key=lambda row: row[0].order_ns, reverse=True)
     print(f"{'tag':<28} {'state':<12} {'size':>11} {'files':>5}  {'tier':<10} {'where':<16} age")
@@ -226,12 +226,12 @@ def main(argv: list[str] | None = None) -> int:
             deadline = None if args.timeout is None else time.monotonic() + args.timeout
             while True:
                 status = _status(conn, args.connect_timeout)
-                copies = status["tier_copies"]["pending"]
-                if not status["pending"] and not status["commits_pending"] and not copies:
+                transfers = status["tier_transfers"]["pending"]
+                if not status["pending"] and not status["commits_pending"] and not transfers:
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     print(f"datastatesctl: still pending after {args.timeout} s: {status['pending']} snapshot(s), "
-                          f"{status['commits_pending']} commit(s), {copies} tier cop(ies)", file=sys.stderr)
+                          f"{status['commits_pending']} commit(s), {transfers} tier transfer(s)", file=sys.stderr)
                     return 1
                 time.sleep(POLL_S)
             failed = [s for s in status["snapshots"] if s["state"] == "failed"]  # the job's, as the daemon lives with it

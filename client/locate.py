@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from datastates.daemon.paths import home_tier
+from datastates.protocol.paths import home_tier
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import CommitError
-from datastates.protocol.format import CommitMarker, marker_name, read_marker
-
-from .reader import newest_marker
+from datastates.protocol.format import CommitMarker, marker_name
+from datastates.protocol.tags import newest, read_marker
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: boo
     places = tier_roots(root, tiers)
     if tag is None:
         deciding = [(t, r) for t, r in places if t is None or t.shared or not multi_node] or places
-        found = [mk for mk in (newest_marker(r) for _, r in deciding) if mk is not None]
+        found = [c.marker for c in (newest(r) for _, r in deciding) if c is not None]
         if not found:
             return None
         tag = max(found, key=lambda mk: mk.newness).tag

@@ -9,21 +9,19 @@ from typing import Any
 
 import torch
 
-from datastates.daemon.providers import get_provider
-from datastates.daemon.storage.posix import open_for_reading
+from datastates.protocol.fileio import open_for_reading
 from datastates.protocol.errors import CorruptCheckpointError, UnsupportedFormatError
 from datastates.protocol.format import (
     PREAMBLE_SIZE,
-    CommitMarker,
     FileHeader,
     checksum,
     data_offset,
-    markers,
     parse_header,
     parse_preamble,
-    read_marker,
     segments,
 )
+from datastates.protocol.providers import get_provider
+from datastates.protocol.tags import newest
 
 MapLocation = str | torch.device | None
 
@@ -212,20 +210,7 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     return len(header.entries), header.data_len
 
 
-def newest_marker(root: str | os.PathLike) -> CommitMarker | None:
-    """The valid commit marker of the newest tag under ``root`` (in it or one folder down)."""
-    root = os.fspath(root)
-    if not os.path.isdir(root):
-        return None
-    best: CommitMarker | None = None
-    for path in markers(root):
-        marker = read_marker(path)
-        if marker is not None and (best is None or marker.newness > best.newness):
-            best = marker
-    return best
-
-
 def latest(root: str | os.PathLike) -> str | None:
     """The newest tag under ``root`` (in it or one folder down) with a valid commit marker."""
-    best = newest_marker(root)
+    best = newest(os.fspath(root))
     return best.tag if best else None

@@ -13,8 +13,8 @@ import os
 import torch
 
 from datastates.protocol.errors import SharedMemoryError
+from datastates.protocol.paths import SHM_DIR
 
-SHM_DIR = "/dev/shm"
 
 
 def segment_path(name: str) -> str:

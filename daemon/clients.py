@@ -9,13 +9,16 @@ each snapshot shares its blocks anew, and a held region keeps trainer GPU memory
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import itertools
+import logging
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Ranks, SourceDesc
@@ -24,7 +27,11 @@ from datastates.protocol.liveness import pid_namespace, process_start
 
 from .sources import Region, open_region
 
+log = logging.getLogger(__name__)
+
 _Key = tuple[str, str]
+LOST_HISTORY = 256
+HEARTBEATS_PER_TIMEOUT = 6
 
 
 @dataclass
@@ -97,8 +104,14 @@ class ClientRecord:
         }
 
 
+OnGone = Callable[[ClientRecord, str], dict[str, Any]]
+"""What the daemon does for a client taken as gone (``how``: exited, or silent); facts for ``status``."""
+
+
 class ClientRegistry:
     def __init__(self) -> None:
+        self.lost: collections.deque[dict[str, Any]] = collections.deque(maxlen=LOST_HISTORY)
+        """Clients that went without BYE (a killed trainer), newest last."""
         self._by_identity: dict[bytes, ClientRecord] = {}
         self._ids = itertools.count(1)
         self._pidns = pid_namespace()
@@ -130,14 +143,27 @@ class ClientRegistry:
         if record is not None:
             record.seen = time.monotonic()
 
-    def gone(self, timeout: float) -> list[ClientRecord]:
-        return [c for c in self._by_identity.values() if c.gone(timeout)]
-
     def remove(self, identity: bytes) -> ClientRecord | None:
         record = self._by_identity.pop(identity, None)
         if record is not None:
             record.release()
         return record
+
+    async def watch(self, timeout: float, stopped: asyncio.Event, on_gone: OnGone) -> None:
+        """Drop clients that exited or went silent: a trainer killed without BYE must not pin its memory here forever."""
+        while not stopped.is_set():
+            try:
+                await asyncio.wait_for(stopped.wait(), timeout / HEARTBEATS_PER_TIMEOUT)
+            except TimeoutError:
+                pass
+            for record in [c for c in self._by_identity.values() if c.gone(timeout)]:
+                how = "exited" if record.started is not None else f"silent for {timeout:.0f} s"
+                self.remove(record.identity)
+                facts = on_gone(record, how)
+                self.lost.append({"id": record.id, "name": record.name, "pid": record.pid, "how": how, **facts,
+                                  "lost_ns": time.time_ns()})
+                log.warning("client %s (%s, pid %d) %s without BYE: taken as gone (%s)", record.id, record.name,
+                            record.pid, how, ", ".join(f"{k} {v}" for k, v in facts.items()))
 
     def status(self) -> list[dict[str, Any]]:
         return [c.status() for c in self._by_identity.values()]

@@ -19,7 +19,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Ranks
@@ -27,16 +27,15 @@ from datastates.protocol.errors import CommitError, DatastatesError, SnapshotSki
 from datastates.protocol.format import MEGATRON_TRACKER, TRACKER, CommitMarker, MarkerFile, done_name, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
-from .config import StorageConfig
+from datastates.protocol.paths import within
+from datastates.protocol.retention import prune
+
+from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .job import SnapshotJob
-from .paths import within
-from .retention import prune
-from .tiers import TierCopier
 
 log = logging.getLogger(__name__)
 
-HISTORY = 64
 POLL_S = 0.2
 _ITERATION_RE = re.compile(r"^iter_(\d+)$")
 
@@ -82,6 +81,33 @@ def trackers(tag: str, folder: str) -> dict[str, bytes]:
     return out
 
 
+@dataclass(frozen=True)
+class CommitEvent:
+    """A node's files of a tag, durable, to commit where they lie; announced once committed on the first tier."""
+
+    client_id: str
+    tag: str
+    files: dict[str, int]
+    """Path → size."""
+    ranks: Ranks
+    requested_ns: int
+    order: int
+    """The newest snapshot id among the files: trackers never move back to a tag of older snapshots."""
+
+
+class CommitListener(Protocol):
+    """What the ledger announces, to the daemon's parts that follow commits (the tier transfers)."""
+
+    def committed(self, commit: CommitEvent) -> None:
+        """``commit`` is committed on the tier its files were written to."""
+
+    def pruned(self, folders: list[str]) -> None:
+        """Retention deleted these tag folders."""
+
+    def holds(self) -> set[str]:
+        """Tags retention must not delete yet."""
+
+
 @dataclass
 class _TagGroup:
     """One tag of one multi-rank job on this node, while its local ranks commit."""
@@ -105,7 +131,7 @@ class CommitLedger:
         self._storage = storage
         self._roots = storage.roots
         self._timeout = timeout
-        self.tiers = TierCopier(engine, storage, self.settle)
+        self._listeners: list[CommitListener] = []
         self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._groups: dict[tuple[str, int, str], _TagGroup] = {}
@@ -114,6 +140,9 @@ class CommitLedger:
         """Per tracker file, the newest snapshot id of the tag it names: commits that finish out of order never move it back."""
         self.committed: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.pending = 0
+
+    def subscribe(self, listener: CommitListener) -> None:
+        self._listeners.append(listener)
 
     def add(self, job: SnapshotJob) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
@@ -177,7 +206,7 @@ class CommitLedger:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
         files = await self._durable(tag, jobs)
         try:
-            return await self._first_commit(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs))
+            return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs)))
         except CommitError:
             self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
             raise
@@ -225,25 +254,27 @@ class CommitLedger:
     async def _finish(self, client_id: str, tag: str, group: _TagGroup) -> m.Committed:
         if not group.files:
             raise CommitError(f"tag {tag!r} not committed: no rank of this node snapshotted a file for it", tag=tag)
-        return await self._first_commit(client_id, tag, group.files, group.ranks, group.requested_ns, group.order)
+        return await self._first_commit(CommitEvent(client_id, tag, group.files, group.ranks, group.requested_ns,
+                                                    group.order))
 
-    async def _first_commit(self, client_id: str, tag: str, files: dict[str, int], ranks: Ranks, requested_ns: int,
-                            order: int) -> m.Committed:
-        """The commit a client asked for, on the tier its files were written to; then their copies down the tiers."""
-        committed = await self.settle(client_id, tag, files, ranks, requested_ns, order)
-        self.tiers.schedule(client_id, tag, files, ranks, requested_ns, order)
+    async def _first_commit(self, commit: CommitEvent) -> m.Committed:
+        """The commit a client asked for, on the tier its files were written to, then announced."""
+        committed = await self.settle(commit)
+        for listener in self._listeners:
+            listener.committed(commit)
         return committed
 
-    async def settle(self, client_id: str, tag: str, files: dict[str, int], ranks: Ranks, requested_ns: int,
-                     order: int) -> m.Committed:
-        """Commit this node's durable ``files`` as ``tag`` where they lie: a first commit, or a tier copy's.
+    async def settle(self, commit: CommitEvent) -> m.Committed:
+        """Commit this node's durable files as the tag where they lie: a first commit, or a tier transfer's.
 
         One node, or a tier only this node sees: this node's marker. Several nodes on a
         shared folder: each writes a done marker, node 0 gathers them and writes the tag's.
         """
+        client_id, tag, files, ranks, requested_ns, order = (
+            commit.client_id, commit.tag, commit.files, commit.ranks, commit.requested_ns, commit.order)
         folder = tag_folder(tag, files, self._roots)
         nodes = ranks.num_nodes
-        if nodes == 1 or not self.tiers.shared(folder):
+        if nodes == 1 or not self._storage.shared(folder):
             marker = make_marker(tag, files, folder, requested_ns, nodes, -1 if nodes == 1 else ranks.node_rank)
             return await self._publish(client_id, tag, marker, folder, order)
         if os.path.basename(folder) != tag:
@@ -310,13 +341,17 @@ class CommitLedger:
     async def _prune(self, parent: str, keep_last: int) -> None:
         """Retention after a commit; a tag that cannot be deleted is logged, and the commit stands."""
         try:
-            self.tiers.pruned(await self._engine.flush(prune, parent, keep_last, self.open_tags()))
+            gone = await self._engine.flush(prune, parent, keep_last, self.open_tags())
         except OSError as exc:
             log.warning("keep_last: pruning %s failed: %s", parent, exc)
+            return
+        for listener in self._listeners:
+            listener.pruned(gone)
 
     def open_tags(self) -> set[str]:
-        """Tags with snapshots not yet committed (being saved again), or not yet copied down the tiers: never pruned."""
-        return {tag for _, tag in self._open} | {tag for _, _, tag in self._groups} | self.tiers.pending_tags()
+        """Tags with snapshots not yet committed (being saved again), or held by a listener (a tier transfer): never pruned."""
+        held = {tag for _, tag in self._open} | {tag for _, _, tag in self._groups}
+        return held.union(*(listener.holds() for listener in self._listeners))
 
     async def _write(self, path: str, data: bytes, tag: str) -> None:
         try:

@@ -19,8 +19,9 @@ from datastates.protocol import security
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import ConfigError
+from datastates.protocol.fileio import PAGE
 
-from .paths import home_tier, within
+from datastates.protocol.paths import home_tier, within
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
@@ -28,7 +29,10 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _TIER_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 _TCP_RE = re.compile(r"^tcp://(\*|[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
 
-ALIGN = 4096
+HISTORY = 64
+"""Commits, skipped tags and tier transfers remembered for ``status`` and for commits that follow."""
+JOB_HISTORY = 256
+"""Finished snapshots kept for ``status`` and for a WAIT that names them."""
 
 
 def parse_size(value: Any, key: str) -> int:
@@ -71,6 +75,11 @@ class StorageConfig:
     def tier_of(self, path: str) -> int | None:
         """The index of the tier ``path`` (resolved) lies in, if any."""
         return home_tier(self.tiers, path)
+
+    def shared(self, path: str) -> bool:
+        """Whether every node sees ``path``: a tier not marked otherwise, or a plain root."""
+        tier = self.tier_of(path)
+        return tier is None or self.tiers[tier].shared
 
     def keep_last_at(self, path: str) -> int | None:
         tier = self.tier_of(path)
@@ -173,8 +182,8 @@ def from_mapping(data: dict | None) -> NodeConfig:
             kwargs[key] = _curve(value)
     cfg = NodeConfig(**kwargs)
     _check_endpoint(cfg)
-    if cfg.chunk_size < ALIGN or cfg.chunk_size % ALIGN:
-        raise ConfigError(f"chunk_size: {cfg.chunk_size} must be a positive multiple of {ALIGN}", key="chunk_size")
+    if cfg.chunk_size < PAGE or cfg.chunk_size % PAGE:
+        raise ConfigError(f"chunk_size: {cfg.chunk_size} must be a positive multiple of {PAGE}", key="chunk_size")
     if cfg.host_memory < cfg.chunk_size:
         raise ConfigError(
             f"host_memory: {cfg.host_memory} is smaller than one chunk ({cfg.chunk_size}); raise it or lower chunk_size",

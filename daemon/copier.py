@@ -14,7 +14,7 @@ from typing import Sequence
 from datastates.protocol.format import checksum
 
 from .memory import Chunk
-from .plan import Piece
+from datastates.protocol.layout import Piece
 from .sources import Region
 
 

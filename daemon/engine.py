@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -21,8 +20,9 @@ from datastates.protocol.errors import DatastatesError, SnapshotFailedError
 from .copier import copy_piece
 from .job import SnapshotJob
 from .memory import HostPool
-from .plan import FilePlan, Piece
-from .restore_cache import Mirror
+from datastates.protocol.layout import Piece
+
+from .sink import FileSink
 from .storage import StorageWriter, writer_class
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,9 @@ class Engine:
         """
         plan = job.plan
         assert plan is not None
-        writer = self.writer(plan.path)
+        token = f"{job.client_id}-{job.id}"
+        replicas = [] if job.replica is None else [(self.writer(job.replica.replica), job.replica.replica)]
+        sink = FileSink(self.writer(plan.path), plan.path, token, replicas)
         sums: list[list[bytes]] = [list(s.checksums) for s in plan.header.storages]
         failures: list[BaseException] = []
         uncopied = len(plan.pieces)
@@ -89,9 +91,7 @@ class Engine:
                 uncopied -= 1
                 if uncopied == 0:
                     job.mark_copied()
-                await self.flush(writer.write, handle, plan.data_offset + piece.offset, chunk.view[: piece.length])
-                if mirror is not None:
-                    await self.flush(mirror.write, plan.data_offset + piece.offset, chunk.view[: piece.length])
+                await self.flush(sink.write, plan.data_offset + piece.offset, chunk.view[: piece.length])
                 job.flushed_bytes += sum(s.length for s in piece.segments)
             except BaseException as exc:
                 failures.append(exc)
@@ -100,37 +100,29 @@ class Engine:
                 self.pool.release(chunk)
 
         try:
-            handle = await self.flush(writer.create, plan.path, f"{job.client_id}-{job.id}")
+            await self.flush(sink.create)
         except DatastatesError as exc:
             job.mark_failed(exc)
             return
-        mirror = None if job.keep is None else Mirror(self.writer(job.keep.copy), job.keep)
-        if mirror is not None:
-            await self.flush(mirror.create, f"{job.client_id}-{job.id}")
         try:
             if not plan.pieces:
                 job.mark_copied()
             await asyncio.gather(*(one(p) for p in plan.pieces), return_exceptions=True)
             if failures:
                 raise failures[0]
-            await self.flush(write_header, writer, handle, plan, sums)
-            if mirror is not None:
-                await self.flush(mirror.write_header, write_header, plan, sums)
-                await self.flush(mirror.finalize)
+            await self.flush(sink.header, plan.with_checksums(sums).encode(), plan.data_offset)
             if after:
                 await asyncio.wait(after)
-            await self.flush(writer.finalize, handle)
+            await self.flush(sink.finalize)
         except Exception as exc:
-            await self.flush(writer.abort, handle)
-            if mirror is not None:
-                await self.flush(mirror.abort)
+            await self.flush(sink.abort)
             if not isinstance(exc, DatastatesError):
                 log.exception("snapshot %d to %s failed", job.id, job.path)
                 exc = SnapshotFailedError(f"snapshot of {job.path} failed: {exc}", path=job.path)
             job.mark_failed(exc)
             return
-        if mirror is not None and mirror.failed:
-            job.keep = None
+        if not sink.replicas_written:
+            job.replica = None
         job.mark_durable()
         log.info("snapshot %d durable: %s (%d bytes)", job.id, job.path, job.total_bytes)
 
@@ -138,10 +130,3 @@ class Engine:
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)
 
-
-def write_header(writer: StorageWriter, handle: Any, plan: FilePlan, sums: list[list[bytes]]) -> None:
-    """The header with every checksum, zero-padded to the data region; it goes last, once the sums are known."""
-    header = plan.with_checksums(sums).encode()
-    buf = mmap.mmap(-1, plan.data_offset)  # page-aligned, zero-filled: fit for O_DIRECT
-    buf[: len(header)] = header
-    writer.write(handle, 0, memoryview(buf))

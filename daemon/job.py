@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from datastates.protocol.errors import SnapshotFailedError
 
-from .plan import FilePlan
+from datastates.protocol.layout import FilePlan
 
-if TYPE_CHECKING:
-    from .restore_cache import Kept
+from .replicas import Replica
 from .sources import Region
 
 
@@ -50,8 +49,8 @@ class SnapshotJob:
         self.error: str | None = None
         self.started = time.monotonic()
         self.finished: float | None = None
-        self.keep: Kept | None = None
-        """Where the engine also writes the file, for restores from memory (daemon/restore_cache.py)."""
+        self.replica: Replica | None = None
+        """Where the engine also writes the file, for restores from memory (daemon/replicas.py)."""
         self.abandoned: SnapshotFailedError | None = None
         """Set when the trainer went before the copy finished and its memory went with it."""
         self.copied: asyncio.Future = loop.create_future()

@@ -82,7 +82,7 @@ async def _serve(cfg: config.NodeConfig) -> None:
             auth.stop()
         ctx.term()
         daemon.engine.close()
-        daemon.restore_cache.close()
+        daemon.replicas.close()
         log.info("datastatesd stopped")
 
 

@@ -3,15 +3,15 @@
 Each request is handled in its own task, so a WAIT or COMMIT that takes seconds does not
 hold up anyone else. Every handler runs inside one error boundary: a DatastatesError
 becomes an ERROR reply with its code, anything else is logged and reported as
-``internal``, and the loop goes on serving.
+``internal``, and the loop goes on serving. Handlers are thin: the snapshot table is
+``jobs.py``, client liveness ``clients.py``, commits ``commit.py``, the tier transfers
+``tiers.py`` (a listener of the ledger) and the replicas ``replicas.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
-import itertools
 import logging
 import os
 import socket
@@ -31,23 +31,23 @@ from datastates.protocol.errors import (
     SnapshotFailedError,
 )
 from datastates.protocol.format import check_tag
+from datastates.protocol.layout import plan_snapshot
+from datastates.protocol.paths import check_path
 from datastates.protocol.version import PROTOCOL_VERSION
 
-from .clients import ClientRecord, ClientRegistry
+from .clients import HEARTBEATS_PER_TIMEOUT, ClientRecord, ClientRegistry
 from .commit import CommitLedger
 from .config import NodeConfig
 from .engine import Engine
 from .job import SnapshotJob
+from .jobs import JobTable
 from .memory import HostPool
-from .paths import check_path
-from .plan import plan_snapshot
-from .restore_cache import RestoreCache
+from .replicas import ReplicaStore
+from .tiers import TierTransfers
 
 log = logging.getLogger(__name__)
 
-HISTORY = 256
 DRAIN_GRACE = 1.0
-HEARTBEATS_PER_TIMEOUT = 6
 Handler = Callable[[bytes, Any], Awaitable[m.Body]]
 
 
@@ -60,13 +60,11 @@ class Daemon:
         self.leftovers: list[str] | None = None
         self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
+        self.jobs = JobTable()
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout)
-        self.restore_cache = RestoreCache(cfg.memory_restore, cfg.memory_restore_budget, owner)
-        self.jobs: dict[int, SnapshotJob] = {}
-        self._finished: collections.deque[int] = collections.deque()
-        self._job_ids = itertools.count(1)
+        self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
+        self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner)
         self._tasks: set[asyncio.Task] = set()
-        self._admitting: dict[str, set[asyncio.Future]] = {}
         self._started = time.monotonic()
         self.draining = False
         self._refuse_after = float("inf")
@@ -82,15 +80,13 @@ class Daemon:
             m.Heartbeat: self._heartbeat,
             m.Restore: self._restore,
         }
-        self.lost: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
-        """Clients that went silent without BYE (a killed trainer), newest last."""
 
     # -- the loop ---------------------------------------------------------------------
 
     async def serve(self, sock: zmq.asyncio.Socket) -> None:
         self._sock = sock
         self._spawn(self._recover())
-        self._spawn(self._watch_clients())
+        self._spawn(self.clients.watch(self.cfg.client_timeout, self.stopped, self._gone))
         if self.cfg.prefault:
             self._spawn(self.engine.prefill())
         stop = asyncio.ensure_future(self.stopped.wait())
@@ -102,7 +98,7 @@ class Daemon:
                 break
             frames = recv.result()
             self._spawn(self._handle(frames[0], frames[1:]))
-        self.ledger.tiers.close()
+        self.transfers.close()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=5)
 
@@ -143,30 +139,10 @@ class Daemon:
             heartbeat_s=self.cfg.client_timeout / HEARTBEATS_PER_TIMEOUT, tiers=self.cfg.storage.tiers,
         )
 
-    async def _admitted(self, client_id: str) -> None:
-        """Let the client's SNAPSHOTs sent before this request finish admission first.
-
-        Clients do not wait for the admission reply, so a WAIT or COMMIT can arrive while
-        the snapshot it is about is still being admitted on a thread.
-        """
-        pending = list(self._admitting.get(client_id, ()))
-        if pending:
-            await asyncio.wait(pending)
-
     async def _snapshot(self, identity: bytes, body: m.Snapshot) -> m.SnapshotAck:
         client = self.clients.get(identity)
-        before = list(self._admitting.get(client.id, ()))
-        admitting = asyncio.get_running_loop().create_future()  # registered before any await: see _admitted
-        self._admitting.setdefault(client.id, set()).add(admitting)
-        try:
-            if before:  # one client's snapshots are admitted in order: same-path renames and on_busy rely on it
-                await asyncio.wait(before)
+        async with self.jobs.admitting(client.id):
             return await self._admit(client, body)
-        finally:
-            admitting.set_result(None)
-            self._admitting[client.id].discard(admitting)
-            if not self._admitting[client.id]:
-                del self._admitting[client.id]
 
     async def _admit(self, client: ClientRecord, body: m.Snapshot) -> m.SnapshotAck:
         await self._recovered.wait()  # its temp names share our owner prefix with the leftovers
@@ -174,7 +150,7 @@ class Daemon:
             raise ShuttingDownError("datastatesd is shutting down and takes no new snapshots")
         check_tag(body.tag)
         if client.on_busy == "skip":
-            reason = self.ledger.skipped(client.id, body.tag) or self._busy(client.id, body.tag)
+            reason = self.ledger.skipped(client.id, body.tag) or self.jobs.busy(client.id, body.tag)
             if reason:
                 self.ledger.skip(client.id, body.tag, reason)
                 log.warning("skipped a snapshot of %s for %s (on_busy: skip): %s", body.tag, client.id, reason)
@@ -186,18 +162,13 @@ class Daemon:
             return plan, client.regions_for(path, body.sources)
 
         plan, regions = await asyncio.get_running_loop().run_in_executor(None, admit)
-        earlier = [j for j in self.jobs.values() if j.path == plan.path and j.pending]
-        job = SnapshotJob(next(self._job_ids), client.id, body.tag, plan, regions)
-        job.keep = self.restore_cache.reserve(job, client.ranks)
-        self.jobs[job.id] = job
+        earlier = self.jobs.pending_at(plan.path)
+        job = SnapshotJob(self.jobs.next_id(), client.id, body.tag, plan, regions)
+        job.replica = self.replicas.reserve(job.id, job.path, job.tag, job.file_size, client.ranks)
+        self.jobs.add(job)
         self.ledger.add(job)
         self._spawn(self._run(job, earlier))
         return m.SnapshotAck(snapshot_id=job.id, total_bytes=job.total_bytes)
-
-    def _busy(self, client_id: str, tag: str) -> str:
-        """Why a new tag's snapshot would queue behind an older tag's, or '' if it would not."""
-        older = next((j for j in self.jobs.values() if j.client_id == client_id and j.tag != tag and j.pending), None)
-        return "" if older is None else f"tag {older.tag!r} is still {older.state.value} {older.path}"
 
     async def _recover(self) -> None:
         """Remove this daemon's half-written files from a killed earlier run, before admitting any."""
@@ -207,22 +178,20 @@ class Daemon:
             self._recovered.set()
         if self.leftovers:
             log.warning("removed %d partial file(s) left by an earlier run: %s", len(self.leftovers), self.leftovers[:5])
-        resumed = await self.ledger.tiers.resume()
+        resumed = await self.transfers.resume()
         if resumed:
-            log.warning("resuming %d tier cop(ies) an earlier run left undone: %s", len(resumed), resumed[:5])
+            log.warning("resuming %d tier transfer(s) an earlier run left undone: %s", len(resumed), resumed[:5])
 
     async def _run(self, job: SnapshotJob, earlier: list[SnapshotJob]) -> None:
         await self.engine.run(job, after=[j.durable for j in earlier])
-        if job.keep is None or job.error is not None:  # its in-memory copy failed, or the snapshot did
-            self.restore_cache.discard(job.id)
-        self._finished.append(job.id)
-        while len(self._finished) > HISTORY:
-            self.jobs.pop(self._finished.popleft(), None)
+        if job.replica is None or job.error is not None:  # its replica failed, or the snapshot did
+            self.replicas.discard(job.id)
+        self.jobs.finished(job)
 
     async def _wait(self, identity: bytes, body: m.Wait) -> m.WaitDone:
         client = self.clients.get(identity)
-        await self._admitted(client.id)
-        ids = body.snapshot_ids or [j.id for j in self.jobs.values() if j.client_id == client.id]
+        await self.jobs.admitted(client.id)
+        ids = body.snapshot_ids or [j.id for j in self.jobs.of_client(client.id)]
         jobs = []
         for i in ids:
             job = self.jobs.get(i)
@@ -238,17 +207,17 @@ class Daemon:
 
     async def _commit(self, identity: bytes, body: m.Commit) -> m.Committed:
         client = self.clients.get(identity)
-        await self._admitted(client.id)
-        mine = [j for j in self.jobs.values() if j.client_id == client.id and j.tag == body.tag]
+        await self.jobs.admitted(client.id)
+        mine = [j.id for j in self.jobs.of_client(client.id, body.tag)]
         committed = await self.ledger.commit(client.id, check_tag(body.tag), client.ranks)
-        self.restore_cache.committed(body.tag, mine)
+        self.replicas.committed(body.tag, mine)
         log.info("tag %s committed by %s: %s", body.tag, client.id, committed.marker)
         return committed
 
     async def _restore(self, identity: bytes, body: m.Restore) -> m.RestoreReply:
         self.clients.get(identity)
-        kept, why_not = self.restore_cache.lookup(check_path(body.path, self.cfg.storage.roots), body.tag, body.size)
-        return m.RestoreReply(copy=kept.copy if kept else "", why_not=why_not)
+        replica, why_not = self.replicas.lookup(check_path(body.path, self.cfg.storage.roots), body.tag, body.size)
+        return m.RestoreReply(replica=replica.replica if replica else "", why_not=why_not)
 
     async def _status(self, identity: bytes, body: m.Status) -> m.StatusReply:
         return m.StatusReply(status=self.status())
@@ -258,46 +227,24 @@ class Daemon:
         return m.ShutdownAck()
 
     async def _bye(self, identity: bytes, body: m.Bye) -> m.ByeAck:
-        self._drop(identity)
+        record = self.clients.remove(identity)  # its region cache goes; jobs in flight keep their own maps
+        if record is not None:
+            self.ledger.forget(record.id)
         return m.ByeAck()
 
     async def _heartbeat(self, identity: bytes, body: m.Heartbeat) -> m.HeartbeatAck:
         return m.HeartbeatAck()
 
-    def _drop(self, identity: bytes) -> ClientRecord | None:
-        """Forget a client: its open tags, and its region cache (jobs in flight keep their own maps)."""
-        record = self.clients.remove(identity)
-        if record is not None:
-            self.ledger.forget(record.id)
-        return record
-
-    async def _watch_clients(self) -> None:
-        """Drop clients that exited or went silent: a trainer killed without BYE must not pin its memory here forever."""
-        timeout = self.cfg.client_timeout
-        while not self.stopped.is_set():
-            try:
-                await asyncio.wait_for(self.stopped.wait(), timeout / HEARTBEATS_PER_TIMEOUT)
-            except TimeoutError:
-                pass
-            for record in self.clients.gone(timeout):
-                self._drop(record.identity)
-                if record.ranks.world_size > 1:
-                    self.ledger.rank_lost(record.ranks)
-                how = "exited" if record.started is not None else f"silent for {timeout:.0f} s"
-                mine = [j for j in self.jobs.values() if j.client_id == record.id]
-                abandoned = sum(j.abandon_device_copy(f"its trainer {how}") for j in mine)
-                pending = sum(1 for j in mine if j.pending) - abandoned
-                self.lost.append({"id": record.id, "name": record.name, "pid": record.pid, "how": how,
-                                  "pending_snapshots": pending, "abandoned_gpu_snapshots": abandoned,
-                                  "lost_ns": time.time_ns()})
-                log.warning("client %s (%s, pid %d) %s without BYE: taken as gone; %d pending snapshot(s) still "
-                            "finish, %d GPU snapshot(s) not yet copied fail", record.id, record.name, record.pid, how,
-                            pending, abandoned)
+    def _gone(self, record: ClientRecord, how: str) -> dict[str, Any]:
+        """A client gone without BYE: its open tags go, its GPU snapshots not yet copied fail, the rest finish."""
+        self.ledger.forget(record.id)
+        if record.ranks.world_size > 1:
+            self.ledger.rank_lost(record.ranks)
+        mine = self.jobs.of_client(record.id)
+        abandoned = sum(j.abandon_device_copy(f"its trainer {how}") for j in mine)
+        return {"pending_snapshots": sum(1 for j in mine if j.pending) - abandoned, "abandoned_gpu_snapshots": abandoned}
 
     # -- lifecycle and status ---------------------------------------------------------
-
-    def pending_jobs(self) -> list[SnapshotJob]:
-        return [j for j in self.jobs.values() if j.pending]
 
     def request_shutdown(self) -> None:
         """What SIGTERM does: the same drain as a SHUTDOWN message."""
@@ -312,20 +259,20 @@ class Daemon:
         if not self.draining:
             self.draining = True
             self._refuse_after = time.monotonic() + DRAIN_GRACE
-            log.info("draining: %d snapshot(s) pending", len(self.pending_jobs()))
+            log.info("draining: %d snapshot(s) pending", len(self.jobs.pending()))
             await asyncio.sleep(DRAIN_GRACE)
         while True:
-            pending = [j.durable for j in self.pending_jobs()]
+            pending = [j.durable for j in self.jobs.pending()]
             if pending:
                 await asyncio.wait(pending, timeout=0.5)
-            elif self.ledger.pending or self.ledger.tiers.pending() or any(self._admitting.values()):
+            elif self.ledger.pending or self.transfers.pending() or self.jobs.any_admitting():
                 await asyncio.sleep(0.05)
             else:
                 break
         asyncio.get_running_loop().call_later(0.2, self.stopped.set)
 
     def status(self) -> dict[str, Any]:
-        jobs = [j.status() for j in self.jobs.values()]
+        jobs = self.jobs.status()
         return {
             "daemon": {
                 "pid": os.getpid(),
@@ -339,12 +286,12 @@ class Daemon:
                     "count": len(self.leftovers), "paths": self.leftovers[:20]},
             },
             "clients": self.clients.status(),
-            "clients_lost": list(self.lost),
+            "clients_lost": list(self.clients.lost),
             "snapshots": jobs,
-            "pending": sum(1 for j in self.jobs.values() if j.pending),
+            "pending": len(self.jobs.pending()),
             "commits_pending": self.ledger.pending,
             "tags_gathering": self.ledger.groups(),
-            "tier_copies": self.ledger.tiers.status(),
-            "restore_cache": self.restore_cache.status(),
+            "tier_transfers": self.transfers.status(),
+            "replicas": self.replicas.status(),
             "committed": list(self.ledger.committed),
         }

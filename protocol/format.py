@@ -193,30 +193,3 @@ class CommitMarker:
                 return cls.decode(f.read())
         except (OSError, ValueError, DatastatesError):
             return None
-
-
-def markers(root: str) -> list[str]:
-    """Commit markers in ``root`` and one folder down: where ``latest`` looks."""
-    found = []
-    for folder in [root] + [os.path.join(root, d) for d in sorted(os.listdir(root))]:
-        if not os.path.isdir(folder):
-            continue
-        found.extend(
-            os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX)
-        )
-    return found
-
-
-def read_marker(path: str) -> CommitMarker | None:
-    """The marker at ``path`` if it is whole and every file it lists has the size it lists."""
-    marker = CommitMarker.read(path)
-    if marker is None:
-        return None
-    folder = os.path.dirname(path)
-    for rec in marker.files:
-        try:
-            if os.stat(os.path.join(folder, rec.path)).st_size != rec.size:
-                return None
-        except OSError:
-            return None
-    return marker

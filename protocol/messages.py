@@ -136,7 +136,7 @@ class Committed(Body):
 
 @dataclass(frozen=True)
 class Restore(Body):
-    """Where the daemon's in-memory copy of ``path`` is, if it holds one of ``tag`` with ``size`` bytes."""
+    """Where the daemon's replica (in-memory copy) of ``path`` is, if it holds one of ``tag`` with ``size`` bytes."""
 
     TYPE = MsgType.RESTORE
     path: str
@@ -147,8 +147,8 @@ class Restore(Body):
 @dataclass(frozen=True)
 class RestoreReply(Body):
     TYPE = MsgType.RESTORE_REPLY
-    copy: str
-    """A checkpoint file in the daemon's /dev/shm folder, or "" when it holds no such copy."""
+    replica: str
+    """A checkpoint file in the daemon's /dev/shm folder, or "" when it holds no such replica."""
     why_not: str = ""
 
 

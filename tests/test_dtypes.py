@@ -14,7 +14,7 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.daemon.providers.tensor import DTYPES
+from datastates.protocol.providers.tensor import DTYPES
 
 from conftest import DaemonProc, assert_state_equal, same_storage, save
 

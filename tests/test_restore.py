@@ -76,7 +76,7 @@ def test_a_killed_trainer_restarts_from_the_daemons_memory_bitwise(start_daemon:
         restored = c.restore(d.root, "rank0.pt")
     assert restored is not None and (restored.tag, restored.source) == ("step2", "memory"), restored
     assert_state_equal(expected(2), restored.state)
-    copies = daemon_status(d.endpoint)["restore_cache"]["copies"]
+    copies = daemon_status(d.endpoint)["replicas"]["replicas"]
     assert [(k["tag"], k["committed"]) for k in copies] == [("step2", True)]  # step1's copy went when step2 committed
 
 
@@ -88,7 +88,7 @@ def test_without_a_memory_copy_the_restore_reads_storage_and_says_so(start_daemo
     with Client(d2.endpoint, timeout=60) as c:
         restored = c.restore(d2.root, "rank0.pt")
     assert restored is not None and (restored.tag, restored.source) == ("step2", "storage")
-    assert "holds no copy" in restored.why_not_memory
+    assert "holds no replica" in restored.why_not_memory
     assert_state_equal(expected(2), restored.state)
 
 
@@ -124,7 +124,7 @@ def test_ranks_agree_on_the_tag_when_only_one_fits_in_memory(start_daemon: Calla
         for c in clients:
             c.close()
     assert [(x.tag, x.source) for x in restored] == [("step1", "memory"), ("step1", "storage")]
-    assert "holds no copy" in restored[1].why_not_memory
+    assert "holds no replica" in restored[1].why_not_memory
     for r in range(2):
         assert_state_equal(states[r], restored[r].state)
 
@@ -159,5 +159,5 @@ def test_a_restarted_job_replaces_the_copies_of_the_run_it_restarts(start_daemon
         c.snapshot(expected(2), d.root / "step2" / "rank0.pt")
         c.wait()
         c.commit("step2").result(timeout=120)
-        copies = c.status()["restore_cache"]["copies"]
+        copies = c.status()["replicas"]["replicas"]
     assert [(k["tag"], k["job"], k["committed"]) for k in copies] == [("step2", "restarted-run", True)]

@@ -49,8 +49,8 @@ def settle(d: DaemonProc) -> dict[str, Any]:
 
 
 def tier_states(status: dict[str, Any], tag: str) -> dict[str, str]:
-    rows = [e for e in status["tier_copies"]["tags"] if e["tag"] == tag]
-    assert rows, f"{tag} is not in status: {status['tier_copies']}"
+    rows = [e for e in status["tier_transfers"]["tags"] if e["tag"] == tag]
+    assert rows, f"{tag} is not in status: {status['tier_transfers']}"
     return {c["tier"]: c["state"] for c in rows[-1]["tiers"]}
 
 
@@ -71,7 +71,7 @@ def test_a_tag_commits_on_the_fast_tier_then_on_every_tier(
         assert CommitMarker.read(str(slow / tag / marker_name(tag))).files == \
             CommitMarker.read(str(fast / tag / marker_name(tag))).files
     assert datastates.latest(slow) == "step2" and (slow / "latest").read_text() == "step2"
-    row = next(e for e in status["tier_copies"]["tags"] if e["tag"] == "step2")["tiers"][1]
+    row = next(e for e in status["tier_transfers"]["tags"] if e["tag"] == "step2")["tiers"][1]
     assert row["bytes_done"] == row["bytes_total"] == (slow / "step2" / "rank0.pt").stat().st_size
     assert temp_files(tmp_path / "pfs") == []
     shown = d.ctl("status")
@@ -144,7 +144,7 @@ def test_a_failed_tier_copy_leaves_the_fast_copy_committed(
         with read_only(slow_root):
             save(c, state(1), fast / "step1" / "rank0.pt")  # the commit on the fast tier does not wait for the slow one
             status = settle(d)
-        copy = next(e for e in status["tier_copies"]["tags"] if e["tag"] == "step1")["tiers"][1]
+        copy = next(e for e in status["tier_transfers"]["tags"] if e["tag"] == "step1")["tiers"][1]
         assert copy["state"] == "failed" and "read-only" in copy["error"], copy
         assert not (slow / "step1").exists() or not (slow / "step1" / marker_name("step1")).exists()
         got = c.restore(fast, "rank0.pt")
@@ -172,7 +172,7 @@ def test_a_copy_a_killed_daemon_left_undone_is_finished_by_the_next(
     assert temp_files(tmp_path / "pfs") == []
 
 
-def test_shutdown_drains_the_tier_copies(start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
+def test_shutdown_drains_the_tier_transfers(start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
     d = start_daemon(**tiers_cfg(tmp_path))
     fast, slow = tmp_path / "fast" / "run", tmp_path / "pfs" / "run"
     with Client(d.endpoint, timeout=60) as c:

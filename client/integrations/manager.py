@@ -21,7 +21,7 @@ import torch
 
 from datastates.client.client import Client
 from datastates.client.reader import latest, load
-from datastates.daemon.retention import prune
+from datastates.protocol.retention import prune
 from datastates.protocol.errors import CommitError, InvalidRequestError, SnapshotSkippedError, WaitTimeout
 
 log = logging.getLogger(__name__)

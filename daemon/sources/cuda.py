@@ -51,10 +51,10 @@ import torch
 
 from datastates.protocol.descriptors import CUDA_IPC, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, SharedMemoryError
+from datastates.protocol.paths import SHM_DIR
 
 from .base import CopySource, Region, register_source
 
-SHM_DIR = "/dev/shm"
 MAX_HANDLE = 8192
 """Characters of an encoded handle: a block handle is 64 bytes, an expandable segment's a few hundred."""
 REF_COUNTER_SLOTS = 10000

@@ -12,10 +12,10 @@ import torch
 
 from datastates.protocol.descriptors import EMPTY, SHM, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, SharedMemoryError
+from datastates.protocol.paths import SHM_DIR
 
 from .base import CopySource, Region, register_source
 
-SHM_DIR = "/dev/shm"
 MAX_PREFIX = 4096
 """torch puts a small refcount block in front of the data; anything larger means a wrong size."""
 

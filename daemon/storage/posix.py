@@ -13,9 +13,10 @@ import os
 from dataclasses import dataclass
 
 from datastates.protocol.errors import StorageError
+from datastates.protocol.fileio import PAGE, fsync_dir, makedirs_durable
 from datastates.protocol.format import TEMP_SUFFIX
 
-from ..paths import shallow_walk
+from datastates.protocol.paths import shallow_walk
 from .base import StorageWriter, register_writer
 
 
@@ -26,43 +27,12 @@ def _storage_error(what: str, path: str, exc: OSError) -> StorageError:
     return StorageError(f"{what} {path}: {cause}", path=path, errno=exc.errno or 0)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _makedirs_durable(folder: str) -> None:
-    """Create ``folder`` and its missing parents, fsyncing each new entry's parent."""
-    missing = []
-    while not os.path.isdir(folder):
-        missing.append(folder)
-        folder = os.path.dirname(folder)
-    for new in reversed(missing):
-        try:
-            os.mkdir(new, 0o755)
-        except FileExistsError:
-            continue
-        _fsync_dir(os.path.dirname(new))
-
-
-def open_for_reading(path: str) -> int:
-    """A descriptor for large reads of ``path``: O_DIRECT, or through the page cache where the file system refuses it (tmpfs)."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-
 def temp_path(path: str, token: str) -> str:
     """The hidden temporary name a file is written under until it is durable."""
     folder, name = os.path.split(path)
     return os.path.join(folder, f".{name}.{token}{TEMP_SUFFIX}")
 
 
-ALIGN = 4096
 LEFTOVER_DEPTH = 3
 
 
@@ -75,7 +45,7 @@ class _Handle:
     buffered_fd: int = -1
 
     def fd_for(self, offset: int, length: int) -> int:
-        if not self.direct or (offset % ALIGN == 0 and length % ALIGN == 0):
+        if not self.direct or (offset % PAGE == 0 and length % PAGE == 0):
             return self.fd
         return self.buffered()
 
@@ -99,7 +69,7 @@ class PosixWriter(StorageWriter):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         want_direct = self.direct_io if direct is None else direct
         try:
-            _makedirs_durable(os.path.dirname(path))
+            makedirs_durable(os.path.dirname(path))
             fd = os.open(temp, flags | (os.O_DIRECT if want_direct else 0), 0o644)
         except OSError as exc:
             if not (want_direct and exc.errno == errno.EINVAL):
@@ -126,7 +96,7 @@ class PosixWriter(StorageWriter):
             os.fsync(handle.fd)
             handle.close()
             os.replace(handle.temp, handle.path)
-            _fsync_dir(os.path.dirname(handle.path))
+            fsync_dir(os.path.dirname(handle.path))
         except OSError as exc:
             self.abort(handle)
             raise _storage_error("cannot make durable", handle.path, exc) from None

@@ -12,45 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from datastates.protocol.format import CommitMarker, marker_name, markers, read_marker
+from .fileio import fsync_dir
+from .tags import CommittedTag, committed_tags
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CommittedTag:
-    tag: str
-    folder: str
-    marker: CommitMarker
-
-    @property
-    def marker_path(self) -> str:
-        return os.path.join(self.folder, marker_name(self.tag))
-
-
-def committed_tags(root: str, accept: Callable[[str], bool] = lambda tag: True) -> list[CommittedTag]:
-    """The tags committed in their own folders under ``root``, newest first, as ``latest()`` orders them."""
-    found = []
-    for path in markers(root):
-        folder = os.path.dirname(path)
-        tag = os.path.basename(folder)
-        if folder == root or os.path.basename(path) != marker_name(tag) or not accept(tag):
-            continue
-        marker = read_marker(path)
-        if marker is not None:
-            found.append(CommittedTag(tag, folder, marker))
-    return sorted(found, key=lambda c: c.marker.newness, reverse=True)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def delete_tag(tag: CommittedTag) -> None:
@@ -72,7 +39,7 @@ def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable
         raise ValueError(f"keep_last must be at least 1, not {keep_last}: the newest committed tag always stays")
     spare = set(spare)
     gone = []
-    for tag in committed_tags(root, accept)[keep_last:]:
+    for tag in committed_tags(root, own_folder=True, accept=accept)[keep_last:]:
         if tag.tag in spare:
             continue
         if not dry_run:

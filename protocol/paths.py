@@ -6,10 +6,12 @@ import os
 
 from typing import Iterator
 
-from datastates.protocol.descriptors import Tier
-from datastates.protocol.errors import PathNotAllowedError
-from datastates.protocol.format import DONE_PREFIX, MARKER_PREFIX, TEMP_SUFFIX
+from .descriptors import Tier
+from .errors import PathNotAllowedError
+from .format import DONE_PREFIX, MARKER_PREFIX, TEMP_SUFFIX
 
+SHM_DIR = "/dev/shm"
+"""Where trainers share CPU tensors with the daemon, and the daemon keeps its replicas."""
 NAME_MAX = 255
 PATH_MAX = 4096
 

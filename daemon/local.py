@@ -1,9 +1,10 @@
-"""The opt-in fallback: write snapshots in the trainer's own process when no daemon answers.
+"""The opt-in fallback: the daemon's write path, run in the trainer's own process when no daemon answers.
 
 It blocks the trainer for the whole copy and write, which the daemon exists to avoid, so
-it is off unless ``Client(fallback="local")`` asks for it. It runs the daemon's own plan,
-copy and writer steps one piece at a time through one buffer, so its files and markers
-are the same format, loaded by ``datastates.load`` and found by ``datastates.latest``.
+it is off unless ``Client(fallback="local")`` asks for it; the client imports this module
+only then. It runs the daemon's own plan, copy and sink steps one piece at a time through
+one buffer, so its files and markers are the same format, loaded by ``datastates.load``
+and found by ``datastates.latest``.
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ from typing import Sequence
 
 import torch
 
-from datastates.daemon.commit import make_marker, tag_folder
-from datastates.daemon.copier import copy_piece
-from datastates.daemon.engine import write_header
-from datastates.daemon.memory import Chunk
-from datastates.daemon.plan import plan_snapshot
-from datastates.daemon.sources import Region, open_region
-from datastates.daemon.storage import writer_class
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import CUDA_IPC
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import marker_name
+from datastates.protocol.layout import plan_snapshot
+
+from .commit import make_marker, tag_folder
+from .copier import copy_piece
+from .memory import Chunk
+from .sink import FileSink
+from .sources import Region, open_region
+from .storage import writer_class
 
 PIECE = 16 << 20
 """Small enough to keep the trainer's extra memory low, large enough for sequential writes."""
@@ -53,19 +55,19 @@ class LocalSaver:
                    for d, st in zip(msg.sources, storages, strict=True)]
         if self._chunk is None:
             self._chunk = Chunk(PIECE)
-        writer = writer_class(msg.path)(direct_io=False, owner=f"local{os.getpid()}")
+        sink = FileSink(writer_class(msg.path)(direct_io=False, owner=f"local{os.getpid()}"), msg.path, "0")
         sums = [list(s.checksums) for s in plan.header.storages]
-        handle = writer.create(msg.path, "0")
+        sink.create()
         try:
             for piece in plan.pieces:
                 for storage, slot, digest in copy_piece(piece, self._chunk, regions):
                     sums[storage][slot] = digest
-                writer.write(handle, plan.data_offset + piece.offset, self._chunk.view[: piece.length])
-            write_header(writer, handle, plan, sums)
+                sink.write(plan.data_offset + piece.offset, self._chunk.view[: piece.length])
+            sink.header(plan.with_checksums(sums).encode(), plan.data_offset)
         except BaseException:
-            writer.abort(handle)
+            sink.abort()
             raise
-        writer.finalize(handle)
+        sink.finalize()
         self._files.setdefault(msg.tag, {})[msg.path] = plan.file_size
         return m.SnapshotAck(snapshot_id=0, total_bytes=plan.total_bytes)
 

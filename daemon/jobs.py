@@ -1,0 +1,84 @@
+"""The daemon's table of snapshots: every one admitted, by id, and the order of admission.
+
+Clients do not wait for the admission reply, so a WAIT or COMMIT can arrive while the
+snapshot it is about is still being admitted on a thread; and one client's snapshots are
+admitted in order (same-path renames and ``on_busy`` rely on it). The table tracks both.
+Finished snapshots stay for ``status`` and for a WAIT that names them, up to JOB_HISTORY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+from typing import Any, AsyncIterator
+
+from .config import JOB_HISTORY
+from .job import SnapshotJob
+
+
+class JobTable:
+    def __init__(self) -> None:
+        self._jobs: dict[int, SnapshotJob] = {}
+        self._finished: collections.deque[int] = collections.deque()
+        self._ids = itertools.count(1)
+        self._admitting: dict[str, set[asyncio.Future]] = {}
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, job: SnapshotJob) -> None:
+        self._jobs[job.id] = job
+
+    def finished(self, job: SnapshotJob) -> None:
+        """``job`` is durable or failed: kept for status, the oldest finished ones forgotten."""
+        self._finished.append(job.id)
+        while len(self._finished) > JOB_HISTORY:
+            self._jobs.pop(self._finished.popleft(), None)
+
+    def get(self, job_id: int) -> SnapshotJob | None:
+        return self._jobs.get(job_id)
+
+    def of_client(self, client_id: str, tag: str | None = None) -> list[SnapshotJob]:
+        return [j for j in self._jobs.values() if j.client_id == client_id and (tag is None or j.tag == tag)]
+
+    def pending(self) -> list[SnapshotJob]:
+        return [j for j in self._jobs.values() if j.pending]
+
+    def pending_at(self, path: str) -> list[SnapshotJob]:
+        """Earlier snapshots of ``path`` still in flight: a new one is renamed into place only after them."""
+        return [j for j in self._jobs.values() if j.path == path and j.pending]
+
+    def busy(self, client_id: str, tag: str) -> str:
+        """Why a new tag's snapshot would queue behind an older tag's, or '' if it would not."""
+        older = next((j for j in self._jobs.values() if j.client_id == client_id and j.tag != tag and j.pending), None)
+        return "" if older is None else f"tag {older.tag!r} is still {older.state.value} {older.path}"
+
+    @contextlib.asynccontextmanager
+    async def admitting(self, client_id: str) -> AsyncIterator[None]:
+        """One client's admissions in order: enter after its earlier SNAPSHOTs are admitted."""
+        before = list(self._admitting.get(client_id, ()))
+        mine = asyncio.get_running_loop().create_future()  # registered before any await: see admitted()
+        self._admitting.setdefault(client_id, set()).add(mine)
+        try:
+            if before:
+                await asyncio.wait(before)
+            yield
+        finally:
+            mine.set_result(None)
+            self._admitting[client_id].discard(mine)
+            if not self._admitting[client_id]:
+                del self._admitting[client_id]
+
+    async def admitted(self, client_id: str) -> None:
+        """Return once the client's SNAPSHOTs sent before this request are admitted (or refused)."""
+        pending = list(self._admitting.get(client_id, ()))
+        if pending:
+            await asyncio.wait(pending)
+
+    def any_admitting(self) -> bool:
+        return any(self._admitting.values())
+
+    def status(self) -> list[dict[str, Any]]:
+        return [j.status() for j in self._jobs.values()]

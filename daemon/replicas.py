@@ -1,0 +1,128 @@
+"""Replicas: the daemon's in-memory copies of committed snapshots, for restores that read no storage.
+
+Most training faults are a dead trainer on a healthy node; its restart is fastest from
+what the daemon still holds. With ``memory_restore: latest`` the engine's sink writes each
+snapshot a second time, from the same pool chunks (no storage read), as a replica: a file
+in the daemon's own folder under /dev/shm, within ``memory_restore_budget``. A replica
+serves restores only once its tag is committed, and a file's older replicas are dropped
+when a newer tag of it commits, so each rank keeps its newest committed snapshot. Files are
+told apart by their rank file (the run folder above the tag folder, and the file's name:
+rank3.pt under /ckpt), not by job id: a restarted job, with a new run id, still replaces
+the replicas of the run it restarts.
+
+A replica is a plain checkpoint file in shared memory: the restarted trainer maps it with
+``datastates.load``, which checks every checksum. The tag to restore is chosen from the
+storage's commit markers, the same for every rank; a replica is used only if it is of that
+tag, so ranks never mix steps (dlrover#1233).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from datastates.protocol.descriptors import Ranks
+from datastates.protocol.paths import SHM_DIR
+
+log = logging.getLogger(__name__)
+
+SHM_HEADROOM = 256 << 20
+"""/dev/shm left free beyond a replica: trainers' shared tensors live there too."""
+
+
+@dataclass
+class Replica:
+    job_id: int
+    path: str
+    """The snapshot's file on storage."""
+    replica: str
+    """Its replica's file under the daemon's /dev/shm folder."""
+    size: int
+    tag: str
+    rank: tuple[str, int]
+    committed: bool = False
+
+    @property
+    def rank_file(self) -> tuple[str, str]:
+        """The run folder above the tag folder and the file's name: one rank's file, tag after tag, in a run or its restart."""
+        return os.path.dirname(os.path.dirname(self.path)), os.path.basename(self.path)
+
+
+class ReplicaStore:
+    def __init__(self, policy: str, budget: int, owner: str) -> None:
+        self.policy = policy
+        self.budget = budget
+        self.folder = os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-{owner}")
+        self._held: dict[int, Replica] = {}
+        self.used = 0
+        """Bytes of every replica held or being written."""
+        if policy != "none":
+            shutil.rmtree(self.folder, ignore_errors=True)  # an earlier run's replicas: their tags may be gone
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
+
+    def reserve(self, job_id: int, path: str, tag: str, size: int, ranks: Ranks) -> Replica | None:
+        """A replica to write for snapshot ``job_id``, or None when the policy is off or the budget or /dev/shm has no room."""
+        if self.policy == "none":
+            return None
+        if self.used + size > self.budget:
+            log.info("no replica of %s: %d bytes over memory_restore_budget (%d of %d used)",
+                     path, size, self.used, self.budget)
+            return None
+        st = os.statvfs(self.folder)
+        if st.f_bavail * st.f_frsize < size + SHM_HEADROOM:
+            log.info("no replica of %s: /dev/shm has too little room", path)
+            return None
+        replica = Replica(job_id, path, os.path.join(self.folder, f"{job_id}-{os.path.basename(path)}"), size,
+                          tag, (ranks.job, ranks.rank))
+        self._held[job_id] = replica
+        self.used += size
+        return replica
+
+    def discard(self, job_id: int) -> None:
+        replica = self._held.pop(job_id, None)
+        if replica is not None:
+            self.used -= replica.size
+            try:
+                os.unlink(replica.replica)
+            except FileNotFoundError:
+                pass
+
+    def committed(self, tag: str, job_ids: Iterable[int]) -> None:
+        """Snapshots ``job_ids`` (one client's, of ``tag``) are committed: their replicas serve restores, older ones of each file go."""
+        for job_id in job_ids:
+            replica = self._held.get(job_id)
+            if replica is None:
+                continue
+            replica.committed = True
+            for old in [r for r in self._held.values()
+                        if r.rank_file == replica.rank_file and r.job_id < replica.job_id and r.tag != tag]:
+                self.discard(old.job_id)
+
+    def lookup(self, path: str, tag: str, size: int) -> tuple[Replica | None, str]:
+        """The committed replica of ``path`` for ``tag``, or None and why not."""
+        if self.policy == "none":
+            return None, "memory_restore is none on this daemon"
+        found = [r for r in self._held.values() if r.path == path]
+        if not found:
+            return None, "the daemon holds no replica of it (not kept: over budget, or the daemon restarted)"
+        match = [r for r in found if r.tag == tag and r.committed and r.size == size and os.path.exists(r.replica)]
+        if not match:
+            return None, f"the daemon's replica is of another tag ({', '.join(sorted({r.tag for r in found}))})"
+        return max(match, key=lambda r: r.job_id), ""
+
+    def close(self) -> None:
+        """A stopped daemon's replicas serve no one: the next daemon knows nothing of them."""
+        if self.policy != "none":
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "budget_bytes": self.budget,
+            "used_bytes": self.used,
+            "replicas": [{"tag": r.tag, "path": r.path, "size": r.size, "rank": r.rank[1], "job": r.rank[0],
+                          "committed": r.committed} for r in self._held.values()],
+        }

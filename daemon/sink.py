@@ -1,0 +1,90 @@
+"""The one write sequence of a checkpoint file: create → pieces → header → finalize, or abort.
+
+The engine (a snapshot), the local fallback, and the tier transfers all write files
+this way, through a StorageWriter, on a flush thread. A sink may also feed replicas:
+secondary files written with the same bytes (the daemon's in-memory replica of a
+snapshot). A replica's failure is contained: it drops that replica, logs why, and never
+fails the primary file.
+
+Call order (every call from one flush thread at a time, pieces in any order):
+1. ``create()``; 2. ``write(offset, data)`` any number of times; 3. ``header(encoded,
+size)`` once the checksums are known (a file without a separate header, a byte-for-byte
+transfer, skips it); 4. ``finalize()`` makes the replicas then the primary durable, or
+``abort()`` removes every trace of all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from datastates.protocol.errors import DatastatesError
+from datastates.protocol.fileio import aligned_block
+
+from .storage import StorageWriter
+
+log = logging.getLogger(__name__)
+
+
+class _Replica:
+    def __init__(self, writer: StorageWriter, path: str) -> None:
+        self.writer = writer
+        self.path = path
+        self.handle: Any = None
+        self.failed = False
+
+
+class FileSink:
+    def __init__(self, writer: StorageWriter, path: str, token: str,
+                 replicas: list[tuple[StorageWriter, str]] | None = None) -> None:
+        self._writer = writer
+        self.path = path
+        self._token = token
+        self._handle: Any = None
+        self._replicas = [_Replica(w, p) for w, p in replicas or []]
+
+    @property
+    def replicas_written(self) -> list[str]:
+        """The replicas that have not failed (all of them made durable, once ``finalize`` returned)."""
+        return [r.path for r in self._replicas if not r.failed]
+
+    def create(self) -> None:
+        self._handle = self._writer.create(self.path, self._token)
+        for r in self._replicas:
+            self._contain(r, lambda: setattr(r, "handle", r.writer.create(r.path, self._token)))
+
+    def write(self, offset: int, data: memoryview) -> None:
+        self._writer.write(self._handle, offset, data)
+        for r in self._replicas:
+            self._contain(r, lambda: r.writer.write(r.handle, offset, data))
+
+    def header(self, encoded: bytes, size: int) -> None:
+        """The encoded header, zero-padded to ``size`` (the data region's start), at offset 0."""
+        self.write(0, aligned_block(encoded, size))
+
+    def finalize(self) -> None:
+        for r in self._replicas:
+            self._contain(r, lambda: r.writer.finalize(r.handle))
+        self._writer.finalize(self._handle)
+
+    def abort(self) -> None:
+        for r in self._replicas:
+            self._drop(r)
+        if self._handle is not None:
+            self._writer.abort(self._handle)
+            self._handle = None
+
+    def _contain(self, r: _Replica, step: Callable[[], None]) -> None:
+        if r.failed:
+            return
+        try:
+            step()
+        except DatastatesError as exc:
+            log.warning("replica %s of %s dropped: %s", r.path, self.path, exc)
+            self._drop(r)
+
+    @staticmethod
+    def _drop(r: _Replica) -> None:
+        if not r.failed and r.handle is not None:
+            r.writer.abort(r.handle)
+        r.failed = True

@@ -1,0 +1,107 @@
+"""Finding committed tags: the one scanner of commit markers, beside the format that defines them.
+
+``latest()``, ``Client.restore``, retention (``keep_last``, ``prune``, ``CheckpointManager``),
+``datastatesctl ls``/``verify`` and the tier resume after a restart all ask the same
+question, "which tags under this root are committed, newest first", and all answer it here.
+A tag is committed when its marker is whole and every file it lists has the size it
+lists; anything else (a save in flight, a folder a crash left) is invisible to readers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from .format import MARKER_PREFIX, MARKER_SUFFIX, CommitMarker, marker_name
+
+
+@dataclass(frozen=True)
+class CommittedTag:
+    tag: str
+    folder: str
+    """The folder holding the marker: the tag's own folder (``<run>/<tag>/``), or the files' common folder."""
+    marker: CommitMarker
+
+    @property
+    def marker_path(self) -> str:
+        return os.path.join(self.folder, marker_name(self.tag))
+
+    @property
+    def own_folder(self) -> bool:
+        """Whether the marker sits in a folder named after its tag, which retention may delete whole."""
+        return os.path.basename(self.folder) == self.tag
+
+    @property
+    def run(self) -> str:
+        """The folder holding the tag's folder: one run's tags, one after another."""
+        return os.path.dirname(self.folder)
+
+
+def read_marker(path: str) -> CommitMarker | None:
+    """The marker at ``path`` if it is whole and every file it lists has the size it lists."""
+    marker = CommitMarker.read(path)
+    if marker is None:
+        return None
+    folder = os.path.dirname(path)
+    for rec in marker.files:
+        try:
+            if os.stat(os.path.join(folder, rec.path)).st_size != rec.size:
+                return None
+        except OSError:
+            return None
+    return marker
+
+
+def _folders(root: str, depth: int) -> Iterator[str]:
+    """``root`` and the folders down to ``depth`` below it, sorted: checkpoints sit near a root, never crawl a file system."""
+    yield root
+    if depth <= 0:
+        return
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(root, name)
+        if os.path.isdir(path):
+            yield from _folders(path, depth - 1)
+
+
+def marker_paths(root: str, depth: int = 1) -> list[str]:
+    """Every file named like a commit marker in ``root`` and ``depth`` folders down, whole or not."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for folder in _folders(root, depth):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        found += [os.path.join(folder, n) for n in sorted(names) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX)]
+    return found
+
+
+def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
+                   accept: Callable[[str], bool] = lambda tag: True) -> list[CommittedTag]:
+    """The committed tags in ``root`` and ``depth`` folders down, newest first (``CommitMarker.newness``).
+
+    ``own_folder``: only tags whose marker is in a folder named after the tag (below
+    ``root``, never ``root`` itself), the ones retention and the tier resume deal with.
+    """
+    found = []
+    for path in marker_paths(root, depth):
+        marker = read_marker(path)
+        if marker is None or os.path.basename(path) != marker_name(marker.tag) or not accept(marker.tag):
+            continue
+        tag = CommittedTag(marker.tag, os.path.dirname(path), marker)
+        if own_folder and (not tag.own_folder or tag.folder == root.rstrip("/")):
+            continue
+        found.append(tag)
+    return sorted(found, key=lambda c: c.marker.newness, reverse=True)
+
+
+def newest(root: str, depth: int = 1) -> CommittedTag | None:
+    """The newest committed tag under ``root``, or None."""
+    tags = committed_tags(root, depth)
+    return tags[0] if tags else None
