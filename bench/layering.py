@@ -4,7 +4,10 @@ Run: ``.venv/bin/python bench/layering.py`` (no daemon needed). Every ``import``
 source counts, at module level, under ``if TYPE_CHECKING`` (a cycle of types is still a
 cycle a reader follows) or inside a function (lazy: it closes no cycle).
 An upward edge is client → daemon or protocol → client/daemon: the layers are
-protocol → daemon and protocol → client.
+protocol → daemon and protocol → client. The one allowed exception is the client's
+lazy import of the local fallback (``daemon/local.py``), inside the function that
+switches to it. ``--check`` exits 1 on any other upward edge or on a cycle
+(tests/test_layering.py runs it).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import sys
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"protocol": "datastates.protocol", "client": "datastates.client", "daemon": "datastates.daemon",
             "datastates": "datastates"}
+ALLOWED = {("datastates.client.client", "datastates.daemon.local", True)}
+"""Upward edges allowed: (from, to, lazy)."""
 LAYER = {"datastates.protocol": 0, "datastates.client": 1, "datastates.daemon": 1}
 
 
@@ -124,7 +129,8 @@ def upward(edges: list[tuple[str, str, bool]]) -> list[tuple[str, str, bool]]:
     return out
 
 
-def main() -> None:
+def main() -> int:
+    check = "--check" in sys.argv[1:]
     g, edges = graph()
     mods = modules()
     print(f"modules: {len(mods)}   import edges: {len(edges)}")
@@ -142,7 +148,12 @@ def main() -> None:
         print(f"  {lines:5d}  {name}")
     total = sum(s for s, _ in sizes)
     print(f"  total {total} lines in {len(sizes)} modules, median {sorted(s for s, _ in sizes)[len(sizes) // 2]}")
+    wrong = [e for e in up if e not in ALLOWED]
+    if check and (wrong or cyc):
+        print(f"FAILED: {len(wrong)} upward edge(s) not allowed {wrong}, {len(cyc)} cycle(s)")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
