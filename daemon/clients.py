@@ -25,12 +25,12 @@ from datastates.protocol.descriptors import Ranks, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, UnknownClientError
 from datastates.protocol.liveness import pid_namespace, process_start
 
+from .config import LOST_HISTORY
 from .sources import Region, open_region
 
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, str]
-LOST_HISTORY = 256
 HEARTBEATS_PER_TIMEOUT = 6
 
 

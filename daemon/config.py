@@ -33,6 +33,8 @@ HISTORY = 64
 """Commits, skipped tags and tier transfers remembered for ``status`` and for commits that follow."""
 JOB_HISTORY = 256
 """Finished snapshots kept for ``status`` and for a WAIT that names them."""
+LOST_HISTORY = 256
+"""Clients taken as gone, listed in ``status``."""
 
 
 def parse_size(value: Any, key: str) -> int:

@@ -38,8 +38,8 @@ class Replica:
     job_id: int
     path: str
     """The snapshot's file on storage."""
-    replica: str
-    """Its replica's file under the daemon's /dev/shm folder."""
+    file: str
+    """The replica itself: a checkpoint file under the daemon's /dev/shm folder."""
     size: int
     tag: str
     rank: tuple[str, int]
@@ -86,7 +86,7 @@ class ReplicaStore:
         if replica is not None:
             self.used -= replica.size
             try:
-                os.unlink(replica.replica)
+                os.unlink(replica.file)
             except FileNotFoundError:
                 pass
 
@@ -108,7 +108,7 @@ class ReplicaStore:
         found = [r for r in self._held.values() if r.path == path]
         if not found:
             return None, "the daemon holds no replica of it (not kept: over budget, or the daemon restarted)"
-        match = [r for r in found if r.tag == tag and r.committed and r.size == size and os.path.exists(r.replica)]
+        match = [r for r in found if r.tag == tag and r.committed and r.size == size and os.path.exists(r.file)]
         if not match:
             return None, f"the daemon's replica is of another tag ({', '.join(sorted({r.tag for r in found}))})"
         return max(match, key=lambda r: r.job_id), ""

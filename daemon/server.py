@@ -217,7 +217,7 @@ class Daemon:
     async def _restore(self, identity: bytes, body: m.Restore) -> m.RestoreReply:
         self.clients.get(identity)
         replica, why_not = self.replicas.lookup(check_path(body.path, self.cfg.storage.roots), body.tag, body.size)
-        return m.RestoreReply(replica=replica.replica if replica else "", why_not=why_not)
+        return m.RestoreReply(replica=replica.file if replica else "", why_not=why_not)
 
     async def _status(self, identity: bytes, body: m.Status) -> m.StatusReply:
         return m.StatusReply(status=self.status())
