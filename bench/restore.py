@@ -4,7 +4,7 @@ Why: most faults are a dead trainer on a healthy node, and the restart's first c
 reading the checkpoint back. One GPT-shaped state is checkpointed once by each contender;
 then, per run, with a cold page cache each time (root only; warned otherwise):
 
-- memory: ``Client.restore`` served from the daemon's in-memory copy (/dev/shm);
+- memory: ``Client.restore`` served from the daemon's replica (/dev/shm);
 - storage: ``datastates.load`` of the same committed file on disk;
 - torch.load: of a ``torch.save`` file of the same state;
 - DCP: ``torch.distributed.checkpoint.load`` into a preallocated state.

@@ -26,7 +26,7 @@ class TagEntry:
 
 
 def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
-    """The tag folders directly under ``root``, newest first; ``in_memory``: tags the daemon holds a copy of."""
+    """The tag folders directly under ``root``, newest first; ``in_memory``: tags the daemon holds a replica of."""
     root = os.path.abspath(root)
     out = []
     now = time.time()

@@ -39,11 +39,11 @@ class Restored:
     tag: str
     path: str
     source: str
-    """``memory`` (the daemon's copy, through /dev/shm) or ``storage`` (the file at ``path``)."""
+    """``memory`` (the daemon's replica, through /dev/shm) or ``storage`` (the file at ``path``)."""
     state: Any
     why_not_memory: str = ""
     tier: str = ""
-    """With ``storage.tiers``: the tier whose copy was read (the fastest holding the tag committed)."""
+    """With ``storage.tiers``: the tier read (the fastest holding the tag committed)."""
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ class Client:
                 map_location: MapLocation = None) -> Restored | None:
         """Load this rank's file ``name`` of ``tag`` (default: the newest committed under ``root``).
 
-        From the daemon's memory when it holds a copy of that very tag, else from storage,
+        From the daemon's memory when it holds a replica of that very tag, else from storage,
         and ``source`` says which. The tag comes from the commit markers on storage, so
         every rank of a job picks the same one and never mixes steps; None if none is committed.
         """

@@ -1,11 +1,11 @@
-"""Finding the copy of a tag to restore: which tag, and on which storage tier.
+"""Finding what to restore: which tag, and on which storage tier.
 
 With ``storage.tiers``, one folder of checkpoints exists once per tier (the same path
 below each tier's root). The tag is the newest committed on any of them, so a tag still
 being copied to the slow tier is restored from the fast one. In a multi-node job only
 shared tiers decide the tag: a node-local tier of one node may hold a step the others
 lack, and ranks must never mix steps (dlrover#1233). The bytes are then read from the
-fastest tier that holds a committed copy of that tag.
+fastest tier that holds that tag committed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Located:
     tier: str
     """The tier's name, or '' where ``root`` lies in no tier."""
     written: str
-    """The tag's folder on the first tier (or under ``root``): where snapshots were written, and the daemon kept its copy from."""
+    """The tag's folder on the first tier (or under ``root``): where snapshots were written, and the daemon's replica is of."""
 
 
 def tier_roots(root: str, tiers: list[Tier]) -> list[tuple[Tier | None, str]]:

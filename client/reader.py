@@ -81,7 +81,7 @@ def _in_memory(path: str) -> bool:
 def _map_private(path: str, start: int, end: int) -> torch.UntypedStorage:
     """A tmpfs file's pages are memory already: map them copy-on-write instead of copying them.
 
-    Restores from the daemon's in-memory copies read this way, with no copy at all; a
+    Restores from the daemon's replicas read this way, with no copy at all; a
     trainer that changes a restored tensor gets its own page, never the daemon's.
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -118,7 +118,7 @@ class NodeConfig:
     memory_restore: str = "latest"
     """``latest``: keep each rank's newest committed snapshot in /dev/shm for restores; ``none``: off."""
     memory_restore_budget: int = 2 << 30
-    """The most /dev/shm those copies take; a snapshot over it is not kept (restores read storage)."""
+    """The most /dev/shm the replicas take; a snapshot over it is not kept (restores read storage)."""
     commit_timeout: float = 600.0
     """In a multi-rank job, how long a commit waits for the node's other ranks, and across nodes for the others' done markers."""
     client_timeout: float = 30.0
@@ -211,7 +211,7 @@ def _storage(value: Any) -> StorageConfig:
 
 
 def _tiers(value: Any) -> list[Tier]:
-    """Fastest first; names unique, paths absolute and none inside another (a copy must land on another tier)."""
+    """Fastest first; names unique, paths absolute and none inside another (a tier transfer must land on another tier)."""
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise ConfigError("storage.tiers: must be a list of mappings with 'name' and 'path'", key="storage.tiers")
     tiers = []

@@ -1,4 +1,4 @@
-"""Replicas: the daemon's in-memory copies of committed snapshots, for restores that read no storage.
+"""Replicas: the daemon's own files of committed snapshots in /dev/shm, for restores that read no storage.
 
 Most training faults are a dead trainer on a healthy node; its restart is fastest from
 what the daemon still holds. With ``memory_restore: latest`` the engine's sink writes each

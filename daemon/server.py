@@ -251,7 +251,7 @@ class Daemon:
         self._spawn(self.drain())
 
     async def drain(self) -> None:
-        """Stop taking snapshots, let every pending one, every commit and every tier copy finish, then stop.
+        """Stop taking snapshots, let every pending one, every commit and every tier transfer finish, then stop.
 
         For DRAIN_GRACE seconds snapshots are still admitted: ``snapshot()`` returns once its
         message is sent, so one sent just before the signal may not have been read yet.

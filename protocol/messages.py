@@ -136,7 +136,7 @@ class Committed(Body):
 
 @dataclass(frozen=True)
 class Restore(Body):
-    """Where the daemon's replica (in-memory copy) of ``path`` is, if it holds one of ``tag`` with ``size`` bytes."""
+    """Where the daemon's replica (its file in /dev/shm) of ``path`` is, if it holds one of ``tag`` with ``size`` bytes."""
 
     TYPE = MsgType.RESTORE
     path: str

@@ -42,7 +42,7 @@ def state(step: int, numel: int = 1 << 16) -> dict[str, Any]:
 
 
 def settle(d: DaemonProc) -> dict[str, Any]:
-    """The daemon's status once no snapshot, commit or tier copy is pending (``datastatesctl wait``)."""
+    """The daemon's status once no snapshot, commit or tier transfer is pending (``datastatesctl wait``)."""
     out = d.ctl("wait", "--timeout", "120")
     assert out.returncode == 0, out.stderr
     return daemon_status(d.endpoint)
