@@ -29,6 +29,7 @@ from datastates.protocol.version import COMMIT_VERSION
 
 from datastates.protocol.paths import within
 from datastates.protocol.retention import prune
+from datastates.protocol.tags import next_sequence
 
 from .config import HISTORY, StorageConfig
 from .engine import Engine
@@ -58,7 +59,7 @@ def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
     return folder
 
 
-def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int, nodes: int = 1,
+def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int, sequence: int, nodes: int = 1,
                 node: int = -1) -> CommitMarker:
     return CommitMarker(
         version=COMMIT_VERSION,
@@ -68,6 +69,7 @@ def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int,
         requested_ns=requested_ns,
         nodes=nodes,
         node=node,
+        sequence=sequence,
     )
 
 
@@ -92,7 +94,9 @@ class CommitEvent:
     ranks: Ranks
     requested_ns: int
     order: int
-    """The newest snapshot id among the files: trackers never move back to a tag of older snapshots."""
+    """The newest snapshot id among the files: ties between equal sequences go to the newer snapshots."""
+    sequence: int
+    """The tag's place in its run's commit order (``CommitMarker.sequence``), fixed when the commit was asked for."""
 
 
 class CommitListener(Protocol):
@@ -123,6 +127,8 @@ class _TagGroup:
     files: dict[str, int] = field(default_factory=dict)
     order: int = 0
     """The newest snapshot id among the node's files: see CommitLedger._tracked."""
+    sequence: int = 0
+    """The sequence of the node's first rank to ask (that named a file): the tag's place among the job's tags."""
 
 
 class CommitLedger:
@@ -136,8 +142,11 @@ class CommitLedger:
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._groups: dict[tuple[str, int, str], _TagGroup] = {}
         self._tracker_lock = asyncio.Lock()
-        self._tracked: dict[str, int] = {}
-        """Per tracker file, the newest snapshot id of the tag it names: commits that finish out of order never move it back."""
+        self._tracked: dict[str, tuple[int, int]] = {}
+        """Per tracker file, the (sequence, snapshot id) of the tag it names: commits that finish out of order never move it back."""
+        self._sequences: dict[str, int] = {}
+        """Per run folder, the last sequence handed out: read from its markers once, then counted here."""
+        self._sequence_lock = asyncio.Lock()
         self.committed: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.pending = 0
 
@@ -183,11 +192,26 @@ class CommitLedger:
         requested_ns = time.time_ns()
         self.pending += 1
         try:
+            sequence = await self._next_sequence(tag, jobs)
             if ranks.world_size == 1:
-                return await self._commit_alone(client_id, tag, jobs, requested_ns)
-            return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns)
+                return await self._commit_alone(client_id, tag, jobs, requested_ns, sequence)
+            return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns, sequence)
         finally:
             self.pending -= 1
+
+    async def _next_sequence(self, tag: str, jobs: list[SnapshotJob]) -> int:
+        """The commit's place in its run, in the order COMMITs arrive (0 when it names no file)."""
+        if not jobs:
+            return 0
+        try:
+            run = os.path.dirname(tag_folder(tag, {j.path: 0 for j in jobs}, self._roots))
+        except CommitError:
+            return 0  # refused when the marker is placed
+        async with self._sequence_lock:  # FIFO: sequences follow the order the requests came in
+            if run not in self._sequences:
+                self._sequences[run] = await self._engine.flush(next_sequence, run) - 1
+            self._sequences[run] += 1
+            return self._sequences[run]
 
     async def _durable(self, tag: str, jobs: list[SnapshotJob]) -> dict[str, int]:
         """The files of ``jobs`` once all are durable (path → size); CommitError if one failed."""
@@ -201,18 +225,20 @@ class CommitLedger:
             )
         return {j.path: j.file_size for j in jobs}
 
-    async def _commit_alone(self, client_id: str, tag: str, jobs: list[SnapshotJob], requested_ns: int) -> m.Committed:
+    async def _commit_alone(self, client_id: str, tag: str, jobs: list[SnapshotJob], requested_ns: int,
+                            sequence: int) -> m.Committed:
         if not jobs:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
         files = await self._durable(tag, jobs)
         try:
-            return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs)))
+            return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs),
+                                                        sequence))
         except CommitError:
             self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
             raise
 
     async def _commit_rank(
-        self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob], requested_ns: int,
+        self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob], requested_ns: int, sequence: int,
     ) -> m.Committed:
         """One rank's share; the node's last rank to arrive finishes the tag for all of them."""
         key = (ranks.job, ranks.world_size, tag)
@@ -223,6 +249,7 @@ class CommitLedger:
             group.done.add_done_callback(lambda f: f.cancelled() or f.exception())
         if ranks.rank in group.committed:
             raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
+        group.sequence = group.sequence or sequence  # the first rank to ask, unless it named no file
         group.committed.add(ranks.rank)
         try:
             group.files.update(await self._durable(tag, jobs))
@@ -255,7 +282,7 @@ class CommitLedger:
         if not group.files:
             raise CommitError(f"tag {tag!r} not committed: no rank of this node snapshotted a file for it", tag=tag)
         return await self._first_commit(CommitEvent(client_id, tag, group.files, group.ranks, group.requested_ns,
-                                                    group.order))
+                                                    group.order, group.sequence))
 
     async def _first_commit(self, commit: CommitEvent) -> m.Committed:
         """The commit a client asked for, on the tier its files were written to, then announced."""
@@ -270,21 +297,22 @@ class CommitLedger:
         One node, or a tier only this node sees: this node's marker. Several nodes on a
         shared folder: each writes a done marker, node 0 gathers them and writes the tag's.
         """
-        client_id, tag, files, ranks, requested_ns, order = (
-            commit.client_id, commit.tag, commit.files, commit.ranks, commit.requested_ns, commit.order)
+        client_id, tag, files, ranks, requested_ns, sequence = (
+            commit.client_id, commit.tag, commit.files, commit.ranks, commit.requested_ns, commit.sequence)
+        order = (sequence, commit.order)
         folder = tag_folder(tag, files, self._roots)
         nodes = ranks.num_nodes
         if nodes == 1 or not self._storage.shared(folder):
-            marker = make_marker(tag, files, folder, requested_ns, nodes, -1 if nodes == 1 else ranks.node_rank)
+            marker = make_marker(tag, files, folder, requested_ns, sequence, nodes, -1 if nodes == 1 else ranks.node_rank)
             return await self._publish(client_id, tag, marker, folder, order)
         if os.path.basename(folder) != tag:
             raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
-        mine = make_marker(tag, files, folder, requested_ns, nodes, ranks.node_rank)
+        mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank)
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
             return await self._await_global(tag, folder, mine.committed_ns)
         everyone = await self._gather(tag, folder, nodes)
-        committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, nodes), folder, order)
+        committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, sequence, nodes), folder, order)
         for node in range(nodes):
             await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, node)))
         return committed
@@ -320,7 +348,8 @@ class CommitLedger:
             await asyncio.sleep(POLL_S)
         raise CommitError(f"tag {tag!r} not committed: node 0 wrote no marker in {folder} within {self._timeout:.0f} s", tag=tag)
 
-    async def _publish(self, client_id: str, tag: str, marker: CommitMarker, folder: str, order: int) -> m.Committed:
+    async def _publish(self, client_id: str, tag: str, marker: CommitMarker, folder: str,
+                       order: tuple[int, int]) -> m.Committed:
         """The tag's marker, then the trackers: a tracker never names a tag before its marker exists."""
         path = os.path.join(folder, marker_name(tag))
         await self._write(path, marker.encode(), tag)
@@ -328,7 +357,7 @@ class CommitLedger:
         if os.path.basename(folder) == tag and any(within(parent, r) for r in self._roots):
             async with self._tracker_lock:  # one tracker write at a time, so renames land in order
                 for tracker, data in trackers(tag, folder).items():
-                    if order >= self._tracked.get(tracker, -1):
+                    if order >= self._tracked.get(tracker, (-1, -1)):
                         self._tracked[tracker] = order
                         await self._write(tracker, data, tag)
             keep_last = self._storage.keep_last_at(parent)

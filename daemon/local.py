@@ -20,6 +20,7 @@ from datastates.protocol.descriptors import CUDA_IPC
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import marker_name
 from datastates.protocol.layout import plan_snapshot
+from datastates.protocol.tags import next_sequence
 
 from .commit import make_marker, tag_folder
 from .copier import copy_piece
@@ -77,6 +78,6 @@ class LocalSaver:
             raise CommitError(f"nothing to commit for tag {tag!r}: no snapshot with it was saved locally", tag=tag)
         folder = tag_folder(tag, files, None)
         path = os.path.join(folder, marker_name(tag))
-        writer_class(path)(direct_io=False, owner=f"local{os.getpid()}").publish(
-            path, make_marker(tag, files, folder, time.time_ns()).encode())
+        marker = make_marker(tag, files, folder, time.time_ns(), next_sequence(os.path.dirname(folder)))
+        writer_class(path)(direct_io=False, owner=f"local{os.getpid()}").publish(path, marker.encode())
         return m.Committed(tag=tag, marker=path, files=list(files))

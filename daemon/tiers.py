@@ -177,7 +177,7 @@ class TierTransfers:
             ranks = Ranks() if marker.nodes == 1 else Ranks(
                 rank=max(0, marker.node), world_size=marker.nodes, num_nodes=marker.nodes, node_rank=max(0, marker.node))
             files = {os.path.join(found.folder, f.path): f.size for f in marker.files}
-            self.committed(CommitEvent("resumed", marker.tag, files, ranks, marker.requested_ns, 0))
+            self.committed(CommitEvent("resumed", marker.tag, files, ranks, marker.requested_ns, 0, marker.sequence))
         return [found.marker_path for found in undone]
 
     def _undone(self) -> list[CommittedTag]:

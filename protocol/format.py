@@ -169,11 +169,16 @@ class CommitMarker:
     """How many nodes the job that committed the tag ran on."""
     node: int = -1
     """-1: the marker lists every node's files. Else, on a tier only one node sees, the one node whose files it lists."""
+    sequence: int = 0
+    """The tag's place in its run's commit order: 1 + the highest sequence committed in the run
+    (the folder holding the tag's folder) when the commit was asked for. The job's own order,
+    not a clock: a node whose clock runs ahead or steps back changes nothing. 0 in markers
+    written before it existed, so every newer commit sorts after them."""
 
     @property
-    def newness(self) -> tuple[int, int]:
-        """The key ``latest()`` and retention order tags by."""
-        return (self.requested_ns, self.committed_ns)
+    def newness(self) -> tuple[int, int, int]:
+        """The key ``latest()``, the trackers and retention order tags by: the sequence first, clocks only to break ties."""
+        return (self.sequence, self.requested_ns, self.committed_ns)
 
     def encode(self) -> bytes:
         return json.dumps(self, default=plain, indent=1).encode()

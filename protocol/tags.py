@@ -101,6 +101,11 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
     return sorted(found, key=lambda c: c.marker.newness, reverse=True)
 
 
+def next_sequence(run: str) -> int:
+    """The sequence a new commit in folder ``run`` gets: one past the highest committed there."""
+    return 1 + max((c.marker.sequence for c in committed_tags(run)), default=0)
+
+
 def newest(root: str, depth: int = 1) -> CommittedTag | None:
     """The newest committed tag under ``root``, or None."""
     tags = committed_tags(root, depth)
