@@ -44,11 +44,11 @@ class Engine:
             self._writers[cls] = cls(direct_io=self._direct_io, owner=self._owner)
         return self._writers[cls]
 
-    async def remove_leftovers(self, roots: list[str]) -> list[str]:
-        """What a killed earlier run of this daemon left half-written under the roots, deleted."""
+    async def remove_leftovers(self, roots: list[str], gone: Callable[[str], bool]) -> list[str]:
+        """What killed daemons of this node (``gone`` owners) left half-written under the roots, deleted."""
         removed: list[str] = []
         for root in roots:
-            removed += await self.flush(self.writer(root).remove_leftovers, root)
+            removed += await self.flush(self.writer(root).remove_leftovers, root, gone)
         return removed
 
     async def prefill(self) -> None:

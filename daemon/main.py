@@ -83,6 +83,7 @@ async def _serve(cfg: config.NodeConfig) -> None:
         ctx.term()
         daemon.engine.close()
         daemon.replicas.close()
+        daemon.instance.close()
         log.info("datastatesd stopped")
 
 

@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.paths import SHM_DIR
@@ -51,16 +51,31 @@ class Replica:
         return os.path.dirname(os.path.dirname(self.path)), os.path.basename(self.path)
 
 
+def _folder_prefix() -> str:
+    return os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-")
+
+
+def remove_gone(gone: Callable[[str], bool]) -> list[str]:
+    """The replica folders of killed daemons of this node (``gone`` owners), deleted: no one can restore from them."""
+    removed = []
+    prefix = _folder_prefix()
+    for name in os.listdir(SHM_DIR):
+        folder = os.path.join(SHM_DIR, name)
+        if folder.startswith(prefix) and gone(folder[len(prefix):]) and not os.path.islink(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 class ReplicaStore:
     def __init__(self, policy: str, budget: int, owner: str) -> None:
         self.policy = policy
         self.budget = budget
-        self.folder = os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-{owner}")
+        self.folder = _folder_prefix() + owner
         self._held: dict[int, Replica] = {}
         self.used = 0
         """Bytes of every replica held or being written."""
         if policy != "none":
-            shutil.rmtree(self.folder, ignore_errors=True)  # an earlier run's replicas: their tags may be gone
             os.makedirs(self.folder, mode=0o700, exist_ok=True)
 
     def reserve(self, job_id: int, path: str, tag: str, size: int, ranks: Ranks) -> Replica | None:

@@ -11,10 +11,8 @@ becomes an ERROR reply with its code, anything else is logged and reported as
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
-import socket
 import time
 from typing import Any, Awaitable, Callable
 
@@ -42,7 +40,8 @@ from .engine import Engine
 from .job import SnapshotJob
 from .jobs import JobTable
 from .memory import HostPool
-from .replicas import ReplicaStore
+from .instances import Instance
+from .replicas import ReplicaStore, remove_gone
 from .tiers import TierTransfers
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,8 @@ class Daemon:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.pool = HostPool(cfg.chunk_size, cfg.chunks, pinned=cfg.pin_host_memory and torch.cuda.is_available())
-        owner = hashlib.sha1(f"{socket.gethostname()} {cfg.endpoint}".encode()).hexdigest()[:10]
+        self.instance = Instance()
+        owner = self.instance.owner
         self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads, cfg.direct_io, owner)
         self.leftovers: list[str] | None = None
         self._recovered = asyncio.Event()
@@ -145,7 +145,7 @@ class Daemon:
             return await self._admit(client, body)
 
     async def _admit(self, client: ClientRecord, body: m.Snapshot) -> m.SnapshotAck:
-        await self._recovered.wait()  # its temp names share our owner prefix with the leftovers
+        await self._recovered.wait()  # a snapshot's file appears only once the leftovers of its path are gone
         if self.draining and time.monotonic() >= self._refuse_after:
             raise ShuttingDownError("datastatesd is shutting down and takes no new snapshots")
         check_tag(body.tag)
@@ -171,13 +171,16 @@ class Daemon:
         return m.SnapshotAck(snapshot_id=job.id, total_bytes=job.total_bytes)
 
     async def _recover(self) -> None:
-        """Remove this daemon's half-written files from a killed earlier run, before admitting any."""
+        """Remove what killed daemons of this node left (any endpoint): half-written files, replicas; then admit."""
+        gone = self.instance.gone
         try:
-            self.leftovers = await self.engine.remove_leftovers(self.cfg.storage.roots)
+            self.leftovers = await self.engine.remove_leftovers(self.cfg.storage.roots, gone)
+            self.leftovers += await self.engine.flush(remove_gone, gone)
+            await self.engine.flush(self.instance.forget_gone)
         finally:
             self._recovered.set()
         if self.leftovers:
-            log.warning("removed %d partial file(s) left by an earlier run: %s", len(self.leftovers), self.leftovers[:5])
+            log.warning("removed %d leftover(s) of killed daemons: %s", len(self.leftovers), self.leftovers[:5])
         resumed = await self.transfers.resume()
         if resumed:
             log.warning("resuming %d tier transfer(s) an earlier run left undone: %s", len(resumed), resumed[:5])

@@ -15,7 +15,7 @@ the engine makes one instance of each, with the node config's options.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from datastates.protocol.errors import InvalidRequestError
 
@@ -26,7 +26,7 @@ class StorageWriter(ABC):
     def __init__(self, *, direct_io: bool = True, owner: str = "") -> None:
         self.direct_io = direct_io
         self.owner = owner
-        """Names this daemon in its temporary files, so a restart removes its own leftovers only."""
+        """Names this daemon in its temporary files (daemon/instances.py), so a later one knows whose they are."""
 
     @abstractmethod
     def create(self, path: str, token: str) -> Any: ...
@@ -44,8 +44,8 @@ class StorageWriter(ABC):
     def publish(self, path: str, data: bytes) -> None: ...
 
     @abstractmethod
-    def remove_leftovers(self, root: str) -> list[str]:
-        """Delete the temporary files a killed run of this daemon (same ``owner``) left under ``root``."""
+    def remove_leftovers(self, root: str, gone: Callable[[str], bool]) -> list[str]:
+        """Delete the temporary files under ``root`` whose owner is ``gone`` (a killed daemon of this node)."""
 
 
 _WRITERS: dict[str, type[StorageWriter]] = {}

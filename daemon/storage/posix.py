@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from dataclasses import dataclass
+from typing import Callable
 
 from datastates.protocol.errors import StorageError
 from datastates.protocol.fileio import PAGE, fsync_dir, makedirs_durable
@@ -25,6 +27,10 @@ def _storage_error(what: str, path: str, exc: OSError) -> StorageError:
         exc.errno, exc.strerror or str(exc)
     )
     return StorageError(f"{what} {path}: {cause}", path=path, errno=exc.errno or 0)
+
+
+_TEMP_RE = re.compile(r"\..+\.([0-9a-f]{16})-[^./]+" + re.escape(TEMP_SUFFIX))
+"""A temporary name ``temp_path`` made, with a daemon's owner tag: the owner."""
 
 
 def temp_path(path: str, token: str) -> str:
@@ -118,12 +124,12 @@ class PosixWriter(StorageWriter):
         self.finalize(handle)
 
 
-    def remove_leftovers(self, root: str) -> list[str]:
+    def remove_leftovers(self, root: str, gone: Callable[[str], bool]) -> list[str]:
         removed = []
-        mine = f".{self.owner}-"
         for folder, _, files in shallow_walk(root, LEFTOVER_DEPTH):  # checkpoints live at <root>/<tag>/<file>
             for name in files:
-                if name.startswith(".") and name.endswith(TEMP_SUFFIX) and mine in name:
+                owner = _TEMP_RE.fullmatch(name)
+                if owner and gone(owner.group(1)):
                     path = os.path.join(folder, name)
                     try:
                         os.unlink(path)

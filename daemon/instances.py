@@ -1,0 +1,69 @@
+"""Which daemons of this user run on this node, so a new one removes what killed ones left, and nothing of a live one.
+
+Each daemon names itself with an owner tag: 8 hex digits of its host, 8 random ones of
+this start. The tag goes into every temporary file it writes and into its replica folder
+in /dev/shm, and the daemon holds an flock on ``<runtime dir>/daemons/<owner>.lock`` for
+as long as it runs. A later daemon, on any endpoint, takes an owner whose lock is free
+(or gone) as dead and removes its leftovers; a live daemon's lock is held, so its files in
+flight are never touched, and another node's files never match this node's host digits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+import socket
+
+from datastates.protocol.endpoint import runtime_dir
+
+OWNER_RE = re.compile(r"[0-9a-f]{16}")
+"""An owner tag: host digits, then this start's digits."""
+
+
+class Instance:
+    def __init__(self) -> None:
+        self.host = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+        self.owner = self.host + secrets.token_hex(4)
+        self.folder = os.path.join(runtime_dir(), "daemons")
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        self._fd = os.open(self._lock(self.owner), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def _lock(self, owner: str) -> str:
+        return os.path.join(self.folder, f"{owner}.lock")
+
+    def gone(self, owner: str) -> bool:
+        """Whether the daemon that tagged files with ``owner`` is dead: of this node, not this one, its lock free."""
+        if not OWNER_RE.fullmatch(owner) or not owner.startswith(self.host) or owner == self.owner:
+            return False
+        try:
+            fd = os.open(self._lock(owner), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+    def forget_gone(self) -> None:
+        """Remove the locks of dead daemons, once their leftovers are removed."""
+        for name in os.listdir(self.folder):
+            owner = name.removesuffix(".lock")
+            if name.endswith(".lock") and self.gone(owner):
+                try:
+                    os.unlink(self._lock(owner))
+                except FileNotFoundError:
+                    pass
+
+    def close(self) -> None:
+        try:
+            os.unlink(self._lock(self.owner))
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)

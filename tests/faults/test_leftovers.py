@@ -1,0 +1,82 @@
+"""I5, leftovers: the next daemon removes what any killed daemon of this user and node left, whatever endpoint either used.
+
+Deploy scripts give each job its own endpoint, so a daemon killed with a snapshot in flight
+leaves temporary files under the roots and its replica folder in /dev/shm (up to the
+memory_restore budget) that no daemon of its endpoint will ever come back for. The next
+daemon on the node, on any endpoint, removes them before admitting a snapshot and reports
+them in ``status``; a live daemon's files are left alone.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import datastates
+from datastates.client import Client
+from datastates.protocol.format import TEMP_SUFFIX
+
+from conftest import DaemonProc, assert_state_equal, save
+
+SLOW = {"host_memory": "2MiB", "chunk_size": "1MiB", "flush_threads": 1, "direct_io": False}
+
+
+def replica_folders() -> set[str]:
+    return set(glob.glob(f"/dev/shm/datastates-{os.geteuid()}-*"))
+
+
+def temps(root: Path) -> list[Path]:
+    return list(root.rglob(f"*{TEMP_SUFFIX}"))
+
+
+def removed_at_start(d: DaemonProc) -> dict:
+    for _ in range(600):
+        report = json.loads(d.ctl("status", "--json").stdout)["daemon"]["leftovers_removed"]
+        if report is not None:
+            return report
+        time.sleep(0.1)
+    raise AssertionError("the daemon never finished its start-up recovery")
+
+
+def test_a_daemon_on_another_endpoint_removes_a_killed_daemons_leftovers_and_spares_a_live_one(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    live = start_daemon()  # another job's daemon on this node: its replica folder must survive
+    with Client(live.endpoint, timeout=60) as c:
+        save(c, {"w": torch.ones(1000)}, live.root / "live" / "step1" / "m.pt")
+    before = replica_folders()
+
+    doomed = start_daemon(**SLOW)
+    assert len(replica_folders() - before) == 1
+    with Client(doomed.endpoint, timeout=60) as c:
+        save(c, {"w": torch.zeros(1000)}, doomed.root / "run" / "step1" / "m.pt")  # its replica now holds a file
+        c.snapshot({"w": torch.randn(32 << 20)}, doomed.root / "run" / "step2" / "m.pt")  # 128 MiB through 2 MiB
+        for _ in range(600):
+            job = next((j for j in c.status()["snapshots"] if j["tag"] == "step2"), None)  # admitted yet?
+            if job is not None and job["flushed_bytes"] > 0:
+                break
+            time.sleep(0.01)
+        doomed.proc.send_signal(signal.SIGKILL)
+        doomed.proc.wait(30)
+    left = {str(p) for p in temps(doomed.root)} | (replica_folders() - before)
+    assert any(p.endswith(TEMP_SUFFIX) for p in left) and any(p.startswith("/dev/shm/") for p in left), left
+
+    fresh = start_daemon()  # a new job, a new endpoint
+    report = removed_at_start(fresh)
+    assert set(report["paths"]) >= left and report["count"] >= len(left), (report, left)
+    assert not temps(doomed.root) and not (replica_folders() & left)
+    assert before <= replica_folders()  # the live daemon's replica folder is untouched...
+    restored = Client(live.endpoint, timeout=60)
+    try:  # ...and still serves a restore from memory
+        got = restored.restore(live.root / "live", "m.pt")
+        assert got is not None and got.source == "memory", got
+        assert_state_equal({"w": torch.ones(1000)}, got.state)
+    finally:
+        restored.close()
+    assert datastates.latest(doomed.root / "run") == "step1"
