@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import os
+import shutil
 import socket
 import time
 from concurrent.futures import Future
@@ -13,13 +15,14 @@ from typing import Any
 
 import torch
 
-from datastates.protocol.paths import check_path
 from datastates.protocol import messages as m
+from datastates.protocol import outcome
 from datastates.protocol.descriptors import CUDA_IPC, Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import check_tag
 from datastates.protocol.liveness import pid_namespace
+from datastates.protocol.paths import check_path
 
 from .capture import Capture, capture
 from .connection import DEFAULT_LIVENESS, Connection
@@ -120,15 +123,19 @@ class Client:
         """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
         """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
+        self._tickets = itertools.count(1)
+        self._decisions = outcome.make_folder()
+        """Where this client and the daemon agree on each snapshot's fate (protocol/outcome.py); the daemon removes it."""
         self._conn = Connection(self.endpoint, liveness)
         hello = m.Hello(pid=os.getpid(), name=name or f"pid{os.getpid()}", host=socket.gethostname(), on_busy=on_busy,
-                        pidns=pid_namespace(), ranks=self.ranks)
+                        pidns=pid_namespace(), ranks=self.ranks, decisions=self._decisions)
         try:
             welcome = self._conn.call(hello, timeout)
-        except DaemonUnavailable as exc:
-            self._go_local(exc)
-            return
-        except BaseException:
+        except BaseException as exc:
+            shutil.rmtree(self._decisions, ignore_errors=True)  # no daemon knows of it
+            if isinstance(exc, DaemonUnavailable):
+                self._go_local(exc)
+                return
             self._conn.close()
             raise
         self._conn.heartbeat = welcome.heartbeat_s
@@ -168,7 +175,8 @@ class Client:
         if self._local is None:
             check_path(path, self.roots)  # the daemon checks again; this makes the error immediate
         cap = capture(state)
-        msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)
+        msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
+                         ticket="" if self._local is not None else str(next(self._tickets)))
         if self._local is not None:
             return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg, cap.storages)))
         ack = self._conn.request(msg)
@@ -187,11 +195,27 @@ class Client:
         try:
             self._wait_daemon(pending, timeout)
         except DaemonUnavailable as exc:
-            local = self._go_local(exc)
-            for _ack, msg, cap in pending:  # unchanged since snapshot(): this is the fence
-                local.save(msg, cap.storages)
+            if self._give_up(pending, exc):  # else the daemon had claimed every one copied: they are safe
+                local = self._go_local(exc)
+                for _ack, msg, cap in pending:  # unchanged since snapshot(): this is the fence
+                    local.save(msg, cap.storages)
             if self._uncopied and self._uncopied[0] is pending[0]:
                 del self._uncopied[: len(pending)]
+
+    def _give_up(self, pending: list[tuple[Future, m.Snapshot, Capture]], exc: DaemonUnavailable) -> list[str]:
+        """Claim every snapshot in ``pending`` abandoned; the paths of those the daemon had not claimed copied first.
+
+        From here on the daemon can never write an abandoned snapshot, however long it was
+        stalled: the trainer may now change its tensors (invariant I3).
+        """
+        abandoned = [msg.path for _, msg, _ in pending
+                     if outcome.decide(self._decisions, msg.ticket, outcome.ABANDONED) == outcome.ABANDONED]
+        if abandoned:
+            log.warning("%s; %d snapshot(s) not yet copied are abandoned, the daemon will never write them: %s",
+                        exc.message, len(abandoned), abandoned[:4])
+        else:
+            log.warning("%s; the daemon had copied every pending snapshot, it writes them if it comes back", exc.message)
+        return abandoned
 
     def _wait_daemon(self, pending: list[tuple[Future, m.Snapshot, Capture]], timeout: float | None) -> None:
         acks = [ack for ack, _, _ in pending]
@@ -206,6 +230,8 @@ class Client:
             fut = self._conn.request(m.Wait(snapshot_ids=ids))
             try:
                 fut.result(None if timeout is None else max(0.0, timeout - (time.monotonic() - start)))
+                for _, msg, _ in pending:  # claimed copied by the daemon: this client never gives up on them now
+                    outcome.forget(self._decisions, msg.ticket)
             except TimeoutError:
                 raise WaitTimeout(f"{len(ids)} snapshot(s) not copied by the daemon within {timeout} s") from None
             finally:

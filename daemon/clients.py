@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from datastates.protocol import messages as m
+from datastates.protocol import outcome
 from datastates.protocol.descriptors import Ranks, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, UnknownClientError
 from datastates.protocol.liveness import pid_namespace, process_start
@@ -46,6 +47,8 @@ class ClientRecord:
     connected: float = field(default_factory=time.monotonic)
     seen: float = field(default_factory=time.monotonic)
     """When the client last sent anything; a client silent past client_timeout is taken as gone."""
+    decisions: str = ""
+    """The client's decision folder (protocol/outcome.py), checked at HELLO; "" if it sent none."""
     started: str | None = None
     """The client process's start time, when the daemon can watch its pid (same host and pid namespace)."""
     _regions: dict[_Key, Region] = field(default_factory=dict)
@@ -126,6 +129,7 @@ class ClientRegistry:
         record = ClientRecord(
             id=f"c{next(self._ids)}-{hello.pid}", identity=identity, pid=hello.pid, name=hello.name[:128],
             host=hello.host[:128], on_busy=hello.on_busy, ranks=hello.ranks.check(),
+            decisions=outcome.check_folder(hello.decisions),
         )
         if hello.pidns and hello.pidns == self._pidns and hello.host == self._host:
             record.started = process_start(hello.pid)

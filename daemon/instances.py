@@ -51,6 +51,11 @@ class Instance:
             os.close(fd)
         return True
 
+    def alone(self) -> bool:
+        """Whether no other daemon of this user runs on this node."""
+        owners = [n.removesuffix(".lock") for n in os.listdir(self.folder) if n.endswith(".lock")]
+        return all(o == self.owner or self.gone(o) for o in owners)
+
     def forget_gone(self) -> None:
         """Remove the locks of dead daemons, once their leftovers are removed."""
         for name in os.listdir(self.folder):

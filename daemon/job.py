@@ -12,6 +12,7 @@ import enum
 import time
 from typing import Any, Sequence
 
+from datastates.protocol import outcome
 from datastates.protocol.errors import SnapshotFailedError
 
 from datastates.protocol.layout import FilePlan
@@ -33,7 +34,8 @@ def _quiet(fut: asyncio.Future) -> None:
 
 
 class SnapshotJob:
-    def __init__(self, job_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region]) -> None:
+    def __init__(self, job_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region],
+                 decision: tuple[str, str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         self.id = job_id
         self.client_id = client_id
@@ -43,6 +45,8 @@ class SnapshotJob:
         self.regions: Sequence[Region] = regions
         self.total_bytes = plan.total_bytes
         self.file_size = plan.file_size
+        self.decision = decision
+        """(the client's decision folder, this snapshot's ticket): where the copy's outcome is agreed (protocol/outcome.py)."""
         self.copied_bytes = 0
         self.flushed_bytes = 0
         self.state = JobState.COPYING
@@ -75,6 +79,15 @@ class SnapshotJob:
         return True
 
     def mark_copied(self) -> None:
+        """Every byte is in the daemon's hands, unless the trainer gave up on this snapshot first (then raises).
+
+        The claim comes before WAIT is answered: a trainer that gave up has since changed its
+        tensors, so bytes copied after that point may mix two steps and must never be written.
+        """
+        if self.decision is not None and outcome.decide(*self.decision, outcome.COPIED) != outcome.COPIED:
+            raise SnapshotFailedError(f"snapshot of {self.path} abandoned: the trainer gave up waiting for its copy "
+                                      "(DaemonUnavailable) and may have changed the state since; nothing of it is "
+                                      "written", path=self.path)
         self.state = JobState.FLUSHING
         self.regions = ()  # the daemon holds its own copy; the trainer's maps may go
         self.copied.set_result(None)

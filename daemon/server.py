@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import time
 from typing import Any, Awaitable, Callable
 
@@ -21,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from datastates.protocol import messages as m
+from datastates.protocol import outcome
 from datastates.protocol.errors import (
     DatastatesError,
     InvalidRequestError,
@@ -50,6 +52,12 @@ DRAIN_GRACE = 1.0
 Handler = Callable[[bytes, Any], Awaitable[m.Body]]
 
 
+def _remove_folders(folders: list[str]) -> list[str]:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    return folders
+
+
 class Daemon:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
@@ -65,6 +73,8 @@ class Daemon:
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner)
         self._tasks: set[asyncio.Task] = set()
+        self._left: dict[str, str] = {}
+        """Decision folders of clients that left, removed once none of their snapshots is pending."""
         self._started = time.monotonic()
         self.draining = False
         self._refuse_after = float("inf")
@@ -163,7 +173,8 @@ class Daemon:
 
         plan, regions = await asyncio.get_running_loop().run_in_executor(None, admit)
         earlier = self.jobs.pending_at(plan.path)
-        job = SnapshotJob(self.jobs.next_id(), client.id, body.tag, plan, regions)
+        decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
+        job = SnapshotJob(self.jobs.next_id(), client.id, body.tag, plan, regions, decision)
         job.replica = self.replicas.reserve(job.id, job.path, job.tag, job.file_size, client.ranks)
         self.jobs.add(job)
         self.ledger.add(job)
@@ -176,6 +187,8 @@ class Daemon:
         try:
             self.leftovers = await self.engine.remove_leftovers(self.cfg.storage.roots, gone)
             self.leftovers += await self.engine.flush(remove_gone, gone)
+            if self.instance.alone():  # no other daemon may still need a dead client's "abandoned" decisions
+                self.leftovers += await self.engine.flush(_remove_folders, outcome.dead_client_folders())
             await self.engine.flush(self.instance.forget_gone)
         finally:
             self._recovered.set()
@@ -190,6 +203,7 @@ class Daemon:
         if job.replica is None or job.error is not None:  # its replica failed, or the snapshot did
             self.replicas.discard(job.id)
         self.jobs.finished(job)
+        self._tidy(job.client_id)
 
     async def _wait(self, identity: bytes, body: m.Wait) -> m.WaitDone:
         client = self.clients.get(identity)
@@ -233,14 +247,26 @@ class Daemon:
         record = self.clients.remove(identity)  # its region cache goes; jobs in flight keep their own maps
         if record is not None:
             self.ledger.forget(record.id)
+            self._left_behind(record)
         return m.ByeAck()
 
     async def _heartbeat(self, identity: bytes, body: m.Heartbeat) -> m.HeartbeatAck:
         return m.HeartbeatAck()
 
+    def _left_behind(self, record: ClientRecord) -> None:
+        if record.decisions:
+            self._left[record.id] = record.decisions
+            self._tidy(record.id)
+
+    def _tidy(self, client_id: str) -> None:
+        """Remove a departed client's decision folder once no snapshot of it can still claim an outcome there."""
+        if client_id in self._left and not any(j.pending for j in self.jobs.of_client(client_id)):
+            shutil.rmtree(self._left.pop(client_id), ignore_errors=True)
+
     def _gone(self, record: ClientRecord, how: str) -> dict[str, Any]:
         """A client gone without BYE: its open tags go, its GPU snapshots not yet copied fail, the rest finish."""
         self.ledger.forget(record.id)
+        self._left_behind(record)
         if record.ranks.world_size > 1:
             self.ledger.rank_lost(record.ranks)
         mine = self.jobs.of_client(record.id)

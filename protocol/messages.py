@@ -70,6 +70,8 @@ class Hello(Body):
     pidns: int = 0
     """Inode of the client's pid namespace: a daemon in the same one watches ``pid`` itself, not heartbeats."""
     ranks: Ranks = field(default_factory=Ranks)
+    decisions: str = ""
+    """The client's folder of per-snapshot decisions (protocol/outcome.py); "" for a client that never gives up."""
 
 
 ON_BUSY = ("block", "skip")
@@ -95,6 +97,8 @@ class Snapshot(Body):
     sources: list[SourceDesc]
     entries: list[EntryDesc]
     root: int
+    ticket: str = ""
+    """This snapshot's name in the client's decision folder: the daemon claims it ``copied`` before answering WAIT."""
 
 
 @dataclass(frozen=True)

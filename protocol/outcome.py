@@ -1,0 +1,90 @@
+"""One outcome per snapshot, agreed by trainer and daemon without a round trip (invariant I3).
+
+A trainer that hears nothing from its daemon for ``liveness`` seconds gives up on the
+snapshots not yet confirmed copied, and goes on changing its tensors. A daemon that was
+only stalled (SIGSTOP, swapping, a hung NFS write) must then never finish, rename or
+commit those snapshots: it would copy memory the trainer has since changed.
+
+The two sides race to create one decision object per snapshot, a symbolic link in the
+client's own folder under /dev/shm, named by the snapshot's ticket: the daemon creates it
+pointing to ``copied`` when the last byte is copied, before it answers WAIT; the client
+creates it pointing to ``abandoned`` when it gives up. ``symlink`` is atomic and fails if
+the name exists, so exactly one wins, and the loser reads the winner with ``readlink``. No
+side holds a lock a stopped process could keep, and the client's side is one system call,
+made only when it gives up. The client never removes an ``abandoned`` link; the daemon
+removes the folder once the client is gone and none of its snapshots is still pending.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+
+from .errors import InvalidRequestError
+from .paths import SHM_DIR
+
+COPIED = "copied"
+ABANDONED = "abandoned"
+TICKET_RE = re.compile(r"[0-9]{1,20}")
+_FOLDER_RE = re.compile(r"datastates-(\d+)-client-(\d+)-[0-9a-f]{8}")
+
+
+def make_folder() -> str:
+    """A fresh folder for this client's decisions, private to its user."""
+    folder = os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-client-{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(folder, 0o700)
+    return folder
+
+
+def check_folder(folder: str) -> str:
+    """``folder`` if it is a decision folder of this user under /dev/shm; InvalidRequestError otherwise."""
+    if not folder:
+        return ""
+    name = os.path.basename(folder)
+    match = _FOLDER_RE.fullmatch(name)
+    if os.path.dirname(folder) != SHM_DIR or not match or int(match.group(1)) != os.geteuid():
+        raise InvalidRequestError(f"decision folder {folder[:256]!r} is not one of this user's under {SHM_DIR}")
+    st = os.lstat(folder)
+    if not os.path.isdir(folder) or os.path.islink(folder) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise InvalidRequestError(f"decision folder {folder!r} must be this user's own folder with mode 0700")
+    return folder
+
+
+def check_ticket(ticket: str) -> str:
+    if ticket and not TICKET_RE.fullmatch(ticket):
+        raise InvalidRequestError(f"snapshot ticket {ticket[:32]!r} is not a decimal number")
+    return ticket
+
+
+def decide(folder: str, ticket: str, outcome: str) -> str:
+    """Claim ``outcome`` for the snapshot ``ticket``; the outcome that holds (ours, or the one claimed first).
+
+    A folder that no longer exists means the client left with nothing pending: ``outcome`` holds.
+    """
+    path = os.path.join(folder, ticket)
+    try:
+        os.symlink(outcome, path)
+        return outcome
+    except FileExistsError:
+        return os.readlink(path)
+    except FileNotFoundError:
+        return outcome
+
+
+def forget(folder: str, ticket: str) -> None:
+    """Drop a ``copied`` decision the client has heard of: it will never give up on that snapshot."""
+    try:
+        os.unlink(os.path.join(folder, ticket))
+    except FileNotFoundError:
+        pass
+
+
+def dead_client_folders() -> list[str]:
+    """The decision folders of this user whose client process is gone."""
+    out = []
+    for name in os.listdir(SHM_DIR):
+        match = _FOLDER_RE.fullmatch(name)
+        if match and int(match.group(1)) == os.geteuid() and not os.path.exists(f"/proc/{match.group(2)}"):
+            out.append(os.path.join(SHM_DIR, name))
+    return out

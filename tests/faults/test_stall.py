@@ -1,0 +1,117 @@
+"""I3, one outcome: a daemon stalled past the trainer's liveness never writes what the trainer gave up on.
+
+The trainer's ``wait()`` raises DaemonUnavailable once the daemon has been silent for
+``liveness`` seconds, and the trainer goes on and steps its optimizer. A daemon that was
+only stopped (SIGSTOP here; swapping, a paused container or a hung NFS write in life)
+used to resume, finish the copy from the changed memory and commit a torn file that
+passed every checksum. Now both sides claim each snapshot's outcome through one atomic
+decision (protocol/outcome.py): whatever ``wait()`` told the trainer is what the daemon does.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import datastates
+from datastates.client import Client, daemon_status
+from datastates.protocol.errors import DaemonUnavailable, DatastatesError
+from datastates.protocol.format import TEMP_SUFFIX
+
+from conftest import DaemonProc
+
+LIVENESS = 2.0
+ELEMENTS = 128 << 20  # 512 MiB of float32: the copy through an 8 MiB pool takes a few hundred ms
+
+
+def settled(d: DaemonProc) -> dict[str, Any]:
+    """The daemon's status once it has nothing pending."""
+    for _ in range(1200):
+        status = daemon_status(d.endpoint, timeout=10)
+        if not status["pending"] and not status["commits_pending"]:
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"the daemon never settled: {status['snapshots']}")
+
+
+def stalled_save(d: DaemonProc, path: Path, stop_after: float, **client: Any) -> tuple[Client, torch.Tensor, bool]:
+    """snapshot + commit of step 1, SIGSTOP ``stop_after`` s later, then wait(), then step 2 as a trainer would.
+
+    Returns the client, the tensor and whether ``wait()`` returned (True) or raised DaemonUnavailable (False).
+    """
+    c = Client(d.endpoint, timeout=30, liveness=LIVENESS, **client)
+    t = torch.full((ELEMENTS,), 1.0)
+    c.snapshot({"t": t}, path, tag="step1")
+    c.commit("step1")
+    time.sleep(stop_after)
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        c.wait()
+        copied = True
+    except DaemonUnavailable:
+        copied = False
+    t.fill_(2.0)  # the optimizer step, once wait() has returned or raised
+    return c, t, copied
+
+
+@pytest.fixture
+def stallable(start_daemon: Callable[..., DaemonProc]) -> Any:
+    """A daemon with an 8 MiB pool, resumed (SIGCONT) at teardown whatever happened."""
+    d = start_daemon(host_memory="8MiB", chunk_size="4MiB")
+    yield d
+    d.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("stop_after", [0.15, 0.6, 1.5], ids=["mid-copy", "later", "copied"])
+def test_what_wait_said_is_what_the_stalled_daemon_does(stallable: DaemonProc, stop_after: float) -> None:
+    d = stallable
+    path = d.root / "run" / "step1" / "m.pt"
+    c, _, copied = stalled_save(d, path, stop_after)
+    d.proc.send_signal(signal.SIGCONT)
+    status = settled(d)
+    c.close(timeout=5)
+    job = next(j for j in status["snapshots"] if j["path"] == str(path))
+    if copied:  # the daemon had the bytes before the trainer changed them: it writes and commits them
+        assert job["state"] == "durable", job
+        for _ in range(100):
+            if datastates.latest(d.root / "run") == "step1":
+                break
+            time.sleep(0.1)
+        assert torch.equal(datastates.load(path)["t"], torch.full((ELEMENTS,), 1.0))
+    else:  # the trainer gave up and stepped: nothing of this snapshot may ever appear
+        assert job["state"] == "failed" and "abandoned" in job["error"], job
+        assert not path.exists() and datastates.latest(d.root / "run") is None
+    assert not list(d.root.rglob(f"*{TEMP_SUFFIX}"))
+
+
+def test_mid_copy_the_trainer_is_told_unavailable_and_nothing_is_committed(stallable: DaemonProc) -> None:
+    """The issue's case: SIGSTOP 0.15 s into a copy of 512 MiB through 8 MiB; liveness passes; step 2; SIGCONT."""
+    d = stallable
+    path = d.root / "run" / "step1" / "m.pt"
+    c, _, copied = stalled_save(d, path, 0.15)
+    assert not copied, "the copy finished within 0.15 s: this machine is too fast for the case"
+    d.proc.send_signal(signal.SIGCONT)
+    settled(d)
+    c.close(timeout=5)
+    assert datastates.latest(d.root / "run") is None and not path.exists()
+
+
+def test_with_the_local_fallback_the_resumed_daemon_never_replaces_the_trainers_file(stallable: DaemonProc) -> None:
+    d = stallable
+    path = d.root / "run" / "step1" / "m.pt"
+    c, t, copied = stalled_save(d, path, 0.15, fallback="local")
+    assert copied and c.local  # wait() gave up on the daemon and saved step 1 itself, before the step
+    try:
+        c.commit("step1").result(timeout=60)
+    except DatastatesError as exc:
+        pytest.fail(f"the local commit failed: {exc}")
+    d.proc.send_signal(signal.SIGCONT)
+    settled(d)
+    assert datastates.latest(d.root / "run") == "step1"
+    assert torch.equal(datastates.load(path)["t"], torch.full((ELEMENTS,), 1.0))  # step 1 whole, no element of step 2
+    assert t[0].item() == 2.0
