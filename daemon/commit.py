@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import os
 import re
@@ -23,7 +24,13 @@ from typing import Any, Protocol
 
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Ranks
-from datastates.protocol.errors import CommitError, DatastatesError, SnapshotSkippedError, StorageError
+from datastates.protocol.errors import (
+    CommitError,
+    DatastatesError,
+    PathNotAllowedError,
+    SnapshotSkippedError,
+    StorageError,
+)
 from datastates.protocol.format import MEGATRON_TRACKER, TRACKER, CommitMarker, MarkerFile, done_name, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
@@ -34,6 +41,7 @@ from datastates.protocol.tags import next_sequence
 from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .job import SnapshotJob
+from .versions import Staging, Versions
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +140,9 @@ class _TagGroup:
 
 
 class CommitLedger:
-    def __init__(self, engine: Engine, storage: StorageConfig, timeout: float) -> None:
+    def __init__(self, engine: Engine, storage: StorageConfig, timeout: float, versions: Versions) -> None:
         self._engine = engine
+        self._versions = versions
         self._storage = storage
         self._roots = storage.roots
         self._timeout = timeout
@@ -152,6 +161,13 @@ class CommitLedger:
 
     def subscribe(self, listener: CommitListener) -> None:
         self._listeners.append(listener)
+
+    def check_owner(self, path: str, client_id: str) -> None:
+        """Refuse ``path`` while another client's uncommitted snapshot of it is open: one of the two states would be lost."""
+        for (other, tag), jobs in list(self._open.items()):
+            if other != client_id and any(j.path == path for j in jobs):
+                raise PathNotAllowedError(f"path {path!r} refused: client {other} is saving it for tag {tag!r}, not yet "
+                                          "committed; two clients must not write one file", path=path)
 
     def add(self, job: SnapshotJob) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
@@ -286,7 +302,10 @@ class CommitLedger:
 
     async def _first_commit(self, commit: CommitEvent) -> m.Committed:
         """The commit a client asked for, on the tier its files were written to, then announced."""
+        staging = self._versions.staged(commit.tag, commit.files)
         committed = await self.settle(commit)
+        if staging is not None:  # the new version is in place: its files are where the old ones were
+            commit = dataclasses.replace(commit, files={staging.visible(p): n for p, n in commit.files.items()})
         for listener in self._listeners:
             listener.committed(commit)
         return committed
@@ -300,8 +319,12 @@ class CommitLedger:
         client_id, tag, files, ranks, requested_ns, sequence = (
             commit.client_id, commit.tag, commit.files, commit.ranks, commit.requested_ns, commit.sequence)
         order = (sequence, commit.order)
-        folder = tag_folder(tag, files, self._roots)
         nodes = ranks.num_nodes
+        staging = self._versions.staged(tag, files) if nodes == 1 else None
+        if staging is not None:  # a new version of a committed tag: marker beside its files, then switched in
+            marker = make_marker(tag, files, staging.staging, requested_ns, sequence)
+            return await self._publish(client_id, tag, marker, staging.folder, order, staging)
+        folder = tag_folder(tag, files, self._roots)
         if nodes == 1 or not self._storage.shared(folder):
             marker = make_marker(tag, files, folder, requested_ns, sequence, nodes, -1 if nodes == 1 else ranks.node_rank)
             return await self._publish(client_id, tag, marker, folder, order)
@@ -349,10 +372,18 @@ class CommitLedger:
         raise CommitError(f"tag {tag!r} not committed: node 0 wrote no marker in {folder} within {self._timeout:.0f} s", tag=tag)
 
     async def _publish(self, client_id: str, tag: str, marker: CommitMarker, folder: str,
-                       order: tuple[int, int]) -> m.Committed:
-        """The tag's marker, then the trackers: a tracker never names a tag before its marker exists."""
+                       order: tuple[int, int], staging: Staging | None = None) -> m.Committed:
+        """The tag's marker, then the trackers: a tracker never names a tag before its marker exists.
+
+        With ``staging``, the marker goes beside the new version's files, and the version is
+        switched in place of the committed one in one step (daemon/versions.py).
+        """
         path = os.path.join(folder, marker_name(tag))
-        await self._write(path, marker.encode(), tag)
+        if staging is None:
+            await self._write(path, marker.encode(), tag)
+        else:
+            await self._write(os.path.join(staging.staging, marker_name(tag)), marker.encode(), tag)
+            await self._engine.flush(self._versions.switch, staging)
         parent = os.path.dirname(folder)
         if os.path.basename(folder) == tag and any(within(parent, r) for r in self._roots):
             async with self._tracker_lock:  # one tracker write at a time, so renames land in order

@@ -36,7 +36,7 @@ from datastates.protocol.paths import check_path
 from datastates.protocol.version import PROTOCOL_VERSION
 
 from .clients import HEARTBEATS_PER_TIMEOUT, ClientRecord, ClientRegistry
-from .commit import CommitLedger
+from .commit import CommitLedger, tag_folder
 from .config import NodeConfig
 from .engine import Engine
 from .job import SnapshotJob
@@ -45,6 +45,7 @@ from .memory import HostPool
 from .instances import Instance
 from .replicas import ReplicaStore, remove_gone
 from .tiers import TierTransfers
+from .versions import Versions
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class Daemon:
         self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
         self.jobs = JobTable()
-        self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout)
+        self.versions = Versions(self.instance.owner, cfg.storage.roots)
+        self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions)
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner)
         self._tasks: set[asyncio.Task] = set()
@@ -166,16 +168,20 @@ class Daemon:
                 log.warning("skipped a snapshot of %s for %s (on_busy: skip): %s", body.tag, client.id, reason)
                 return m.SnapshotAck(snapshot_id=0, total_bytes=0, skipped=reason)
 
-        def admit() -> tuple[Any, Any]:
-            path = check_path(body.path, self.cfg.storage.roots)
-            plan = plan_snapshot(body, path, self.cfg.chunk_size)
-            return plan, client.regions_for(path, body.sources)
+        def admit() -> tuple[Any, str, Any]:
+            roots = self.cfg.storage.roots
+            path = check_path(body.path, roots)
+            written = self.versions.place(path, body.tag, tag_folder(body.tag, {path: 0}, roots),
+                                          versioned=client.ranks.num_nodes == 1)
+            self.ledger.check_owner(written, client.id)
+            plan = plan_snapshot(body, written, self.cfg.chunk_size)
+            return plan, path, client.regions_for(path, body.sources)
 
-        plan, regions = await asyncio.get_running_loop().run_in_executor(None, admit)
+        plan, path, regions = await asyncio.get_running_loop().run_in_executor(None, admit)
         earlier = self.jobs.pending_at(plan.path)
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
         job = SnapshotJob(self.jobs.next_id(), client.id, body.tag, plan, regions, decision)
-        job.replica = self.replicas.reserve(job.id, job.path, job.tag, job.file_size, client.ranks)
+        job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks)
         self.jobs.add(job)
         self.ledger.add(job)
         self._spawn(self._run(job, earlier))
@@ -186,6 +192,8 @@ class Daemon:
         gone = self.instance.gone
         try:
             self.leftovers = await self.engine.remove_leftovers(self.cfg.storage.roots, gone)
+            for root in self.cfg.storage.roots:
+                self.leftovers += await self.engine.flush(Versions.remove_leftovers, root, gone)
             self.leftovers += await self.engine.flush(remove_gone, gone)
             if self.instance.alone():  # no other daemon may still need a dead client's "abandoned" decisions
                 self.leftovers += await self.engine.flush(_remove_folders, outcome.dead_client_folders())

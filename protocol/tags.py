@@ -64,7 +64,7 @@ def _folders(root: str, depth: int) -> Iterator[str]:
         return
     for name in names:
         path = os.path.join(root, name)
-        if os.path.isdir(path):
+        if not name.startswith(".") and os.path.isdir(path):  # hidden: a version being written, never a tag
             yield from _folders(path, depth - 1)
 
 

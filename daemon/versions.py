@@ -1,0 +1,153 @@
+"""Versions of a tag: re-saving a committed tag writes a new version beside it, switched in with one atomic exchange.
+
+Invariant I2: once ``commit(tag)`` has resolved, the committed bytes of that tag are never
+changed. Saving the same paths again (Lightning's ``last.ckpt``, a rolling tag) would
+otherwise rename new files over committed ones one by one, and a kill -9 or a full disk
+in between would leave a tag that mixes two steps and still passes ``verify``.
+
+So a snapshot whose tag is already committed in its tag folder ``V`` is written into a
+hidden staging folder beside it, ``.<V>.<owner>-<n>.dsgen``, with the same layout. The new
+version's marker is written there too; then ``renameat2(RENAME_EXCHANGE)`` swaps the two
+folders in one step, and the old version, now under the hidden name, is deleted. At every
+instant ``V`` holds one whole version: the old one, or the new one. Readers never look in
+hidden folders, and a killed daemon's staging folders are removed by the next daemon
+(their owner tag, daemon/instances.py). A path listed by another tag's committed marker is
+refused: saving it would change that tag's bytes. A file system without RENAME_EXCHANGE
+(some network file systems) fails the re-save's commit, and the old version stands.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import os
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from datastates.protocol.errors import CommitError, PathNotAllowedError
+from datastates.protocol.fileio import fsync_dir, makedirs_durable
+from datastates.protocol.format import MARKER_PREFIX, MARKER_SUFFIX, CommitMarker, marker_name
+from datastates.protocol.paths import shallow_walk, within
+
+STAGING_SUFFIX = ".dsgen"
+STAGING_RE = re.compile(r"\..+\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
+"""A staging folder's name; the group is the owner tag of the daemon that made it."""
+LEFTOVER_DEPTH = 3
+"""Staging folders sit beside tag folders: <root>/<run>/.<tag>....dsgen is depth 2."""
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def exchange(a: str, b: str) -> None:
+    """Swap the folders ``a`` and ``b`` atomically, then make it durable."""
+    if _libc.renameat2(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), a)
+    fsync_dir(os.path.dirname(a))
+
+
+@dataclass
+class Staging:
+    tag: str
+    folder: str
+    """The tag's folder, which holds its committed version."""
+    staging: str
+    """Where the new version is written until it is switched in."""
+
+    def visible(self, path: str) -> str:
+        """Where a file written in the staging folder appears once the version is switched in."""
+        return os.path.join(self.folder, os.path.relpath(path, self.staging))
+
+
+def _listing_markers(path: str, roots: list[str]) -> list[CommitMarker]:
+    """The commit markers in the folders above ``path`` (inside the roots) that list it."""
+    out = []
+    folder = os.path.dirname(path)
+    while any(within(folder, r) for r in roots):
+        try:
+            names = [n for n in os.listdir(folder) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX)]
+        except OSError:
+            names = []
+        rel = os.path.relpath(path, folder)
+        for name in names:
+            marker = CommitMarker.read(os.path.join(folder, name))
+            if marker is not None and any(f.path == rel for f in marker.files):
+                out.append(marker)
+        folder = os.path.dirname(folder)
+    return out
+
+
+class Versions:
+    def __init__(self, owner: str, roots: list[str]) -> None:
+        self._owner = owner
+        self._roots = roots
+        self._open: dict[tuple[str, str], Staging] = {}
+        """(tag folder, tag) → the staging folder of its next version."""
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # admission runs on executor threads
+
+    def place(self, path: str, tag: str, folder: str, versioned: bool = True) -> str:
+        """Where a snapshot of ``path`` for ``tag`` (marker folder ``folder``) is written; refuses another tag's file.
+
+        ``versioned`` False (a multi-node job, whose nodes cannot switch one folder together):
+        a committed tag is refused instead of saved again.
+        """
+        others = sorted({mk.tag for mk in _listing_markers(path, self._roots) if mk.tag != tag})
+        if others:
+            raise PathNotAllowedError(f"path {path!r} refused: it is a file of committed tag(s) {others}, whose bytes "
+                                      "must not change; save it under a new path, or under the same tag", path=path)
+        with self._lock:
+            staging = self._open.get((folder, tag))
+            if staging is None:
+                if not os.path.exists(os.path.join(folder, marker_name(tag))):
+                    return path  # no committed version to protect
+                if not versioned:
+                    raise PathNotAllowedError(f"path {path!r} refused: tag {tag!r} is committed in {folder}, and a "
+                                              "multi-node job cannot save a committed tag again; use a new tag", path=path)
+                name = f".{os.path.basename(folder)}.{self._owner}-{next(self._ids)}{STAGING_SUFFIX}"
+                staging = Staging(tag, folder, os.path.join(os.path.dirname(folder), name))
+                makedirs_durable(staging.staging)
+                self._open[(folder, tag)] = staging
+        return os.path.join(staging.staging, os.path.relpath(path, folder))
+
+    def staged(self, tag: str, files: dict[str, int]) -> Staging | None:
+        """The staging folder ``files`` were written to, if any; CommitError if only some of them were."""
+        with self._lock:
+            found = [s for s in self._open.values() if s.tag == tag and any(within(p, s.staging) for p in files)]
+        if not found:
+            return None
+        staging = found[0]
+        if len(found) > 1 or not all(within(p, staging.staging) for p in files):
+            raise CommitError(f"tag {tag!r} not committed: a new version of it mixes files inside and outside "
+                              f"its folder {staging.folder}", tag=tag)
+        return staging
+
+    @staticmethod
+    def remove_leftovers(root: str, gone: Callable[[str], bool]) -> list[str]:
+        """Staging folders under ``root`` that killed daemons (``gone`` owners) left: an unfinished or a replaced version."""
+        removed = []
+        for folder, dirs, _ in shallow_walk(root, LEFTOVER_DEPTH):
+            for name in dirs:
+                match = STAGING_RE.fullmatch(name)
+                if match and gone(match.group(1)):
+                    shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+                    removed.append(os.path.join(folder, name))
+        return removed
+
+    def switch(self, staging: Staging) -> None:
+        """Put the new version (its marker written) in place of the old in one step, then delete the old."""
+        try:
+            exchange(staging.folder, staging.staging)
+        except OSError as exc:
+            why = ("this file system cannot swap folders atomically (renameat2 RENAME_EXCHANGE); save under a new tag"
+                   if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) else exc.strerror)
+            raise CommitError(f"tag {staging.tag!r} not committed again: {why}; its committed version stands",
+                              tag=staging.tag) from None
+        with self._lock:
+            self._open.pop((staging.folder, staging.tag), None)
+        shutil.rmtree(staging.staging, ignore_errors=True)

@@ -1,0 +1,119 @@
+"""I2, immutable: re-saving a committed tag writes a new version; the committed one never changes.
+
+Saving the same paths again (Lightning's ``last.ckpt``, a rolling tag) used to rename new
+files over committed ones one by one: a kill -9 between two renames, or a full disk on the
+second file, left a tag that mixed two steps and still passed ``verify``. Now the new
+version is written beside the tag's folder and switched in with one atomic exchange.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import datastates
+from datastates.client import Client
+from datastates.client.reader import verify
+from datastates.protocol.errors import DatastatesError, PathNotAllowedError
+from datastates.protocol.format import marker_name
+from datastates.protocol.tags import read_marker
+
+from conftest import DaemonProc, save
+
+TRIALS = 8
+SLOW = {"host_memory": "4MiB", "chunk_size": "1MiB", "flush_threads": 1, "direct_io": False}
+
+
+def files(step: int) -> dict[str, dict]:
+    """a.pt, small, and b.pt, 64 MiB: every element holds the step, so any mix shows."""
+    return {"a.pt": {"t": torch.full((1024,), float(step))}, "b.pt": {"t": torch.full((16 << 20,), float(step))}}
+
+
+def steps_in(folder: Path, tag: str) -> set[float]:
+    """The steps the committed files of ``tag`` hold, after a full verify of each; every file must be whole."""
+    marker = read_marker(str(folder / marker_name(tag)))
+    assert marker is not None, f"{folder}: {tag} is not committed"
+    found = set()
+    for f in marker.files:
+        verify(folder / f.path)
+        found |= set(datastates.load(folder / f.path)["t"].unique().tolist())
+    return found
+
+
+def test_a_kill_during_a_resave_leaves_one_whole_version(start_daemon: Callable[..., DaemonProc]) -> None:
+    rng = random.Random(7)
+    d = start_daemon(**SLOW)
+    tag_folder = d.root / "run" / "last"
+    with Client(d.endpoint, timeout=60) as c:
+        for name, state in files(1).items():
+            c.snapshot(state, tag_folder / name, tag="last")
+        c.commit("last").result(timeout=120)
+    confirmed = 1
+    for trial in range(TRIALS):
+        step = trial + 2
+        with Client(d.endpoint, timeout=60, liveness=1) as c:
+            for name, state in files(step).items():
+                c.snapshot(state, tag_folder / name, tag="last")
+            fut: Future = c.commit("last")
+            time.sleep(rng.uniform(0.05, 0.6))
+            d.proc.send_signal(signal.SIGKILL)
+            d.proc.wait(30)
+            try:
+                fut.result(timeout=60)
+                confirmed = step
+            except DatastatesError:
+                pass
+        assert datastates.latest(d.root / "run") == "last"
+        held = steps_in(tag_folder, "last")
+        assert len(held) == 1, f"trial {trial}: tag 'last' mixes steps {held}"
+        assert held.pop() >= confirmed, (trial, confirmed)
+        d = start_daemon(**{**SLOW, "endpoint": d.endpoint})
+    for _ in range(600):  # the last restart's recovery removes what the last kill left
+        if json.loads(d.ctl("status", "--json").stdout)["daemon"]["leftovers_removed"] is not None:
+            break
+        time.sleep(0.1)
+    assert not [p for p in (d.root / "run").iterdir() if p.name.startswith(".")], "a staging folder was left behind"
+
+
+def test_a_resave_that_commits_replaces_the_version_whole(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon()
+    folder = d.root / "run" / "last"
+    with Client(d.endpoint, timeout=60) as c:
+        for step in (1, 2, 3):
+            for name, state in files(step).items():
+                c.snapshot(state, folder / name, tag="last")
+            done = c.commit("last").result(timeout=120)
+            assert sorted(done.files) == sorted(str(folder / n) for n in files(step))
+            assert steps_in(folder, "last") == {float(step)}
+            assert (d.root / "run" / "latest").read_text() == "last"
+        restored = c.restore(d.root / "run", "b.pt")
+        assert restored is not None and torch.equal(restored.state["t"], files(3)["b.pt"]["t"])
+    assert sorted(p.name for p in (d.root / "run").iterdir()) == ["last", "latest"]  # no version left beside it
+
+
+def test_another_tags_file_and_another_clients_open_file_are_refused(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon()
+    shared = d.root / "k" / "m.pt"
+    with Client(d.endpoint, timeout=60) as a, Client(d.endpoint, timeout=60) as b:
+        save(a, {"t": torch.full((100,), 1.0)}, shared, tag="k1")
+        a.snapshot({"t": torch.full((100,), 2.0)}, shared, tag="k2")
+        with pytest.raises(PathNotAllowedError, match="committed tag"):
+            a.wait()
+        assert torch.equal(datastates.load(shared)["t"], torch.full((100,), 1.0))  # k1's bytes unchanged
+
+        mine = d.root / "run" / "step1" / "m.pt"
+        a.snapshot({"t": torch.full((100,), 3.0)}, mine)
+        a.wait()
+        b.snapshot({"t": torch.full((100,), 4.0)}, mine)
+        with pytest.raises(PathNotAllowedError, match="is saving it"):
+            b.wait()
+        a.commit("step1").result(timeout=60)
+        assert torch.equal(datastates.load(mine)["t"], torch.full((100,), 3.0))
