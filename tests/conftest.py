@@ -105,18 +105,52 @@ class DaemonFactory:
         self.started.append(d)
         return d
 
+    def signal_all(self) -> None:
+        """SIGTERM to every daemon still running, all at once, so that their drains overlap."""
+        for d in self.started:
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+
     def stop_all(self) -> None:
+        """Stop every daemon and wait until each has exited."""
+        self.signal_all()
         for d in self.started:
             d.stop()
         shutil.rmtree(self.sockdir, ignore_errors=True)
 
+    def stop_all_later(self) -> None:
+        """SIGTERM every daemon now; they exit during the next tests, and are waited for by ``reap``.
+
+        A drain takes over a second even with nothing pending (the daemon's DRAIN_GRACE), so a
+        test that does not need its daemons gone before it ends lets them drain in the background.
+        """
+        self.signal_all()
+        _STOPPING.append(self)
+        reap(block=False)
+
+
+_STOPPING: list[DaemonFactory] = []
+"""Factories whose daemons were sent SIGTERM and may still be draining."""
+
+
+def reap(block: bool = True) -> None:
+    """Wait for the daemons ``stop_all_later`` left draining (only those that have exited, unless ``block``)."""
+    for factory in list(_STOPPING):
+        if block or all(d.proc.poll() is not None for d in factory.started):
+            factory.stop_all()  # SIGTERM was sent: this waits (and kills one that hangs past its timeout)
+            _STOPPING.remove(factory)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reap(block=True)
+
 
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProc]]:
-    """Factory: start_daemon(**node_yaml_overrides) -> DaemonProc, stopped at teardown."""
+    """Factory: start_daemon(**node_yaml_overrides) -> DaemonProc, sent SIGTERM at teardown (see ``stop_all_later``)."""
     factory = DaemonFactory(tmp_path)
     yield factory.start
-    factory.stop_all()
+    factory.stop_all_later()
 
 
 @pytest.fixture
@@ -142,7 +176,7 @@ def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPr
     """One datastatesd for a whole module, for the many small cases that need no daemon of their own."""
     factory = DaemonFactory(tmp_path_factory.mktemp("shared"))
     yield factory.start()
-    factory.stop_all()
+    factory.stop_all_later()
 
 
 @pytest.fixture(scope="module")
