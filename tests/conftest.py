@@ -29,6 +29,18 @@ DATASTATESD = str(BIN / "datastatesd")
 DATASTATESCTL = str(BIN / "datastatesctl")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=os.environ.get("DATASTATES_LONG", "") not in ("", "0"),
+                     help="run the randomized and kill -9 loops at their full size (also: DATASTATES_LONG=1); "
+                          "without it they run at a smaller size, as `make test` does")
+
+
+@pytest.fixture(scope="session")
+def long_runs(pytestconfig: pytest.Config) -> bool:
+    """Whether the long randomized runs go at their full size (``--long``) or at the smaller default."""
+    return bool(pytestconfig.getoption("--long"))
+
+
 @dataclass
 class DaemonProc:
     """A running datastatesd: its endpoint, the root it may write, its config and log."""
