@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -198,6 +200,28 @@ def shared_client(shared_daemon: DaemonProc) -> Iterator[Any]:
     c = Client(shared_daemon.endpoint, timeout=60)
     yield c
     c.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "own_daemon: in a module whose tests share one daemon (shared_daemon_folder), "
+                                       "start a daemon of this test's own")
+
+
+@pytest.fixture
+def shared_daemon_folder(request: pytest.FixtureRequest) -> DaemonProc:
+    """The module's shared daemon, seen with a storage folder of this test's own as its ``root``.
+
+    For modules that override ``daemon`` with it: their tests need only a default daemon and
+    their own paths and tags (no whole-status counts, no failed snapshots, which ``datastatesctl
+    wait`` reports for the daemon's lifetime, no restart). A test marked ``own_daemon`` gets a
+    fresh daemon instead, as ``daemon`` gives elsewhere.
+    """
+    if request.node.get_closest_marker("own_daemon"):
+        return request.getfixturevalue("start_daemon")()
+    shared: DaemonProc = request.getfixturevalue("shared_daemon")
+    root = shared.root / re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")
+    root.mkdir()
+    return dataclasses.replace(shared, root=root)
 
 
 @pytest.fixture
