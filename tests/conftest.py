@@ -96,10 +96,26 @@ class DaemonFactory:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.started: list[DaemonProc] = []
+        self._spawned = 0
         self.sockdir = tempfile.mkdtemp(prefix="ds-")  # short: unix socket paths are limited to ~107 bytes
 
     def start(self, **overrides: Any) -> DaemonProc:
-        n = len(self.started)
+        (d,) = self.start_many(overrides)
+        return d
+
+    def start_many(self, *overrides: dict[str, Any]) -> list[DaemonProc]:
+        """One daemon per mapping of overrides, started side by side: their start-ups (mostly importing torch) overlap."""
+        spawned = [self._spawn(**o) for o in overrides]
+        started = [DaemonProc(endpoint=cfg["endpoint"], root=self.tmp / "ckpt", config=config, log=log, proc=proc)
+                   for cfg, config, log, proc in spawned]
+        self.started.extend(started)  # stopped at the end even if one of them fails to come up
+        for d in started:
+            wait_ready(d.endpoint, d.proc, d.log)
+        return started
+
+    def _spawn(self, **overrides: Any) -> tuple[dict[str, Any], Path, Path, subprocess.Popen]:
+        n = self._spawned
+        self._spawned += 1
         root = self.tmp / "ckpt"
         root.mkdir(exist_ok=True)
         cfg = {
@@ -114,10 +130,7 @@ class DaemonFactory:
         config.write_text(yaml.safe_dump(cfg))
         log = self.tmp / f"datastatesd{n}.log"
         proc = subprocess.Popen([DATASTATESD, "--node-config", str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT)
-        wait_ready(cfg["endpoint"], proc, log)
-        d = DaemonProc(endpoint=cfg["endpoint"], root=root, config=config, log=log, proc=proc)
-        self.started.append(d)
-        return d
+        return cfg, config, log, proc
 
     def signal_all(self) -> None:
         """SIGTERM to every daemon still running, all at once, so that their drains overlap."""
@@ -160,11 +173,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.fixture
-def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProc]]:
-    """Factory: start_daemon(**node_yaml_overrides) -> DaemonProc, sent SIGTERM at teardown (see ``stop_all_later``)."""
+def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
+    """The test's daemons, sent SIGTERM at teardown (see ``stop_all_later``)."""
     factory = DaemonFactory(tmp_path)
-    yield factory.start
+    yield factory
     factory.stop_all_later()
+
+
+@pytest.fixture
+def start_daemon(daemon_factory: DaemonFactory) -> Callable[..., DaemonProc]:
+    """Factory: start_daemon(**node_yaml_overrides) -> DaemonProc, stopped at teardown."""
+    return daemon_factory.start
+
+
+@pytest.fixture
+def start_daemons(daemon_factory: DaemonFactory) -> Callable[..., list[DaemonProc]]:
+    """Factory: start_daemons(overrides, overrides, ...) -> one DaemonProc per mapping, started side by side."""
+    return daemon_factory.start_many
 
 
 @pytest.fixture

@@ -185,8 +185,8 @@ def test_shutdown_drains_the_tier_copies(start_daemon: Callable[..., DaemonProc]
 
 
 def test_two_nodes_commit_per_node_on_local_tiers_and_together_on_the_shared_one(
-        start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
-    nodes = [start_daemon(**tiers_cfg(tmp_path, node=f"node{n}-")) for n in range(2)]
+        start_daemons: Callable[..., list[DaemonProc]], tmp_path: Path) -> None:
+    nodes = start_daemons(*(tiers_cfg(tmp_path, node=f"node{n}-") for n in range(2)))
     local = [tmp_path / f"node{n}-fast" / "run" for n in range(2)]
     slow = tmp_path / "pfs" / "run"
     states = [state(10 + r) for r in range(4)]
