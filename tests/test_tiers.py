@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,10 +43,22 @@ def state(step: int, numel: int = 1 << 16) -> dict[str, Any]:
 
 
 def settle(d: DaemonProc) -> dict[str, Any]:
-    """The daemon's status once no snapshot, commit or tier copy is pending (``datastatesctl wait``)."""
-    out = d.ctl("wait", "--timeout", "120")
-    assert out.returncode == 0, out.stderr
-    return daemon_status(d.endpoint)
+    """The daemon's status once no snapshot, commit or tier copy is pending, and no snapshot failed.
+
+    What ``datastatesctl wait`` waits for and checks, read in-process: a ctl process costs
+    seconds (it imports torch), and these tests settle many times.
+    """
+    deadline = time.monotonic() + 120  # a hang guard, as ``wait --timeout 120``
+    while True:
+        status = daemon_status(d.endpoint)
+        if not status["pending"] and not status["commits_pending"] and not status["tier_copies"]["pending"]:
+            break
+        assert time.monotonic() < deadline, f"still pending after 120 s: {status['pending']} snapshot(s), " \
+            f"{status['commits_pending']} commit(s), {status['tier_copies']['pending']} tier cop(ies)"
+        time.sleep(0.05)
+    failed = [s for s in status["snapshots"] if s["state"] == "failed"]
+    assert not failed, failed
+    return status
 
 
 def tier_states(status: dict[str, Any], tag: str) -> dict[str, str]:
