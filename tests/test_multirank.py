@@ -170,6 +170,7 @@ def test_a_node_that_dies_leaves_the_tag_uncommitted(start_daemons: Callable[...
             c0.commit("global_step2").result(timeout=120)
     finally:
         c0.close()
+        c1.timeout = 1  # its daemon is dead: no BYE reply will come, so do not wait the default 5 s for one
         c1.close(timeout=1)
     assert datastates.latest(n0.root) == "global_step1"
     assert not (n0.root / "global_step2" / marker_name("global_step2")).exists()
