@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -353,6 +354,31 @@ def run_datastatesd(*args: str, env: dict[str, str] | None = None, cwd: Path | N
         return subprocess.run([DATASTATESD, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"datastatesd {' '.join(args)} kept running (it should have refused to start): {exc.stderr}")
+
+
+def run_datastatesd_many(argvs: dict[str, list[str]], timeout: float = 60,
+                         workers: int = 4) -> dict[str, subprocess.CompletedProcess | subprocess.TimeoutExpired]:
+    """``run_datastatesd`` for many cases side by side (each start-up is mostly importing torch), by case.
+
+    A case whose daemon kept running gets its TimeoutExpired; ``refused_run`` fails that case's test.
+    """
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {case: pool.submit(subprocess.run, [DATASTATESD, *args], capture_output=True, text=True, timeout=timeout)
+                   for case, args in argvs.items()}
+    runs: dict[str, subprocess.CompletedProcess | subprocess.TimeoutExpired] = {}
+    for case, fut in futures.items():
+        try:
+            runs[case] = fut.result()
+        except subprocess.TimeoutExpired as exc:
+            runs[case] = exc
+    return runs
+
+
+def refused_run(run: subprocess.CompletedProcess | subprocess.TimeoutExpired) -> subprocess.CompletedProcess:
+    """A case of ``run_datastatesd_many``: fails the test if its daemon served instead of refusing to start."""
+    if isinstance(run, subprocess.TimeoutExpired):
+        pytest.fail(f"datastatesd {' '.join(map(str, run.cmd[1:]))} kept running (it should have refused to start): {run.stderr}")
+    return run
 
 
 class RawPeer:
