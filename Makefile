@@ -16,7 +16,7 @@ run: $(STAMP)
 	$(PY) examples/train.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra tests; rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -27,6 +30,18 @@ from datastates.protocol.version import PROTOCOL_VERSION
 BIN = Path(sys.executable).parent
 DATASTATESD = str(BIN / "datastatesd")
 DATASTATESCTL = str(BIN / "datastatesctl")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=os.environ.get("DATASTATES_LONG", "") not in ("", "0"),
+                     help="run the randomized and kill -9 loops at their full size (also: DATASTATES_LONG=1); "
+                          "without it they run at a smaller size, as `make test` does")
+
+
+@pytest.fixture(scope="session")
+def long_runs(pytestconfig: pytest.Config) -> bool:
+    """Whether the long randomized runs go at their full size (``--long``) or at the smaller default."""
+    return bool(pytestconfig.getoption("--long"))
 
 
 @dataclass
@@ -82,10 +97,26 @@ class DaemonFactory:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.started: list[DaemonProc] = []
+        self._spawned = 0
         self.sockdir = tempfile.mkdtemp(prefix="ds-")  # short: unix socket paths are limited to ~107 bytes
 
     def start(self, **overrides: Any) -> DaemonProc:
-        n = len(self.started)
+        (d,) = self.start_many(overrides)
+        return d
+
+    def start_many(self, *overrides: dict[str, Any]) -> list[DaemonProc]:
+        """One daemon per mapping of overrides, started side by side: their start-ups (mostly importing torch) overlap."""
+        spawned = [self._spawn(**o) for o in overrides]
+        started = [DaemonProc(endpoint=cfg["endpoint"], root=self.tmp / "ckpt", config=config, log=log, proc=proc)
+                   for cfg, config, log, proc in spawned]
+        self.started.extend(started)  # stopped at the end even if one of them fails to come up
+        for d in started:
+            wait_ready(d.endpoint, d.proc, d.log)
+        return started
+
+    def _spawn(self, **overrides: Any) -> tuple[dict[str, Any], Path, Path, subprocess.Popen]:
+        n = self._spawned
+        self._spawned += 1
         root = self.tmp / "ckpt"
         root.mkdir(exist_ok=True)
         cfg = {
@@ -100,23 +131,66 @@ class DaemonFactory:
         config.write_text(yaml.safe_dump(cfg))
         log = self.tmp / f"datastatesd{n}.log"
         proc = subprocess.Popen([DATASTATESD, "--node-config", str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT)
-        wait_ready(cfg["endpoint"], proc, log)
-        d = DaemonProc(endpoint=cfg["endpoint"], root=root, config=config, log=log, proc=proc)
-        self.started.append(d)
-        return d
+        return cfg, config, log, proc
+
+    def signal_all(self) -> None:
+        """SIGTERM to every daemon still running, all at once, so that their drains overlap."""
+        for d in self.started:
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
 
     def stop_all(self) -> None:
+        """Stop every daemon and wait until each has exited."""
+        self.signal_all()
         for d in self.started:
             d.stop()
         shutil.rmtree(self.sockdir, ignore_errors=True)
 
+    def stop_all_later(self) -> None:
+        """SIGTERM every daemon now; they exit during the next tests, and are waited for by ``reap``.
+
+        A drain takes over a second even with nothing pending (the daemon's DRAIN_GRACE), so a
+        test that does not need its daemons gone before it ends lets them drain in the background.
+        """
+        self.signal_all()
+        _STOPPING.append(self)
+        reap(block=False)
+
+
+_STOPPING: list[DaemonFactory] = []
+"""Factories whose daemons were sent SIGTERM and may still be draining."""
+
+
+def reap(block: bool = True) -> None:
+    """Wait for the daemons ``stop_all_later`` left draining (only those that have exited, unless ``block``)."""
+    for factory in list(_STOPPING):
+        if block or all(d.proc.poll() is not None for d in factory.started):
+            factory.stop_all()  # SIGTERM was sent: this waits (and kills one that hangs past its timeout)
+            _STOPPING.remove(factory)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reap(block=True)
+
 
 @pytest.fixture
-def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProc]]:
-    """Factory: start_daemon(**node_yaml_overrides) -> DaemonProc, stopped at teardown."""
+def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
+    """The test's daemons, sent SIGTERM at teardown (see ``stop_all_later``)."""
     factory = DaemonFactory(tmp_path)
-    yield factory.start
-    factory.stop_all()
+    yield factory
+    factory.stop_all_later()
+
+
+@pytest.fixture
+def start_daemon(daemon_factory: DaemonFactory) -> Callable[..., DaemonProc]:
+    """Factory: start_daemon(**node_yaml_overrides) -> DaemonProc, stopped at teardown."""
+    return daemon_factory.start
+
+
+@pytest.fixture
+def start_daemons(daemon_factory: DaemonFactory) -> Callable[..., list[DaemonProc]]:
+    """Factory: start_daemons(overrides, overrides, ...) -> one DaemonProc per mapping, started side by side."""
+    return daemon_factory.start_many
 
 
 @pytest.fixture
@@ -142,7 +216,7 @@ def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPr
     """One datastatesd for a whole module, for the many small cases that need no daemon of their own."""
     factory = DaemonFactory(tmp_path_factory.mktemp("shared"))
     yield factory.start()
-    factory.stop_all()
+    factory.stop_all_later()
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +226,28 @@ def shared_client(shared_daemon: DaemonProc) -> Iterator[Any]:
     c = Client(shared_daemon.endpoint, timeout=60)
     yield c
     c.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "own_daemon: in a module whose tests share one daemon (shared_daemon_folder), "
+                                       "start a daemon of this test's own")
+
+
+@pytest.fixture
+def shared_daemon_folder(request: pytest.FixtureRequest) -> DaemonProc:
+    """The module's shared daemon, seen with a storage folder of this test's own as its ``root``.
+
+    For modules that override ``daemon`` with it: their tests need only a default daemon and
+    their own paths and tags (no whole-status counts, no failed snapshots, which ``datastatesctl
+    wait`` reports for the daemon's lifetime, no restart). A test marked ``own_daemon`` gets a
+    fresh daemon instead, as ``daemon`` gives elsewhere.
+    """
+    if request.node.get_closest_marker("own_daemon"):
+        return request.getfixturevalue("start_daemon")()
+    shared: DaemonProc = request.getfixturevalue("shared_daemon")
+    root = shared.root / re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")
+    root.mkdir()
+    return dataclasses.replace(shared, root=root)
 
 
 @pytest.fixture
@@ -258,6 +354,31 @@ def run_datastatesd(*args: str, env: dict[str, str] | None = None, cwd: Path | N
         return subprocess.run([DATASTATESD, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"datastatesd {' '.join(args)} kept running (it should have refused to start): {exc.stderr}")
+
+
+def run_datastatesd_many(argvs: dict[str, list[str]], timeout: float = 60,
+                         workers: int = 4) -> dict[str, subprocess.CompletedProcess | subprocess.TimeoutExpired]:
+    """``run_datastatesd`` for many cases side by side (each start-up is mostly importing torch), by case.
+
+    A case whose daemon kept running gets its TimeoutExpired; ``refused_run`` fails that case's test.
+    """
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {case: pool.submit(subprocess.run, [DATASTATESD, *args], capture_output=True, text=True, timeout=timeout)
+                   for case, args in argvs.items()}
+    runs: dict[str, subprocess.CompletedProcess | subprocess.TimeoutExpired] = {}
+    for case, fut in futures.items():
+        try:
+            runs[case] = fut.result()
+        except subprocess.TimeoutExpired as exc:
+            runs[case] = exc
+    return runs
+
+
+def refused_run(run: subprocess.CompletedProcess | subprocess.TimeoutExpired) -> subprocess.CompletedProcess:
+    """A case of ``run_datastatesd_many``: fails the test if its daemon served instead of refusing to start."""
+    if isinstance(run, subprocess.TimeoutExpired):
+        pytest.fail(f"datastatesd {' '.join(map(str, run.cmd[1:]))} kept running (it should have refused to start): {run.stderr}")
+    return run
 
 
 class RawPeer:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -117,16 +120,37 @@ def test_second_daemon_on_the_same_endpoint_refuses(daemon: DaemonProc) -> None:
     assert status.returncode == 0 and json.loads(status.stdout)["daemon"]["pid"] == daemon.proc.pid
 
 
-@pytest.mark.parametrize("command", [["status"], ["status", "--json"], ["wait", "--timeout", "5"], ["shutdown"]],
-                         ids=["status", "status-json", "wait", "shutdown"])
-def test_ctl_without_a_daemon(short_tmp: Path, command: list[str]) -> None:
+CTL_COMMANDS = {"status": ["status"], "status-json": ["status", "--json"], "wait": ["wait", "--timeout", "5"],
+                "shutdown": ["shutdown"]}
+
+
+@pytest.fixture(scope="module")
+def ctl_without_a_daemon_runs() -> Iterator[dict[str, tuple[str, Any]]]:
+    """Every ctl command against an endpoint nobody serves, two at a time (each mostly waits): (endpoint, run) by id."""
+    folder = Path(tempfile.mkdtemp(prefix="ds-"))
+    endpoints = {case: f"ipc://{folder}/{case}/nobody.sock" for case in CTL_COMMANDS}
+    for case in CTL_COMMANDS:
+        (folder / case).mkdir()
+
+    def run(case: str) -> Any:
+        try:
+            return subprocess.run([DATASTATESCTL, "--endpoint", endpoints[case], "--connect-timeout", "1", *CTL_COMMANDS[case]],
+                                  capture_output=True, text=True, timeout=15)
+        except subprocess.TimeoutExpired as exc:
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip(CTL_COMMANDS, pool.map(run, CTL_COMMANDS)))
+    yield {case: (endpoints[case], runs[case]) for case in CTL_COMMANDS}
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("case", list(CTL_COMMANDS))
+def test_ctl_without_a_daemon(ctl_without_a_daemon_runs: dict[str, tuple[str, Any]], case: str) -> None:
     """Every ctl command against an endpoint nobody serves exits non-zero within its connect timeout and says why."""
-    endpoint = f"ipc://{short_tmp}/nobody.sock"
-    try:
-        run = subprocess.run([DATASTATESCTL, "--endpoint", endpoint, "--connect-timeout", "1", *command],
-                             capture_output=True, text=True, timeout=15)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"datastatesctl {' '.join(command)} hung against {endpoint}, where no daemon runs, "
+    endpoint, run = ctl_without_a_daemon_runs[case]
+    if isinstance(run, subprocess.TimeoutExpired):
+        pytest.fail(f"datastatesctl {' '.join(CTL_COMMANDS[case])} hung against {endpoint}, where no daemon runs, "
                     "despite --connect-timeout 1")
     assert run.returncode != 0
     assert "no reply from datastatesd" in run.stderr and endpoint in run.stderr, run.stderr

@@ -17,6 +17,12 @@ from datastates.protocol.format import marker_name
 from conftest import DaemonProc, assert_state_equal, save, temp_files
 
 
+@pytest.fixture
+def daemon(shared_daemon_folder: DaemonProc) -> DaemonProc:
+    """One daemon for the module, a storage folder per test (``own_daemon`` tests get their own daemon)."""
+    return shared_daemon_folder
+
+
 def shard(seed: int, mb: int = 2) -> dict[str, Any]:
     """A few MiB of state, so several snapshots are still being copied while the next ones arrive."""
     g = torch.Generator().manual_seed(seed)
@@ -135,6 +141,7 @@ def unwritable_path(root: Path) -> Path:
     return root / "not_a_folder" / "model_states.pt"
 
 
+@pytest.mark.own_daemon  # counts the daemon's snapshots, and leaves a failed one in its status
 def test_failed_snapshot_is_reported_everywhere(client: Client, daemon: DaemonProc) -> None:
     """An unwritable snapshot fails loudly: wait(), commit(), status and `ctl wait` name the file; no marker appears."""
     path = unwritable_path(daemon.root)
@@ -154,6 +161,7 @@ def test_failed_snapshot_is_reported_everywhere(client: Client, daemon: DaemonPr
     assert temp_files(daemon.root) == []
 
 
+@pytest.mark.own_daemon  # a failed snapshot stays in the daemon's status, and its `ctl wait`
 def test_trainer_can_checkpoint_again_after_a_failed_snapshot(client: Client, daemon: DaemonProc) -> None:
     """One failed checkpoint (a full disk, a bad path) must not poison the client: the next snapshot, wait and commit succeed."""
     client.snapshot(shard(1, 1), unwritable_path(daemon.root), tag="global_step8")

@@ -127,13 +127,14 @@ def test_no_rank_starves_another(start_daemon: Callable[..., DaemonProc]) -> Non
             fut.result(timeout=300)
 
 
-def two_nodes(start_daemon: Callable[..., DaemonProc], **cfg: object) -> tuple[DaemonProc, DaemonProc]:
-    """Two daemons, as on two nodes: own endpoints, one shared root."""
-    return start_daemon(**cfg), start_daemon(**cfg)
+def two_nodes(start_daemons: Callable[..., list[DaemonProc]], **cfg: object) -> tuple[DaemonProc, DaemonProc]:
+    """Two daemons, as on two nodes: own endpoints, one shared root (started side by side)."""
+    n0, n1 = start_daemons(cfg, cfg)
+    return n0, n1
 
 
-def test_two_nodes_commit_through_the_shared_root(start_daemon: Callable[..., DaemonProc]) -> None:
-    n0, n1 = two_nodes(start_daemon)
+def test_two_nodes_commit_through_the_shared_root(start_daemons: Callable[..., list[DaemonProc]]) -> None:
+    n0, n1 = two_nodes(start_daemons)
     states = [{"w": torch.randn(100), "rank": r} for r in range(4)]
     clients = [rank_client(n0 if r < 2 else n1, r, 4, 2, 2) for r in range(4)]
     try:
@@ -153,8 +154,8 @@ def test_two_nodes_commit_through_the_shared_root(start_daemon: Callable[..., Da
         assert_state_equal(states[r], datastates.load(n0.root / "global_step3" / f"rank{r}.pt"))
 
 
-def test_a_node_that_dies_leaves_the_tag_uncommitted(start_daemon: Callable[..., DaemonProc]) -> None:
-    n0, n1 = two_nodes(start_daemon, commit_timeout=3)
+def test_a_node_that_dies_leaves_the_tag_uncommitted(start_daemons: Callable[..., list[DaemonProc]]) -> None:
+    n0, n1 = two_nodes(start_daemons, commit_timeout=3)
     with Client(n0.endpoint, timeout=60) as solo:
         save(solo, {"w": torch.zeros(3)}, n0.root / "global_step1" / "model.pt")
     c0, c1 = rank_client(n0, 0, 2, 1, 2), rank_client(n1, 1, 2, 1, 2)
@@ -169,6 +170,7 @@ def test_a_node_that_dies_leaves_the_tag_uncommitted(start_daemon: Callable[...,
             c0.commit("global_step2").result(timeout=120)
     finally:
         c0.close()
+        c1.timeout = 1  # its daemon is dead: no BYE reply will come, so do not wait the default 5 s for one
         c1.close(timeout=1)
     assert datastates.latest(n0.root) == "global_step1"
     assert not (n0.root / "global_step2" / marker_name("global_step2")).exists()
@@ -180,8 +182,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_two_nodes_two_ranks_each(start_daemon: Callable[..., DaemonProc]) -> None:
-    n0, n1 = two_nodes(start_daemon)
+def test_torchrun_two_nodes_two_ranks_each(start_daemons: Callable[..., list[DaemonProc]]) -> None:
+    n0, n1 = two_nodes(start_daemons)
     port = free_port()
     procs = []
     for node, d in enumerate((n0, n1)):

@@ -12,6 +12,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,7 +34,8 @@ from datastates.protocol.errors import (
 from datastates.protocol.format import PREAMBLE, PREAMBLE_SIZE, data_offset, parse_header, parse_preamble
 from datastates.protocol.version import PROTOCOL_VERSION
 
-from conftest import DATASTATESCTL, DATASTATESD, DaemonProc, RawPeer, assert_state_equal, run_datastatesd, save, wait_ready
+from conftest import (DATASTATESCTL, DATASTATESD, DaemonProc, RawPeer, assert_state_equal, refused_run, run_datastatesd,
+                      run_datastatesd_many, save, wait_ready)
 
 # -- (a) the wire ------------------------------------------------------------------------
 
@@ -295,22 +297,36 @@ def _write_config(tmp_path: Path, short_tmp: Path, **overrides: Any) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    ("overrides", "names"),
-    [
-        pytest.param({"flush_thread": 4}, ["flush_thread"], id="unknown-key"),
-        pytest.param({"storage": {"roots": ["/tmp"], "mirror": "/x"}}, ["mirror"], id="unknown-storage-key"),
-        pytest.param({"host_memory": "lots"}, ["host_memory", "lots"], id="host-memory-not-a-size"),
-        pytest.param({"flush_threads": 0}, ["flush_threads"], id="zero-flush-threads"),
-        pytest.param({"storage": {"roots": ["relative/ckpt"]}}, ["storage.roots", "relative/ckpt"], id="relative-root"),
-        pytest.param({"chunk_size": "1000"}, ["chunk_size"], id="chunk-not-aligned"),
-        pytest.param({"host_memory": "1MiB", "chunk_size": "4MiB"}, ["host_memory"], id="budget-below-one-chunk"),
-    ],
-)
-def test_bad_config_stops_the_daemon(tmp_path: Path, short_tmp: Path, overrides: dict[str, Any], names: list[str]) -> None:
+BAD_CONFIGS: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "unknown-key": ({"flush_thread": 4}, ["flush_thread"]),
+    "unknown-storage-key": ({"storage": {"roots": ["/tmp"], "mirror": "/x"}}, ["mirror"]),
+    "host-memory-not-a-size": ({"host_memory": "lots"}, ["host_memory", "lots"]),
+    "zero-flush-threads": ({"flush_threads": 0}, ["flush_threads"]),
+    "relative-root": ({"storage": {"roots": ["relative/ckpt"]}}, ["storage.roots", "relative/ckpt"]),
+    "chunk-not-aligned": ({"chunk_size": "1000"}, ["chunk_size"]),
+    "budget-below-one-chunk": ({"host_memory": "1MiB", "chunk_size": "4MiB"}, ["host_memory"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_config_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Any]]]:
+    """datastatesd run on every bad config, side by side: (the config, the run) by case."""
+    short = Path(tempfile.mkdtemp(prefix="ds-"))
+    configs = {}
+    for case, (overrides, _names) in BAD_CONFIGS.items():
+        (short / case).mkdir()
+        configs[case] = _write_config(tmp_path_factory.mktemp(case), short / case, **overrides)
+    runs = run_datastatesd_many({case: ["--node-config", str(config)] for case, config in configs.items()}, timeout=30)
+    yield {case: (configs[case], runs[case]) for case in BAD_CONFIGS}
+    shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_config_stops_the_daemon(bad_config_runs: dict[str, tuple[Path, Any]], case: str) -> None:
     """datastatesd refuses to start, exits non-zero, and names the offending key and value."""
-    config = _write_config(tmp_path, short_tmp, **overrides)
-    run = run_datastatesd("--node-config", str(config), timeout=30)
+    _overrides, names = BAD_CONFIGS[case]
+    config, run = bad_config_runs[case]
+    run = refused_run(run)
     assert run.returncode != 0
     for name in names:
         assert name in run.stderr, run.stderr

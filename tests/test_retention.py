@@ -20,6 +20,12 @@ from datastates.client import Client
 from conftest import DaemonProc, assert_state_equal, save
 
 
+@pytest.fixture
+def daemon(shared_daemon_folder: DaemonProc) -> DaemonProc:
+    """One daemon for the module, a storage folder per test (``own_daemon`` tests get their own daemon)."""
+    return shared_daemon_folder
+
+
 def state(step: int) -> dict:
     torch.manual_seed(step)
     return {"model": {"w": torch.randn(64, 32), "b": torch.randn(32).to(torch.bfloat16)},
@@ -65,8 +71,8 @@ def test_ls_shows_state_size_and_the_daemons_memory_copy(start_daemon: Callable[
     assert f"{size / 1024:.1f} KiB" in " ".join(rows["step2"])
 
 
-def test_prune_deletes_only_older_committed_tags(start_daemon: Callable[..., DaemonProc]) -> None:
-    d = start_daemon()
+def test_prune_deletes_only_older_committed_tags(daemon: DaemonProc) -> None:
+    d = daemon
     checkpoint(d, range(1, 4))
     checkpoint(d, range(4, 5), commit=False)
     dry = d.ctl("prune", str(d.root), "--keep-last", "1", "--dry-run")
@@ -80,8 +86,8 @@ def test_prune_deletes_only_older_committed_tags(start_daemon: Callable[..., Dae
     assert tags(d.root) == ["step3", "step4"]
 
 
-def test_convert_to_torch_and_safetensors(start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
-    d = start_daemon()
+def test_convert_to_torch_and_safetensors(daemon: DaemonProc, tmp_path: Path) -> None:
+    d = daemon
     checkpoint(d, range(1, 2))
     out = d.ctl("convert", str(d.root / "step1"), "--to", "torch", "--out", str(tmp_path / "pt"))
     assert out.returncode == 0, out.stderr
@@ -98,8 +104,8 @@ def test_convert_to_torch_and_safetensors(start_daemon: Callable[..., DaemonProc
 
 
 @pytest.mark.parametrize("to", ["torch", "safetensors"])
-def test_convert_refuses_an_uncommitted_tag(start_daemon: Callable[..., DaemonProc], tmp_path: Path, to: str) -> None:
-    d = start_daemon()
+def test_convert_refuses_an_uncommitted_tag(daemon: DaemonProc, tmp_path: Path, to: str) -> None:
+    d = daemon
     checkpoint(d, range(1, 2), commit=False)
     out = d.ctl("convert", str(d.root / "step1"), "--to", to, "--out", str(tmp_path / "x"))
     assert out.returncode == 2 and "no committed tag 'step1'" in out.stderr

@@ -26,6 +26,12 @@ from datastates.client import Client
 
 from conftest import DaemonProc, assert_state_equal, assert_tensor_bitwise, same_storage, temp_files
 
+
+@pytest.fixture
+def daemon(shared_daemon_folder: DaemonProc) -> DaemonProc:
+    """One daemon for the module, a storage folder per test (``own_daemon`` tests get their own daemon)."""
+    return shared_daemon_folder
+
 VOCAB, DIM, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
 
 

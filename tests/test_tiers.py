@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,10 +43,22 @@ def state(step: int, numel: int = 1 << 16) -> dict[str, Any]:
 
 
 def settle(d: DaemonProc) -> dict[str, Any]:
-    """The daemon's status once no snapshot, commit or tier transfer is pending (``datastatesctl wait``)."""
-    out = d.ctl("wait", "--timeout", "120")
-    assert out.returncode == 0, out.stderr
-    return daemon_status(d.endpoint)
+    """The daemon's status once no snapshot, commit or tier transfer is pending, and no snapshot failed.
+
+    What ``datastatesctl wait`` waits for and checks, read in-process: a ctl process costs
+    seconds (it imports torch), and these tests settle many times.
+    """
+    deadline = time.monotonic() + 120  # a hang guard, as ``wait --timeout 120``
+    while True:
+        status = daemon_status(d.endpoint)
+        if not status["pending"] and not status["commits_pending"] and not status["tier_transfers"]["pending"]:
+            break
+        assert time.monotonic() < deadline, f"still pending after 120 s: {status['pending']} snapshot(s), " \
+            f"{status['commits_pending']} commit(s), {status['tier_transfers']['pending']} tier transfer(s)"
+        time.sleep(0.05)
+    failed = [s for s in status["snapshots"] if s["state"] == "failed"]
+    assert not failed, failed
+    return status
 
 
 def tier_states(status: dict[str, Any], tag: str) -> dict[str, str]:
@@ -185,8 +198,8 @@ def test_shutdown_drains_the_tier_transfers(start_daemon: Callable[..., DaemonPr
 
 
 def test_two_nodes_commit_per_node_on_local_tiers_and_together_on_the_shared_one(
-        start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
-    nodes = [start_daemon(**tiers_cfg(tmp_path, node=f"node{n}-")) for n in range(2)]
+        start_daemons: Callable[..., list[DaemonProc]], tmp_path: Path) -> None:
+    nodes = start_daemons(*(tiers_cfg(tmp_path, node=f"node{n}-") for n in range(2)))
     local = [tmp_path / f"node{n}-fast" / "run" for n in range(2)]
     slow = tmp_path / "pfs" / "run"
     states = [state(10 + r) for r in range(4)]

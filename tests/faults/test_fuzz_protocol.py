@@ -1,8 +1,8 @@
 """A protocol fuzzer: random and mutated frames get an ERROR reply, never a crash or silence.
 
-Thousands of cases go to one real daemon over a raw DEALER: garbage bytes, wrong frame
-counts, wrong versions, unknown types, and SNAPSHOT bodies with bogus handles, huge
-sizes and segments that do not exist. After every case the daemon must have answered; no
+Thousands of cases (with ``--long``; 1,200 by default) go to one real daemon over a raw
+DEALER: garbage bytes, wrong frame counts, wrong versions, unknown types, and SNAPSHOT bodies
+with bogus handles, huge sizes and segments that do not exist. After every case the daemon must have answered; no
 case may hit the ``internal`` boundary (that would be a bug); a well-behaved client is
 served correctly before, during and after.
 """
@@ -23,8 +23,15 @@ from datastates.protocol.version import PROTOCOL_VERSION
 
 from conftest import DaemonProc, RawPeer, assert_state_equal, save
 
-CASES = 1500  # per test; four tests, so 6,000 cases in all
-FUZZ = settings(max_examples=CASES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+CASES = 1500  # per test with --long; four tests, so 6,000 cases in all
+SHORT_CASES = 300  # per test by default (and in `make test`): the first cases of the same derandomized sequence
+
+
+@pytest.fixture
+def FUZZ(long_runs: bool) -> settings:
+    return settings(max_examples=CASES if long_runs else SHORT_CASES, deadline=None,
+                    suppress_health_check=list(HealthCheck), derandomize=True)
+
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
                     st.text(max_size=40), st.binary(max_size=64))
@@ -86,7 +93,7 @@ def peer(shared_daemon: DaemonProc, request: pytest.FixtureRequest) -> Iterator[
     still_serves(shared_daemon, request.node.name)
 
 
-def test_garbage_frames(peer: RawPeer) -> None:
+def test_garbage_frames(peer: RawPeer, FUZZ: settings) -> None:
     @FUZZ
     @given(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
     def case(frames: list[bytes]) -> None:
@@ -95,7 +102,7 @@ def test_garbage_frames(peer: RawPeer) -> None:
     case()
 
 
-def test_headers_of_every_shape(peer: RawPeer) -> None:
+def test_headers_of_every_shape(peer: RawPeer, FUZZ: settings) -> None:
     @FUZZ
     @given(st.integers(-5, 5) | st.just(PROTOCOL_VERSION) | values, types, values, values)
     def case(version: Any, type_: Any, msg_id: Any, body: Any) -> None:
@@ -104,7 +111,7 @@ def test_headers_of_every_shape(peer: RawPeer) -> None:
     case()
 
 
-def test_snapshot_bodies_from_a_known_client(peer: RawPeer, shared_daemon: DaemonProc) -> None:
+def test_snapshot_bodies_from_a_known_client(peer: RawPeer, shared_daemon: DaemonProc, FUZZ: settings) -> None:
     """Past HELLO, so the cases reach path checks, providers and shared-memory opening."""
     call(peer, "hello", {"pid": 1, "name": "fuzz"})
     ids = iter(range(2, 10**9))
@@ -119,7 +126,7 @@ def test_snapshot_bodies_from_a_known_client(peer: RawPeer, shared_daemon: Daemo
     case()
 
 
-def test_wait_and_commit_bodies(peer: RawPeer) -> None:
+def test_wait_and_commit_bodies(peer: RawPeer, FUZZ: settings) -> None:
     call(peer, "hello", {"pid": 1, "name": "fuzz"})
 
     @FUZZ

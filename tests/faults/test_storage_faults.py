@@ -30,7 +30,7 @@ import datastates
 from datastates.client import Client
 from datastates.protocol.errors import CommitError, SnapshotFailedError
 
-from conftest import DATASTATESCTL, DaemonProc, assert_state_equal, read_only, save, sh, temp_files
+from conftest import DATASTATESCTL, DaemonFactory, DaemonProc, assert_state_equal, read_only, save, sh, temp_files
 
 MiB = 1 << 20
 FS_SIZE = 48 * MiB
@@ -73,13 +73,15 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-def fs_daemon(small_fs: Path, start_daemon: Callable[..., DaemonProc]) -> Callable[..., DaemonProc]:
-    """Factory: a daemon whose only root is on the small file system (stopped before it is unmounted)."""
+def fs_daemon(small_fs: Path, tmp_path: Path) -> Iterator[Callable[..., DaemonProc]]:
+    """Factory: a daemon whose only root is on the small file system (stopped, and waited for, before it is unmounted)."""
+    factory = DaemonFactory(tmp_path)
 
     def start(**overrides: Any) -> DaemonProc:
-        return start_daemon(storage={"roots": [str(small_fs)]}, **overrides)
+        return factory.start(storage={"roots": [str(small_fs)]}, **overrides)
 
-    return start
+    yield start
+    factory.stop_all()
 
 
 @contextlib.contextmanager

@@ -5,11 +5,18 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from datastates.client import Client
 
 from conftest import DATASTATESCTL, DaemonProc, save
+
+
+@pytest.fixture
+def daemon(shared_daemon_folder: DaemonProc) -> DaemonProc:
+    """One daemon for the module, a storage folder per test (``own_daemon`` tests get their own daemon)."""
+    return shared_daemon_folder
 
 
 def ctl_verify(*args: str) -> subprocess.CompletedProcess:

@@ -26,6 +26,12 @@ from datastates.protocol.errors import CommitError, InvalidRequestError  # noqa:
 
 from conftest import DaemonProc, assert_state_equal  # noqa: E402
 
+
+@pytest.fixture
+def daemon(shared_daemon_folder: DaemonProc) -> DaemonProc:
+    """One daemon for the module, a storage folder per test (``own_daemon`` tests get their own daemon)."""
+    return shared_daemon_folder
+
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
