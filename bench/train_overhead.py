@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import datastatesd, median, state_bytes, wait_pool_mapped
 from datastates.client import Client
-from datastates.client.reader import latest
+from datastates.client.locate import latest
 
 MODES = ("none", "datastates", "dcp")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is what we want

@@ -10,6 +10,10 @@ __all__ = ["Client", "Restored", "SnapshotHandle", "daemon_status"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "daemon_status":  # no torch: datastatesctl and job scripts only ask the daemon
+        from .connection import daemon_status
+
+        return daemon_status
     if name in __all__:
         from . import client
 

@@ -25,7 +25,7 @@ from datastates.protocol.liveness import pid_namespace
 from datastates.protocol.paths import check_path
 
 from .capture import Capture, capture
-from .connection import DEFAULT_LIVENESS, Connection
+from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
 from .locate import locate
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
@@ -76,15 +76,6 @@ def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
-
-
-def daemon_status(endpoint: str | None = None, timeout: float = 5.0) -> dict[str, Any]:
-    """The daemon's status, without registering as a client; DaemonUnavailable if none answers."""
-    conn = Connection(resolve_endpoint(endpoint))
-    try:
-        return conn.call(m.Status(), timeout).status
-    finally:
-        conn.close()
 
 
 class Client:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import zmq
 
 from datastates.protocol import messages as m
+from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, error_from_code
 from datastates.protocol.security import secure_client
 
@@ -106,7 +107,7 @@ class Connection:
                 if sock is self._inbox:
                     frames = self._inbox.recv_multipart(copy=False)
                     if len(frames) == 1 and frames[0].bytes == _STOP:
-                        self._dealer.close()
+                        self._dealer.close(linger=0 if self.lost else None)  # nobody to deliver a BYE to
                         self._inbox.close()
                         return
                     self._send(frames)
@@ -194,3 +195,11 @@ def _fail(pending: dict[int, Future], error: Callable[[], DaemonUnavailable]) ->
         if not fut.done():
             fut.set_exception(error())
 
+
+def daemon_status(endpoint: str | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    """The daemon's status, without registering as a client; DaemonUnavailable if none answers."""
+    conn = Connection(resolve_endpoint(endpoint))
+    try:
+        return conn.call(m.Status(), timeout).status
+    finally:
+        conn.close()

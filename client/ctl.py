@@ -19,10 +19,7 @@ from datastates.protocol.tags import marker_paths
 
 from .catalog import list_tags
 from .locate import tier_roots
-from .client import daemon_status
-from .connection import Connection
-from .convert import FORMATS, convert_tag
-from .reader import verify
+from .connection import Connection, daemon_status
 
 POLL_S = 0.2
 
@@ -110,6 +107,8 @@ def _tag_files(target: str, root: str) -> list[str]:
 
 
 def _verify(target: str, root: str) -> int:
+    from .reader import verify  # torch: only the commands that read checkpoints pay for it
+
     failures = 0
     for path in _tag_files(target, root):
         try:
@@ -163,6 +162,8 @@ def _prune(root: str, keep_last: int, dry_run: bool) -> int:
 
 
 def _convert(folder: str, to: str, out: str) -> int:
+    from .convert import convert_tag  # torch: only the commands that read checkpoints pay for it
+
     for path in convert_tag(folder, to, out):
         print(f"wrote {path}")
     return 0
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p_prune.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     p_convert = sub.add_parser("convert", help="write a committed tag as plain torch.save or safetensors files")
     p_convert.add_argument("tag", help="the tag's folder")
-    p_convert.add_argument("--to", required=True, choices=FORMATS)
+    p_convert.add_argument("--to", required=True, help="torch or safetensors (an unknown format is refused)")
     p_convert.add_argument("--out", required=True, help="the folder to write into")
     args = parser.parse_args(argv)
 

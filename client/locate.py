@@ -31,6 +31,12 @@ class Located:
     """The tag's folder on the first tier (or under ``root``): where snapshots were written, and the daemon's replica is of."""
 
 
+def latest(root: str | os.PathLike) -> str | None:
+    """The newest tag under ``root`` (in it or one folder down) with a valid commit marker."""
+    best = newest(os.fspath(root))
+    return best.tag if best else None
+
+
 def tier_roots(root: str, tiers: list[Tier]) -> list[tuple[Tier | None, str]]:
     """``root`` as it lies on each tier, fastest first; just ``root`` if it is in no tier."""
     real = os.path.realpath(root)

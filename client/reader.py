@@ -1,4 +1,4 @@
-"""Reading checkpoints back: ``load`` a file, bitwise, and find the ``latest`` committed tag."""
+"""Reading checkpoints back: ``load`` a file, bitwise (``latest`` is in client/locate.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from datastates.protocol.format import (
     segments,
 )
 from datastates.protocol.providers import get_provider
-from datastates.protocol.tags import newest
 
 MapLocation = str | torch.device | None
 
@@ -209,8 +208,3 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
         ctx.storage(index)
     return len(header.entries), header.data_len
 
-
-def latest(root: str | os.PathLike) -> str | None:
-    """The newest tag under ``root`` (in it or one folder down) with a valid commit marker."""
-    best = newest(os.fspath(root))
-    return best.tag if best else None

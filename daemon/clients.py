@@ -169,5 +169,8 @@ class ClientRegistry:
                 log.warning("client %s (%s, pid %d) %s without BYE: taken as gone (%s)", record.id, record.name,
                             record.pid, how, ", ".join(f"{k} {v}" for k, v in facts.items()))
 
+    def connected(self) -> int:
+        return len(self._by_identity)
+
     def status(self) -> list[dict[str, Any]]:
         return [c.status() for c in self._by_identity.values()]

@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 
-import torch
 import uvloop
 import zmq
 import zmq.asyncio
@@ -20,7 +19,6 @@ from datastates.protocol.errors import ConfigError, DatastatesError
 from datastates.protocol.security import is_tcp, secure_server
 
 from . import config
-from .server import Daemon
 
 log = logging.getLogger("datastatesd")
 
@@ -63,6 +61,8 @@ def _prepare_endpoint(endpoint: str) -> int:
 
 
 async def _serve(cfg: config.NodeConfig) -> None:
+    from .server import Daemon  # torch, seconds to import: after the config is known to be good
+
     daemon = Daemon(cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     except DatastatesError as exc:
         print(f"datastatesd: error: {exc.message}", file=sys.stderr)
         return 2
+    import torch  # after the config check, so a bad config is refused at once
+
     torch.set_num_threads(1)  # parallelism comes from copy_threads, not from intra-op threads
     try:
         uvloop.run(_serve(cfg))

@@ -297,7 +297,8 @@ class Daemon:
             self.draining = True
             self._refuse_after = time.monotonic() + DRAIN_GRACE
             log.info("draining: %d snapshot(s) pending", len(self.jobs.pending()))
-            await asyncio.sleep(DRAIN_GRACE)
+            if self.clients.connected():  # with no client, no snapshot can be on its way
+                await asyncio.sleep(DRAIN_GRACE)
         while True:
             pending = [j.durable for j in self.jobs.pending()]
             if pending:

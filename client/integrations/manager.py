@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from datastates.client.client import Client
-from datastates.client.reader import latest, load
+from datastates.client.locate import latest
+from datastates.client.reader import load
 from datastates.protocol.retention import prune
 from datastates.protocol.errors import CommitError, InvalidRequestError, SnapshotSkippedError, WaitTimeout
 
