@@ -169,6 +169,10 @@ class ClientRegistry:
                 log.warning("client %s (%s, pid %d) %s without BYE: taken as gone (%s)", record.id, record.name,
                             record.pid, how, ", ".join(f"{k} {v}" for k, v in facts.items()))
 
+    def alive(self, client_id: str, timeout: float) -> bool:
+        """Whether client ``client_id`` is registered and not (yet seen) gone."""
+        return any(c.id == client_id and not c.gone(timeout) for c in list(self._by_identity.values()))
+
     def connected(self) -> int:
         return len(self._by_identity)
 

@@ -20,7 +20,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Ranks
@@ -162,10 +162,13 @@ class CommitLedger:
     def subscribe(self, listener: CommitListener) -> None:
         self._listeners.append(listener)
 
-    def check_owner(self, path: str, client_id: str) -> None:
-        """Refuse ``path`` while another client's uncommitted snapshot of it is open: one of the two states would be lost."""
+    def check_owner(self, path: str, client_id: str, alive: Callable[[str], bool]) -> None:
+        """Refuse ``path`` while a live client's uncommitted snapshot of it is open: one of the two states would be lost.
+
+        A client that is gone (a killed trainer whose restart saves the same step) holds nothing.
+        """
         for (other, tag), jobs in list(self._open.items()):
-            if other != client_id and any(j.path == path for j in jobs):
+            if other != client_id and any(j.path == path for j in jobs) and alive(other):
                 raise PathNotAllowedError(f"path {path!r} refused: client {other} is saving it for tag {tag!r}, not yet "
                                           "committed; two clients must not write one file", path=path)
 

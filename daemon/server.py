@@ -173,7 +173,7 @@ class Daemon:
             path = check_path(body.path, roots)
             written = self.versions.place(path, body.tag, tag_folder(body.tag, {path: 0}, roots),
                                           versioned=client.ranks.num_nodes == 1)
-            self.ledger.check_owner(written, client.id)
+            self.ledger.check_owner(written, client.id, lambda other: self.clients.alive(other, self.cfg.client_timeout))
             plan = plan_snapshot(body, written, self.cfg.chunk_size)
             return plan, path, client.regions_for(path, body.sources)
 

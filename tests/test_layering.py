@@ -33,6 +33,12 @@ def test_import_datastates_loads_no_daemon_zmq_or_yaml() -> None:
     assert _loaded_after("import datastates") == []
 
 
+def test_import_datastates_and_latest_load_no_torch_either() -> None:
+    """Job scripts and ``datastatesctl status`` ask for the newest tag in milliseconds, not after torch's import."""
+    code = "import sys, datastates\ndatastates.latest('/nonexistent')\nassert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_load_and_latest_of_a_real_checkpoint_load_no_daemon_zmq_or_yaml(
         shared_client, shared_daemon: DaemonProc) -> None:  # noqa: ANN001
     state = {"w": torch.arange(1000, dtype=torch.float32), "step": 7}

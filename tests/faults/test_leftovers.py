@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -29,7 +30,9 @@ SLOW = {"host_memory": "2MiB", "chunk_size": "1MiB", "flush_threads": 1, "direct
 
 
 def replica_folders() -> set[str]:
-    return set(glob.glob(f"/dev/shm/datastates-{os.geteuid()}-*"))
+    """Daemons' replica folders (an owner tag of 16 hex digits), not clients' decision folders."""
+    return {p for p in glob.glob(f"/dev/shm/datastates-{os.geteuid()}-*") if re.fullmatch(r"[0-9a-f]{16}", p[-16:])
+            and p[-17] == "-"}
 
 
 def temps(root: Path) -> list[Path]:
