@@ -21,6 +21,7 @@ from datastates.protocol.format import (
     segments,
 )
 from datastates.protocol.providers import get_provider
+from datastates.protocol.tags import listing
 
 MapLocation = str | torch.device | None
 
@@ -171,6 +172,7 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: b
     path = os.fspath(path)
     device = torch.device(map_location) if map_location is not None else None
     header, base, size = _read_header(path)
+    _check_identity(path, header)
     return _Restore(path, _read_data(path, base, size), header, verify, device, weights_only).entry(header.root)
 
 
@@ -196,6 +198,16 @@ def _read_header(path: str) -> tuple[FileHeader, int, int]:
     return header, base, size
 
 
+def _check_identity(path: str, header: FileHeader) -> None:
+    """Refuse a file that is not the snapshot its tag's marker lists: a mix across files, with sound checksums."""
+    for marker_path, marker, entry in listing(path):
+        if entry.snapshot and entry.snapshot != header.snapshot:
+            raise CorruptCheckpointError(
+                f"{path}: holds snapshot {header.snapshot or '(unnamed)'}, but tag {marker.tag!r}'s marker "
+                f"{marker_path} lists snapshot {entry.snapshot} for it: the file was replaced after the tag was "
+                "committed", path=path)
+
+
 def verify(path: str | os.PathLike) -> tuple[int, int]:
     """Check a file's size, header and every data checksum without unpickling anything.
 
@@ -203,6 +215,7 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     """
     path = os.fspath(path)
     header, base, size = _read_header(path)
+    _check_identity(path, header)
     ctx = _Restore(path, _read_data(path, base, size), header, True, None)
     for index in range(len(header.storages)):
         ctx.storage(index)

@@ -68,12 +68,13 @@ def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
 
 
 def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int, sequence: int, nodes: int = 1,
-                node: int = -1) -> CommitMarker:
+                node: int = -1, snapshots: dict[str, str] | None = None) -> CommitMarker:
     return CommitMarker(
         version=COMMIT_VERSION,
         tag=tag,
         committed_ns=time.time_ns(),
-        files=[MarkerFile(path=os.path.relpath(p, folder), size=n) for p, n in files.items()],
+        files=[MarkerFile(path=os.path.relpath(p, folder), size=n, snapshot=(snapshots or {}).get(p, ""))
+               for p, n in files.items()],
         requested_ns=requested_ns,
         nodes=nodes,
         node=node,
@@ -105,6 +106,13 @@ class CommitEvent:
     """The newest snapshot id among the files: ties between equal sequences go to the newer snapshots."""
     sequence: int
     """The tag's place in its run's commit order (``CommitMarker.sequence``), fixed when the commit was asked for."""
+    snapshots: dict[str, str] = field(default_factory=dict)
+    """Path → the snapshot each file holds (``FileHeader.snapshot``), listed in the marker so readers can check it."""
+
+    def moved(self, place: Callable[[str], str]) -> CommitEvent:
+        """The same commit with every file at ``place(path)``: a new version switched in, or a lower tier."""
+        return dataclasses.replace(self, files={place(p): n for p, n in self.files.items()},
+                                   snapshots={place(p): s for p, s in self.snapshots.items()})
 
 
 class CommitListener(Protocol):
@@ -133,6 +141,7 @@ class _TagGroup:
     durable: int = 0
     """Of those, how many have all their files durable: the one that makes it local_world_size finishes."""
     files: dict[str, int] = field(default_factory=dict)
+    snapshots: dict[str, str] = field(default_factory=dict)
     order: int = 0
     """The newest snapshot id among the node's files: see CommitLedger._tracked."""
     sequence: int = 0
@@ -251,7 +260,7 @@ class CommitLedger:
         files = await self._durable(tag, jobs)
         try:
             return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs),
-                                                        sequence))
+                                                        sequence, {j.path: j.snapshot for j in jobs}))
         except CommitError:
             self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
             raise
@@ -272,6 +281,7 @@ class CommitLedger:
         group.committed.add(ranks.rank)
         try:
             group.files.update(await self._durable(tag, jobs))
+            group.snapshots.update({j.path: j.snapshot for j in jobs})
             group.order = max([group.order, *(j.id for j in jobs)])
         except CommitError as exc:
             if not group.done.done():
@@ -301,14 +311,14 @@ class CommitLedger:
         if not group.files:
             raise CommitError(f"tag {tag!r} not committed: no rank of this node snapshotted a file for it", tag=tag)
         return await self._first_commit(CommitEvent(client_id, tag, group.files, group.ranks, group.requested_ns,
-                                                    group.order, group.sequence))
+                                                    group.order, group.sequence, group.snapshots))
 
     async def _first_commit(self, commit: CommitEvent) -> m.Committed:
         """The commit a client asked for, on the tier its files were written to, then announced."""
         staging = self._versions.staged(commit.tag, commit.files)
         committed = await self.settle(commit)
         if staging is not None:  # the new version is in place: its files are where the old ones were
-            commit = dataclasses.replace(commit, files={staging.visible(p): n for p, n in commit.files.items()})
+            commit = commit.moved(staging.visible)
         for listener in self._listeners:
             listener.committed(commit)
         return committed
@@ -325,25 +335,27 @@ class CommitLedger:
         nodes = ranks.num_nodes
         staging = self._versions.staged(tag, files) if nodes == 1 else None
         if staging is not None:  # a new version of a committed tag: marker beside its files, then switched in
-            marker = make_marker(tag, files, staging.staging, requested_ns, sequence)
+            marker = make_marker(tag, files, staging.staging, requested_ns, sequence, snapshots=commit.snapshots)
             return await self._publish(client_id, tag, marker, staging.folder, order, staging)
         folder = tag_folder(tag, files, self._roots)
         if nodes == 1 or not self._storage.shared(folder):
-            marker = make_marker(tag, files, folder, requested_ns, sequence, nodes, -1 if nodes == 1 else ranks.node_rank)
+            marker = make_marker(tag, files, folder, requested_ns, sequence, nodes, -1 if nodes == 1 else ranks.node_rank,
+                                 commit.snapshots)
             return await self._publish(client_id, tag, marker, folder, order)
         if os.path.basename(folder) != tag:
             raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
-        mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank)
+        mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank, commit.snapshots)
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
             return await self._await_global(tag, folder, mine.committed_ns)
-        everyone = await self._gather(tag, folder, nodes)
-        committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, sequence, nodes), folder, order)
+        everyone, snapshots = await self._gather(tag, folder, nodes)
+        committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, sequence, nodes,
+                                                                    snapshots=snapshots), folder, order)
         for node in range(nodes):
             await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, node)))
         return committed
 
-    async def _gather(self, tag: str, folder: str, nodes: int) -> dict[str, int]:
+    async def _gather(self, tag: str, folder: str, nodes: int) -> tuple[dict[str, int], dict[str, str]]:
         """Every node's files, from their done markers; CommitError naming the nodes that never reported."""
         deadline = time.monotonic() + self._timeout
         found: dict[int, CommitMarker] = {}
@@ -354,7 +366,8 @@ class CommitLedger:
                     if marker is not None and marker.tag == tag:
                         found[node] = marker
             if len(found) == nodes:
-                return {os.path.join(folder, f.path): f.size for mk in found.values() for f in mk.files}
+                listed = [(os.path.join(folder, f.path), f) for mk in found.values() for f in mk.files]
+                return {p: f.size for p, f in listed}, {p: f.snapshot for p, f in listed}
             if time.monotonic() > deadline:
                 missing = [n for n in range(nodes) if n not in found]
                 raise CommitError(

@@ -2,10 +2,12 @@
 
 Each daemon names itself with an owner tag: 8 hex digits of its host, 8 random ones of
 this start. The tag goes into every temporary file it writes and into its replica folder
-in /dev/shm, and the daemon holds an flock on ``<runtime dir>/daemons/<owner>.lock`` for
-as long as it runs. A later daemon, on any endpoint, takes an owner whose lock is free
-(or gone) as dead and removes its leftovers; a live daemon's lock is held, so its files in
-flight are never touched, and another node's files never match this node's host digits.
+in /dev/shm, and the daemon holds an flock on ``/dev/shm/datastates-<uid>-daemons/<owner>.lock``
+for as long as it runs (one folder per user and node, whatever the environment of each
+daemon). A later daemon, on any endpoint, takes an owner whose lock file is there and free
+as dead and removes its leftovers; a held lock is a live daemon's, and an owner with no
+lock file is left alone (nothing proves it dead), so a live daemon's files in flight are
+never touched, and another node's files never match this node's host digits.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import re
 import secrets
 import socket
 
-from datastates.protocol.endpoint import runtime_dir
+from datastates.protocol.paths import SHM_DIR
 
 OWNER_RE = re.compile(r"[0-9a-f]{16}")
 """An owner tag: host digits, then this start's digits."""
@@ -27,7 +29,7 @@ class Instance:
     def __init__(self) -> None:
         self.host = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
         self.owner = self.host + secrets.token_hex(4)
-        self.folder = os.path.join(runtime_dir(), "daemons")
+        self.folder = os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-daemons")
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         self._fd = os.open(self._lock(self.owner), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -42,7 +44,7 @@ class Instance:
         try:
             fd = os.open(self._lock(owner), os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
-            return True
+            return False  # no proof of death: an older daemon, or one whose lock folder was removed
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

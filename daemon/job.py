@@ -45,6 +45,8 @@ class SnapshotJob:
         self.regions: Sequence[Region] = regions
         self.total_bytes = plan.total_bytes
         self.file_size = plan.file_size
+        self.snapshot = plan.header.snapshot
+        """Which snapshot this is, as its file's header and its tag's marker record it."""
         self.decision = decision
         """(the client's decision folder, this snapshot's ticket): where the copy's outcome is agreed (protocol/outcome.py)."""
         self.copied_bytes = 0

@@ -9,7 +9,9 @@ and found by ``datastates.latest``.
 
 from __future__ import annotations
 
+import itertools
 import os
+import secrets
 import time
 from typing import Sequence
 
@@ -44,6 +46,10 @@ class LocalSaver:
         self._chunk: Chunk | None = None
         self._files: dict[str, dict[str, int]] = {}
         """Per tag, the files saved since its last commit, with their sizes."""
+        self._snapshots: dict[str, str] = {}
+        """Path → the snapshot its file holds, for the marker."""
+        self._ids = itertools.count(1)
+        self._owner = f"local{os.getpid()}-{secrets.token_hex(4)}"
 
     def save(self, msg: m.Snapshot, storages: Sequence[torch.UntypedStorage | None]) -> m.SnapshotAck:
         """Write ``msg``'s file now: the same layout and checksums as the daemon writes.
@@ -51,7 +57,7 @@ class LocalSaver:
         ``storages`` are the capture's: a process cannot open its own CUDA IPC handles, so
         GPU storages are read directly (a synchronous copy, as torch.save makes).
         """
-        plan = plan_snapshot(msg, msg.path, PIECE)
+        plan = plan_snapshot(msg, msg.path, PIECE, f"{self._owner}/{next(self._ids)}")
         regions = [_DeviceRegion(st) if d.kind == CUDA_IPC and st is not None else open_region(d)
                    for d, st in zip(msg.sources, storages, strict=True)]
         if self._chunk is None:
@@ -70,6 +76,7 @@ class LocalSaver:
             raise
         sink.finalize()
         self._files.setdefault(msg.tag, {})[msg.path] = plan.file_size
+        self._snapshots[msg.path] = plan.header.snapshot
         return m.SnapshotAck(snapshot_id=0, total_bytes=plan.total_bytes)
 
     def commit(self, tag: str) -> m.Committed:
@@ -78,6 +85,7 @@ class LocalSaver:
             raise CommitError(f"nothing to commit for tag {tag!r}: no snapshot with it was saved locally", tag=tag)
         folder = tag_folder(tag, files, None)
         path = os.path.join(folder, marker_name(tag))
-        marker = make_marker(tag, files, folder, time.time_ns(), next_sequence(os.path.dirname(folder)))
+        marker = make_marker(tag, files, folder, time.time_ns(), next_sequence(os.path.dirname(folder)),
+                             snapshots={p: self._snapshots.pop(p, "") for p in files})
         writer_class(path)(direct_io=False, owner=f"local{os.getpid()}").publish(path, marker.encode())
         return m.Committed(tag=tag, marker=path, files=list(files))

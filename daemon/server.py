@@ -70,7 +70,7 @@ class Daemon:
         self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
         self.jobs = JobTable()
-        self.versions = Versions(self.instance.owner, cfg.storage.roots)
+        self.versions = Versions(self.instance.owner)
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions)
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner)
@@ -168,19 +168,21 @@ class Daemon:
                 log.warning("skipped a snapshot of %s for %s (on_busy: skip): %s", body.tag, client.id, reason)
                 return m.SnapshotAck(snapshot_id=0, total_bytes=0, skipped=reason)
 
+        job_id = self.jobs.next_id()
+
         def admit() -> tuple[Any, str, Any]:
             roots = self.cfg.storage.roots
             path = check_path(body.path, roots)
             written = self.versions.place(path, body.tag, tag_folder(body.tag, {path: 0}, roots),
                                           versioned=client.ranks.num_nodes == 1)
             self.ledger.check_owner(written, client.id, lambda other: self.clients.alive(other, self.cfg.client_timeout))
-            plan = plan_snapshot(body, written, self.cfg.chunk_size)
+            plan = plan_snapshot(body, written, self.cfg.chunk_size, f"{self.instance.owner}/{client.id}/{job_id}")
             return plan, path, client.regions_for(path, body.sources)
 
         plan, path, regions = await asyncio.get_running_loop().run_in_executor(None, admit)
         earlier = self.jobs.pending_at(plan.path)
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
-        job = SnapshotJob(self.jobs.next_id(), client.id, body.tag, plan, regions, decision)
+        job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision)
         job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks)
         self.jobs.add(job)
         self.ledger.add(job)

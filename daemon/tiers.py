@@ -177,7 +177,9 @@ class TierTransfers:
             ranks = Ranks() if marker.nodes == 1 else Ranks(
                 rank=max(0, marker.node), world_size=marker.nodes, num_nodes=marker.nodes, node_rank=max(0, marker.node))
             files = {os.path.join(found.folder, f.path): f.size for f in marker.files}
-            self.committed(CommitEvent("resumed", marker.tag, files, ranks, marker.requested_ns, 0, marker.sequence))
+            snapshots = {os.path.join(found.folder, f.path): f.snapshot for f in marker.files}
+            self.committed(CommitEvent("resumed", marker.tag, files, ranks, marker.requested_ns, 0, marker.sequence,
+                                       snapshots))
         return [found.marker_path for found in undone]
 
     def _undone(self) -> list[CommittedTag]:
@@ -217,12 +219,12 @@ class TierTransfers:
         home, commit = self.tiers[entry.source], entry.commit
         for i, transfer in enumerate(entry.tiers[1:]):
             tier = self.tiers[entry.source + 1 + i]
-            dest = {tier.place(p, home): n for p, n in commit.files.items()}
+            lower = commit.moved(lambda p, t=tier: t.place(p, home))
             transfer.state = TransferState.TRANSFERRING
             try:
-                for (src, size), path in zip(commit.files.items(), dest):
+                for (src, size), path in zip(commit.files.items(), lower.files):
                     await self._transfer_file(src, path, size, transfer, f"tier-{commit.order}")
-                await self._ledger.settle(dataclasses.replace(commit, files=dest))
+                await self._ledger.settle(lower)
             except (DatastatesError, OSError) as exc:
                 transfer.state = TransferState.FAILED
                 transfer.error = getattr(exc, "message", None) or str(exc)

@@ -30,8 +30,9 @@ from typing import Callable
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.fileio import fsync_dir, makedirs_durable
-from datastates.protocol.format import MARKER_PREFIX, MARKER_SUFFIX, CommitMarker, marker_name
+from datastates.protocol.format import marker_name
 from datastates.protocol.paths import shallow_walk, within
+from datastates.protocol.tags import listing
 
 STAGING_SUFFIX = ".dsgen"
 STAGING_RE = re.compile(r"\..+\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
@@ -64,28 +65,9 @@ class Staging:
         return os.path.join(self.folder, os.path.relpath(path, self.staging))
 
 
-def _listing_markers(path: str, roots: list[str]) -> list[CommitMarker]:
-    """The commit markers in the folders above ``path`` (inside the roots) that list it."""
-    out = []
-    folder = os.path.dirname(path)
-    while any(within(folder, r) for r in roots):
-        try:
-            names = [n for n in os.listdir(folder) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX)]
-        except OSError:
-            names = []
-        rel = os.path.relpath(path, folder)
-        for name in names:
-            marker = CommitMarker.read(os.path.join(folder, name))
-            if marker is not None and any(f.path == rel for f in marker.files):
-                out.append(marker)
-        folder = os.path.dirname(folder)
-    return out
-
-
 class Versions:
-    def __init__(self, owner: str, roots: list[str]) -> None:
+    def __init__(self, owner: str) -> None:
         self._owner = owner
-        self._roots = roots
         self._open: dict[tuple[str, str], Staging] = {}
         """(tag folder, tag) → the staging folder of its next version."""
         self._ids = itertools.count(1)
@@ -97,7 +79,7 @@ class Versions:
         ``versioned`` False (a multi-node job, whose nodes cannot switch one folder together):
         a committed tag is refused instead of saved again.
         """
-        others = sorted({mk.tag for mk in _listing_markers(path, self._roots) if mk.tag != tag})
+        others = sorted({mk.tag for _, mk, _ in listing(path) if mk.tag != tag})
         if others:
             raise PathNotAllowedError(f"path {path!r} refused: it is a file of committed tag(s) {others}, whose bytes "
                                       "must not change; save it under a new path, or under the same tag", path=path)

@@ -71,6 +71,9 @@ class FileHeader:
     storages: list[StorageRecord]
     entries: list[EntryDesc]
     root: int
+    snapshot: str = ""
+    """Which snapshot wrote this file: ``<daemon owner>/<client>/<snapshot id>``. Its tag's marker lists the
+    same for it, so a file swapped for another snapshot's (same size, sound checksums) is refused on read."""
 
     def encode(self) -> bytes:
         """Preamble + header; its length does not depend on the checksum values."""
@@ -152,6 +155,8 @@ MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 class MarkerFile:
     path: str
     size: int
+    snapshot: str = ""
+    """The snapshot the file must hold (``FileHeader.snapshot``); "" in markers written before it existed."""
 
 
 @dataclass(frozen=True)

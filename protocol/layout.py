@@ -66,7 +66,7 @@ class FilePlan:
         return replace(self.header, storages=storages)
 
 
-def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int) -> FilePlan:
+def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "") -> FilePlan:
     """Check every entry through its provider and lay out the file; raises InvalidRequestError."""
     if not msg.entries or len(msg.entries) > MAX_ENTRIES or len(msg.sources) > MAX_ENTRIES:
         raise InvalidRequestError(f"a snapshot needs 1 to {MAX_ENTRIES} entries and sources")
@@ -86,7 +86,7 @@ def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int) -> FilePlan:
         storages.append(StorageRecord(offset=cursor, nbytes=src.nbytes, checksums=[b"\0" * CHECKSUM_BYTES] * n))
         cursor += src.nbytes
     header = FileHeader(
-        tag=msg.tag, created_ns=time.time_ns(), piece_size=piece_size, data_len=cursor,
+        tag=msg.tag, created_ns=time.time_ns(), piece_size=piece_size, data_len=cursor, snapshot=snapshot,
         storages=storages, entries=entries, root=msg.root,
     )
 

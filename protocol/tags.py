@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .format import MARKER_PREFIX, MARKER_SUFFIX, CommitMarker, marker_name
+from .format import MARKER_PREFIX, MARKER_SUFFIX, CommitMarker, MarkerFile, marker_name
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,31 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
             continue
         found.append(tag)
     return sorted(found, key=lambda c: c.marker.newness, reverse=True)
+
+
+def listing(path: str, depth: int = 3) -> list[tuple[str, CommitMarker, MarkerFile]]:
+    """(marker path, marker, its entry) for every commit marker in the ``depth`` folders above ``path`` that lists it.
+
+    A tag's marker sits in its tag folder, at or above its files: this is how a reader
+    given only a file's path finds what its tag says the file must be.
+    """
+    out = []
+    folder = os.path.dirname(os.path.abspath(path))
+    for _ in range(depth):
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX))
+        except OSError:
+            names = []
+        rel = os.path.relpath(path, folder)
+        for name in names:
+            marker = CommitMarker.read(os.path.join(folder, name))
+            entry = next((f for f in marker.files if f.path == rel), None) if marker is not None else None
+            if entry is not None:
+                out.append((os.path.join(folder, name), marker, entry))
+        if os.path.dirname(folder) == folder:
+            break
+        folder = os.path.dirname(folder)
+    return out
 
 
 def next_sequence(run: str) -> int:
