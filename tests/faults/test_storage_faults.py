@@ -260,3 +260,40 @@ def test_a_marker_that_cannot_be_written_fails_the_commit_and_a_retry_succeeds(
     assert_state_equal(copy_of(second), datastates.load(path))
     assert temp_files(root) == []
     assert d.proc.poll() is None, d.log_text()
+
+
+def test_disk_full_during_a_resave_keeps_the_committed_version_whole(
+        fs_daemon: Callable[..., DaemonProc], small_fs: Path) -> None:
+    """I2: re-saving tag ``last`` runs out of space on its second file; ``last`` stays the old version, whole."""
+    root = small_fs
+    d = fs_daemon(host_memory="4MiB", chunk_size="4MiB")
+    folder = root / "run" / "last"
+    old = {"a.pt": state_of(1, 4 * MiB), "b.pt": state_of(11, 8 * MiB)}
+    expected = {name: copy_of(s) for name, s in old.items()}
+    with Client(d.endpoint, timeout=60) as c:
+        for name, state in old.items():
+            c.snapshot(state, folder / name, tag="last")
+        c.commit("last").result(timeout=120)
+        big_bytes = (free_bytes(root) // MiB + 16) * MiB // (4 * MiB) * (4 * MiB)
+        c.snapshot(state_of(2, 4 * MiB), folder / "a.pt", tag="last")  # fits, and is durable first
+        c.snapshot(state_of(12, big_bytes), folder / "b.pt", tag="last")  # does not fit
+        fut = c.commit("last")
+        with pytest.raises(SnapshotFailedError, match="disk full"):
+            c.wait()
+        with pytest.raises(CommitError, match="disk full"):
+            fut.result(timeout=120)
+        assert datastates.latest(root / "run") == "last"
+        for name, state in expected.items():  # the committed version, both files, untouched
+            assert_state_equal(state, datastates.load(folder / name))
+        out = subprocess.run([DATASTATESCTL, "verify", "--root", str(root / "run"), "last"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+        new = {"a.pt": state_of(3, 4 * MiB), "b.pt": state_of(13, 4 * MiB)}  # once it fits, the re-save commits
+        for name, state in new.items():
+            c.snapshot(state, folder / name, tag="last")
+        c.commit("last").result(timeout=120)
+        for name, state in new.items():
+            assert_state_equal(copy_of(state), datastates.load(folder / name))
+    assert sorted(p.name for p in (root / "run").iterdir()) == ["last", "latest"]
+    assert temp_files(root) == []
