@@ -169,8 +169,34 @@ def reap(block: bool = True) -> None:
             _STOPPING.remove(factory)
 
 
+SHM = Path("/dev/shm")
+_SHM_BEFORE: set[str] = set()
+"""What /dev/shm held when the session started: another user's or job's, never removed."""
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if SHM.is_dir():
+        _SHM_BEFORE.update(p.name for p in SHM.iterdir())
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop every daemon, then leave /dev/shm as it was: killed daemons' replicas, killed trainers' segments."""
     reap(block=True)
+    if not SHM.is_dir():
+        return
+    mine = re.compile(rf"torch_.*|datastates-{os.geteuid()}-.*")
+    with open("/proc/self/maps") as f:  # segments this process still maps: torch unlinks those itself at exit
+        mapped = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/dev/shm/" in line}
+    for path in SHM.iterdir():
+        if path.name in _SHM_BEFORE or not mine.fullmatch(path.name) or str(path) in mapped:
+            continue
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.lstat().st_uid == os.geteuid():
+                path.unlink()
+        except OSError:
+            continue  # gone meanwhile, or another user's
 
 
 @pytest.fixture
