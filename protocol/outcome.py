@@ -45,7 +45,10 @@ def check_folder(folder: str) -> str:
     match = _FOLDER_RE.fullmatch(name)
     if os.path.dirname(folder) != SHM_DIR or not match or int(match.group(1)) != os.geteuid():
         raise InvalidRequestError(f"decision folder {folder[:256]!r} is not one of this user's under {SHM_DIR}")
-    st = os.lstat(folder)
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        raise InvalidRequestError(f"decision folder {folder!r} does not exist") from None
     if not os.path.isdir(folder) or os.path.islink(folder) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise InvalidRequestError(f"decision folder {folder!r} must be this user's own folder with mode 0700")
     return folder

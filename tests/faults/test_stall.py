@@ -10,6 +10,7 @@ decision (protocol/outcome.py): whatever ``wait()`` told the trainer is what the
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -20,7 +21,9 @@ import torch
 
 import datastates
 from datastates.client import Client, daemon_status
-from datastates.protocol.errors import DaemonUnavailable, DatastatesError
+from datastates.client.connection import Connection
+from datastates.protocol import messages as m
+from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError
 from datastates.protocol.format import TEMP_SUFFIX
 
 from conftest import DaemonProc
@@ -115,3 +118,17 @@ def test_with_the_local_fallback_the_resumed_daemon_never_replaces_the_trainers_
     assert datastates.latest(d.root / "run") == "step1"
     assert torch.equal(datastates.load(path)["t"], torch.full((ELEMENTS,), 1.0))  # step 1 whole, no element of step 2
     assert t[0].item() == 2.0
+
+
+@pytest.mark.parametrize("folder", ["/dev/shm/datastates-{uid}-client-1-0badc0de", "/tmp", "/dev/shm/../etc"],
+                         ids=["missing", "not-a-decision-folder", "escape"])
+def test_a_bad_decision_folder_is_refused_at_hello_and_the_daemon_serves_on(stallable: DaemonProc, folder: str) -> None:
+    conn = Connection(stallable.endpoint)
+    try:
+        with pytest.raises(InvalidRequestError, match="decision folder"):
+            conn.call(m.Hello(pid=1, name="x", decisions=folder.format(uid=os.geteuid())), 10)
+    finally:
+        conn.close()
+    with Client(stallable.endpoint, timeout=30) as c:  # a well-behaved client still commits
+        c.snapshot({"t": torch.ones(10)}, stallable.root / "ok" / "step1" / "m.pt")
+        c.commit("step1").result(timeout=60)
