@@ -53,12 +53,6 @@ DRAIN_GRACE = 1.0
 Handler = Callable[[bytes, Any], Awaitable[m.Body]]
 
 
-def _remove_folders(folders: list[str]) -> list[str]:
-    for folder in folders:
-        shutil.rmtree(folder, ignore_errors=True)
-    return folders
-
-
 class Daemon:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
@@ -198,7 +192,7 @@ class Daemon:
                 self.leftovers += await self.engine.flush(Versions.remove_leftovers, root, gone)
             self.leftovers += await self.engine.flush(remove_gone, gone)
             if self.instance.alone():  # no other daemon may still need a dead client's "abandoned" decisions
-                self.leftovers += await self.engine.flush(_remove_folders, outcome.dead_client_folders())
+                self.leftovers += await self.engine.flush(outcome.remove_dead_client_folders)
             await self.engine.flush(self.instance.forget_gone)
         finally:
             self._recovered.set()

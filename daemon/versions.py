@@ -6,7 +6,8 @@ otherwise rename new files over committed ones one by one, and a kill -9 or a fu
 in between would leave a tag that mixes two steps and still passes ``verify``.
 
 So a snapshot whose tag is already committed in its tag folder ``V`` is written into a
-hidden staging folder beside it, ``.<V>.<owner>-<n>.dsgen``, with the same layout. The new
+hidden staging folder beside it, ``.<owner>-<n>.dsgen`` (short, whatever the length of ``V``'s
+name), with the same layout. The new
 version's marker is written there too; then ``renameat2(RENAME_EXCHANGE)`` swaps the two
 folders in one step, and the old version, now under the hidden name, is deleted. At every
 instant ``V`` holds one whole version: the old one, or the new one. Readers never look in
@@ -35,10 +36,10 @@ from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.tags import listing
 
 STAGING_SUFFIX = ".dsgen"
-STAGING_RE = re.compile(r"\..+\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
+STAGING_RE = re.compile(r"\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
 """A staging folder's name; the group is the owner tag of the daemon that made it."""
 LEFTOVER_DEPTH = 3
-"""Staging folders sit beside tag folders: <root>/<run>/.<tag>....dsgen is depth 2."""
+"""Staging folders sit beside tag folders: <root>/<run>/.<owner>-<n>.dsgen is depth 2."""
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -91,7 +92,7 @@ class Versions:
                 if not versioned:
                     raise PathNotAllowedError(f"path {path!r} refused: tag {tag!r} is committed in {folder}, and a "
                                               "multi-node job cannot save a committed tag again; use a new tag", path=path)
-                name = f".{os.path.basename(folder)}.{self._owner}-{next(self._ids)}{STAGING_SUFFIX}"
+                name = f".{self._owner}-{next(self._ids)}{STAGING_SUFFIX}"  # fits NAME_MAX beside any folder
                 staging = Staging(tag, folder, os.path.join(os.path.dirname(folder), name))
                 makedirs_durable(staging.staging)
                 self._open[(folder, tag)] = staging

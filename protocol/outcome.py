@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 
 from .errors import InvalidRequestError
 from .paths import SHM_DIR
@@ -83,11 +84,15 @@ def forget(folder: str, ticket: str) -> None:
         pass
 
 
-def dead_client_folders() -> list[str]:
-    """The decision folders of this user whose client process is gone."""
+def remove_dead_client_folders() -> list[str]:
+    """Delete the decision folders of this user whose client process is gone; the folders deleted.
+
+    Only for a daemon alone on its node: another daemon may still need a dead client's ``abandoned``.
+    """
     out = []
     for name in os.listdir(SHM_DIR):
         match = _FOLDER_RE.fullmatch(name)
         if match and int(match.group(1)) == os.geteuid() and not os.path.exists(f"/proc/{match.group(2)}"):
+            shutil.rmtree(os.path.join(SHM_DIR, name), ignore_errors=True)
             out.append(os.path.join(SHM_DIR, name))
     return out

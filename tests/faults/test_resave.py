@@ -119,3 +119,13 @@ def test_another_tags_file_and_another_clients_open_file_are_refused(start_daemo
             b.wait()
         a.commit("step1").result(timeout=60)
         assert torch.equal(datastates.load(mine)["t"], torch.full((100,), 3.0))
+
+
+def test_a_committed_tag_in_a_folder_with_a_long_name_is_saved_again(shared_daemon: DaemonProc,
+                                                                       shared_client: Client) -> None:
+    """The new version's staging folder has a short name of its own: a 250-byte folder name still re-saves."""
+    folder = shared_daemon.root / "long" / ("f" * 250)
+    for step in (1, 2):
+        save(shared_client, {"t": torch.full((100,), float(step))}, folder / "m.pt", tag="keep")
+        assert torch.equal(datastates.load(folder / "m.pt")["t"], torch.full((100,), float(step)))
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["f" * 250]
