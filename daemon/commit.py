@@ -36,7 +36,7 @@ from datastates.protocol.version import COMMIT_VERSION
 
 from datastates.protocol.paths import within
 from datastates.protocol.retention import prune
-from datastates.protocol.tags import next_sequence
+from datastates.protocol.tags import listing, next_sequence
 
 from .config import HISTORY, StorageConfig
 from .engine import Engine
@@ -157,7 +157,11 @@ class CommitLedger:
         self._timeout = timeout
         self._listeners: list[CommitListener] = []
         self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
+        self._failed: dict[tuple[str, str], list[SnapshotJob]] = {}
+        """Snapshots of a commit that failed: a commit with no new snapshot of the tag retries them (see ``commit``)."""
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        self._refused: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        """Tags one of whose snapshots was refused at admission: committing the rest would make a partial tag."""
         self._groups: dict[tuple[str, int, str], _TagGroup] = {}
         self._tracker_lock = asyncio.Lock()
         self._tracked: dict[str, tuple[int, int]] = {}
@@ -186,18 +190,22 @@ class CommitLedger:
 
     def skip(self, client_id: str, tag: str, reason: str) -> None:
         """Remember why ``tag`` was skipped, so its commit says so instead of 'nothing to commit'."""
-        self._skipped[(client_id, tag)] = reason
-        while len(self._skipped) > HISTORY:
-            self._skipped.popitem(last=False)
+        _remember(self._skipped, (client_id, tag), reason)
+
+    def refuse(self, client_id: str, tag: str, reason: str) -> None:
+        """A snapshot of ``tag`` was refused: its commit fails, naming why, instead of committing the others."""
+        _remember(self._refused, (client_id, tag), reason)
 
     def skipped(self, client_id: str, tag: str) -> str:
         return self._skipped.get((client_id, tag), "")
 
     def forget(self, client_id: str) -> None:
-        """A client that leaves without committing leaves no tag half-open behind."""
-        for table in (self._open, self._skipped):
+        """A client that leaves without committing leaves no tag half-open behind: its new versions' staging goes too."""
+        for table in (self._open, self._failed, self._skipped, self._refused):
             for key in [k for k in table if k[0] == client_id]:
-                del table[key]
+                jobs = table.pop(key)
+                if table in (self._open, self._failed):
+                    self._versions.abandon([j.path for j in jobs])
 
     def rank_lost(self, ranks: Ranks) -> None:
         """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout."""
@@ -213,10 +221,14 @@ class CommitLedger:
                  "nodes": g.ranks.num_nodes} for (job, _, tag), g in self._groups.items()]
 
     async def commit(self, client_id: str, tag: str, ranks: Ranks) -> m.Committed:
-        reason = self._skipped.pop((client_id, tag), "")
-        if reason:
-            raise SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({reason})", tag=tag)
-        jobs = self._open.pop((client_id, tag), None) or []
+        key = (client_id, tag)
+        skipped, refused = self._skipped.pop(key, ""), self._refused.pop(key, "")
+        if skipped or refused:  # none of the tag's snapshots will ever be committed
+            await self._drop(self._open.pop(key, []) + self._failed.pop(key, []), set())
+            if skipped:
+                raise SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({skipped})", tag=tag)
+            raise CommitError(f"tag {tag!r} not committed: one of its snapshots was refused: {refused}", tag=tag)
+        jobs = await self._supersede(client_id, tag, self._open.pop(key, None) or [])
         requested_ns = time.time_ns()
         self.pending += 1
         try:
@@ -226,6 +238,27 @@ class CommitLedger:
             return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns, sequence)
         finally:
             self.pending -= 1
+
+    async def _supersede(self, client_id: str, tag: str, jobs: list[SnapshotJob]) -> list[SnapshotJob]:
+        """The snapshots a commit covers: the new ones of its tag, else those of its last failed commit (a retry).
+
+        Never both: a tag is one point of the trainer's program, so a save after a failed
+        commit replaces that commit's snapshots instead of joining them. Their files that
+        the new save does not write again are deleted, so no stale file of another step is
+        left under a final name in the tag's folder.
+        """
+        failed = self._failed.pop((client_id, tag), [])
+        if not jobs:
+            return failed
+        await self._drop(failed, {j.path for j in jobs})
+        return jobs
+
+    async def _drop(self, jobs: list[SnapshotJob], keep: set[str]) -> None:
+        """Snapshots that will never be committed: once each has finished, delete its file unless in ``keep``."""
+        await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
+        stale = [j.path for j in jobs if j.path not in keep]
+        if stale:
+            await self._engine.flush(_remove_uncommitted, stale)
 
     async def _next_sequence(self, tag: str, jobs: list[SnapshotJob]) -> int:
         """The commit's place in its run, in the order COMMITs arrive (0 when it names no file)."""
@@ -262,7 +295,7 @@ class CommitLedger:
             return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs),
                                                         sequence, {j.path: j.snapshot for j in jobs}))
         except CommitError:
-            self._open[(client_id, tag)] = jobs + self._open.get((client_id, tag), [])  # a retry may succeed
+            self._failed[(client_id, tag)] = jobs  # a retry may succeed
             raise
 
     async def _commit_rank(
@@ -434,6 +467,19 @@ class CommitLedger:
             await self._engine.flush(self._engine.writer(path).publish, path, data)
         except StorageError as exc:
             raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None
+
+
+def _remember(table: collections.OrderedDict[tuple[str, str], str], key: tuple[str, str], reason: str) -> None:
+    table[key] = reason
+    while len(table) > HISTORY:
+        table.popitem(last=False)
+
+
+def _remove_uncommitted(paths: list[str]) -> None:
+    """Delete the files of superseded snapshots, unless a committed marker lists one (then it is not theirs)."""
+    for path in paths:
+        if not listing(path):
+            _unlink(path)
 
 
 def _unlink(path: str) -> None:

@@ -115,11 +115,13 @@ class Engine:
                 await asyncio.wait(after)
             await self.flush(sink.finalize)
         except Exception as exc:
-            await self.flush(sink.abort)
             if not isinstance(exc, DatastatesError):
                 log.exception("snapshot %d to %s failed", job.id, job.path)
                 exc = SnapshotFailedError(f"snapshot of {job.path} failed: {exc}", path=job.path)
-            job.mark_failed(exc)
+            try:
+                await self.flush(sink.abort)
+            finally:  # the job ends failed whatever its clean-up meets: a commit waiting on it must not hang
+                job.mark_failed(exc)
             return
         if not sink.replicas_written:
             job.replica = None

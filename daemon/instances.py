@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import socket
+import time
 
 from datastates.protocol.paths import SHM_DIR
 
@@ -25,14 +26,22 @@ OWNER_RE = re.compile(r"[0-9a-f]{16}")
 """An owner tag: host digits, then this start's digits."""
 
 
+FORGET_AFTER_S = 7 * 86400
+"""A dead writer's lock file whose roots no later daemon covered goes after this long (its leftovers then stay)."""
+
+
 class Instance:
-    def __init__(self) -> None:
+    def __init__(self, roots: list[str] | None = None) -> None:
+        """``roots``: where this writer leaves temporary files, recorded in its lock file so that a later daemon
+        forgets it only once it has cleaned all of them; None for the trainer's local fallback (anywhere)."""
         self.host = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
         self.owner = self.host + secrets.token_hex(4)
+        self.roots = roots or []
         self.folder = os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-daemons")
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         self._fd = os.open(self._lock(self.owner), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(self._fd, "\n".join(self.roots).encode())
 
     def _lock(self, owner: str) -> str:
         return os.path.join(self.folder, f"{owner}.lock")
@@ -59,18 +68,23 @@ class Instance:
         return all(o == self.owner or self.gone(o) for o in owners)
 
     def forget_gone(self) -> None:
-        """Remove the locks of dead daemons, once their leftovers are removed."""
+        """Remove the locks of dead writers whose leftovers this daemon has removed: all their roots are among
+        its own. Another job's daemon on other roots leaves them for the next daemon there (or FORGET_AFTER_S)."""
         for name in os.listdir(self.folder):
             owner = name.removesuffix(".lock")
-            if name.endswith(".lock") and self.gone(owner):
-                try:
+            if not name.endswith(".lock") or not self.gone(owner):
+                continue
+            try:
+                with open(self._lock(owner)) as f:
+                    text = f.read()
+                roots = text.split("\n") if text else []
+                old = time.time() - os.stat(self._lock(owner)).st_mtime > FORGET_AFTER_S
+                if old or (roots and all(r in self.roots for r in roots)):
                     os.unlink(self._lock(owner))
-                except FileNotFoundError:
-                    pass
+            except FileNotFoundError:
+                pass
 
     def close(self) -> None:
-        try:
-            os.unlink(self._lock(self.owner))
-        except FileNotFoundError:
-            pass
+        """Release the lock, but leave its file: the next daemon then takes this owner as gone and removes
+        what it could not (a temporary file in a folder that had turned read-only), then the lock file."""
         os.close(self._fd)

@@ -4,14 +4,16 @@ It blocks the trainer for the whole copy and write, which the daemon exists to a
 it is off unless ``Client(fallback="local")`` asks for it; the client imports this module
 only then. It runs the daemon's own plan, copy and sink steps one piece at a time through
 one buffer, so its files and markers are the same format, loaded by ``datastates.load``
-and found by ``datastates.latest``.
+and found by ``datastates.latest``. It keeps the daemon's promises too: a committed tag
+saved again gets a new version switched in whole (daemon/versions.py, I2), and it tags
+its temporary files and staging folders with an owner of its own (daemon/instances.py),
+so the next daemon removes what a killed trainer left (I5).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import secrets
 import time
 from typing import Sequence
 
@@ -26,10 +28,12 @@ from datastates.protocol.tags import next_sequence
 
 from .commit import make_marker, tag_folder
 from .copier import copy_piece
+from .instances import Instance
 from .memory import Chunk
 from .sink import FileSink
 from .sources import Region, open_region
-from .storage import writer_class
+from .storage import StorageWriter, writer_class
+from .versions import Versions
 
 PIECE = 16 << 20
 """Small enough to keep the trainer's extra memory low, large enough for sequential writes."""
@@ -49,7 +53,8 @@ class LocalSaver:
         self._snapshots: dict[str, str] = {}
         """Path → the snapshot its file holds, for the marker."""
         self._ids = itertools.count(1)
-        self._owner = f"local{os.getpid()}-{secrets.token_hex(4)}"
+        self._instance = Instance()
+        self._versions = Versions(self._instance.owner)
 
     def save(self, msg: m.Snapshot, storages: Sequence[torch.UntypedStorage | None]) -> m.SnapshotAck:
         """Write ``msg``'s file now: the same layout and checksums as the daemon writes.
@@ -57,12 +62,13 @@ class LocalSaver:
         ``storages`` are the capture's: a process cannot open its own CUDA IPC handles, so
         GPU storages are read directly (a synchronous copy, as torch.save makes).
         """
-        plan = plan_snapshot(msg, msg.path, PIECE, f"{self._owner}/{next(self._ids)}")
+        path = self._versions.place(msg.path, msg.tag, tag_folder(msg.tag, {msg.path: 0}, None))
+        plan = plan_snapshot(msg, path, PIECE, f"{self._instance.owner}/local/{next(self._ids)}")
         regions = [_DeviceRegion(st) if d.kind == CUDA_IPC and st is not None else open_region(d)
                    for d, st in zip(msg.sources, storages, strict=True)]
         if self._chunk is None:
             self._chunk = Chunk(PIECE)
-        sink = FileSink(writer_class(msg.path)(direct_io=False, owner=f"local{os.getpid()}"), msg.path, "0")
+        sink = FileSink(self._writer(path), path, "0")
         sums = [list(s.checksums) for s in plan.header.storages]
         sink.create()
         try:
@@ -75,17 +81,26 @@ class LocalSaver:
             sink.abort()
             raise
         sink.finalize()
-        self._files.setdefault(msg.tag, {})[msg.path] = plan.file_size
-        self._snapshots[msg.path] = plan.header.snapshot
+        self._files.setdefault(msg.tag, {})[path] = plan.file_size
+        self._snapshots[path] = plan.header.snapshot
         return m.SnapshotAck(snapshot_id=0, total_bytes=plan.total_bytes)
+
+    def _writer(self, path: str) -> StorageWriter:
+        return writer_class(path)(direct_io=False, owner=self._instance.owner)
 
     def commit(self, tag: str) -> m.Committed:
         files = self._files.pop(tag, None)
         if not files:
             raise CommitError(f"nothing to commit for tag {tag!r}: no snapshot with it was saved locally", tag=tag)
-        folder = tag_folder(tag, files, None)
+        snapshots = {p: self._snapshots.pop(p, "") for p in files}
+        staging = self._versions.staged(tag, files)
+        folder = tag_folder(tag, files, None) if staging is None else staging.staging
+        run = os.path.dirname(folder if staging is None else staging.folder)
+        marker = make_marker(tag, files, folder, time.time_ns(), next_sequence(run), snapshots=snapshots)
         path = os.path.join(folder, marker_name(tag))
-        marker = make_marker(tag, files, folder, time.time_ns(), next_sequence(os.path.dirname(folder)),
-                             snapshots={p: self._snapshots.pop(p, "") for p in files})
-        writer_class(path)(direct_io=False, owner=f"local{os.getpid()}").publish(path, marker.encode())
-        return m.Committed(tag=tag, marker=path, files=list(files))
+        self._writer(path).publish(path, marker.encode())
+        if staging is None:
+            return m.Committed(tag=tag, marker=path, files=list(files))
+        self._versions.switch(staging)
+        return m.Committed(tag=tag, marker=os.path.join(staging.folder, marker_name(tag)),
+                           files=[staging.visible(p) for p in files])

@@ -73,7 +73,8 @@ async def _serve(cfg: config.NodeConfig) -> None:
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     auth = secure_server(sock, cfg.curve.server_secret_key, cfg.curve.authorized_clients) if is_tcp(cfg.endpoint) else None
     sock.bind(cfg.endpoint)
-    log.info("datastatesd %d ready on %s, roots %s, host_memory %d bytes", os.getpid(), cfg.endpoint, cfg.storage.roots, cfg.host_memory)
+    log.info("datastatesd %d ready on %s, owner %s, roots %s, host_memory %d bytes", os.getpid(), cfg.endpoint,
+             daemon.instance.owner, cfg.storage.roots, cfg.host_memory)
     try:
         await daemon.serve(sock)
     finally:

@@ -86,6 +86,8 @@ class ReplicaStore:
             log.info("no replica of %s: %d bytes over memory_restore_budget (%d of %d used)",
                      path, size, self.used, self.budget)
             return None
+        if not os.path.isdir(self.folder):  # removed under the daemon (a /dev/shm clean-up, systemd's RemoveIPC)
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
         st = os.statvfs(self.folder)
         if st.f_bavail * st.f_frsize < size + SHM_HEADROOM:
             log.info("no replica of %s: /dev/shm has too little room", path)

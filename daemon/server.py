@@ -57,7 +57,7 @@ class Daemon:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.pool = HostPool(cfg.chunk_size, cfg.chunks, pinned=cfg.pin_host_memory and torch.cuda.is_available())
-        self.instance = Instance()
+        self.instance = Instance(self.cfg.storage.roots)
         owner = self.instance.owner
         self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads, cfg.direct_io, owner)
         self.leftovers: list[str] | None = None
@@ -148,7 +148,11 @@ class Daemon:
     async def _snapshot(self, identity: bytes, body: m.Snapshot) -> m.SnapshotAck:
         client = self.clients.get(identity)
         async with self.jobs.admitting(client.id):
-            return await self._admit(client, body)
+            try:
+                return await self._admit(client, body)
+            except DatastatesError as exc:
+                self.ledger.refuse(client.id, body.tag, f"{body.path}: {exc.message}")
+                raise
 
     async def _admit(self, client: ClientRecord, body: m.Snapshot) -> m.SnapshotAck:
         await self._recovered.wait()  # a snapshot's file appears only once the leftovers of its path are gone

@@ -86,6 +86,9 @@ class Versions:
                                       "must not change; save it under a new path, or under the same tag", path=path)
         with self._lock:
             staging = self._open.get((folder, tag))
+            if staging is not None and not os.path.isdir(staging.staging):  # its run folder was deleted meanwhile
+                del self._open[(folder, tag)]
+                staging = None
             if staging is None:
                 if not os.path.exists(os.path.join(folder, marker_name(tag))):
                     return path  # no committed version to protect
@@ -109,6 +112,14 @@ class Versions:
             raise CommitError(f"tag {tag!r} not committed: a new version of it mixes files inside and outside "
                               f"its folder {staging.folder}", tag=tag)
         return staging
+
+    def abandon(self, paths: list[str]) -> None:
+        """Remove the staging folders holding any of ``paths``: their version will never be committed."""
+        with self._lock:
+            gone = [key for key, s in self._open.items() if any(within(p, s.staging) for p in paths)]
+            stagings = [self._open.pop(key) for key in gone]
+        for staging in stagings:
+            shutil.rmtree(staging.staging, ignore_errors=True)
 
     @staticmethod
     def remove_leftovers(root: str, gone: Callable[[str], bool]) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import re
 import shutil
@@ -179,6 +180,33 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         _SHM_BEFORE.update(p.name for p in SHM.iterdir())
 
 
+def _maker_alive(name: str) -> bool:
+    """Whether what made /dev/shm/``name`` still runs (another test session's trainer or daemon): then it stays.
+
+    torch segments (torch_<pid>_...) and decision folders (datastates-<uid>-client-<pid>-...)
+    name their process; a replica folder names its daemon, whose lock is held while it runs;
+    the daemons' lock folder stays while any daemon runs.
+    """
+    pid = re.match(rf"torch_(\d+)_|datastates-{os.geteuid()}-client-(\d+)-", name)
+    if pid is not None:
+        return Path(f"/proc/{pid.group(1) or pid.group(2)}").exists()
+    locks = SHM / f"datastates-{os.geteuid()}-daemons"
+    owner = re.fullmatch(rf"datastates-{os.geteuid()}-([0-9a-f]{{16}})", name)
+    held = [locks / f"{owner.group(1)}.lock"] if owner else list(locks.glob("*.lock")) if name == locks.name else []
+    for lock in held:
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+    return False
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop every daemon, then leave /dev/shm as it was: killed daemons' replicas, killed trainers' segments."""
     reap(block=True)
@@ -188,7 +216,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     with open("/proc/self/maps") as f:  # segments this process still maps: torch unlinks those itself at exit
         mapped = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/dev/shm/" in line}
     for path in SHM.iterdir():
-        if path.name in _SHM_BEFORE or not mine.fullmatch(path.name) or str(path) in mapped:
+        if path.name in _SHM_BEFORE or not mine.fullmatch(path.name) or str(path) in mapped or _maker_alive(path.name):
             continue
         try:
             if path.is_dir() and not path.is_symlink():

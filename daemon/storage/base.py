@@ -4,7 +4,8 @@ Call order, every call from a flush thread:
 1. ``create(path, token)`` opens a temporary file beside ``path``;
 2. ``write(handle, offset, data)`` any number of times, in any order;
 3. ``finalize(handle)`` makes the file durable and visible at ``path`` (fsync, rename,
-   fsync of the folder), or ``abort(handle)`` removes every trace of it;
+   fsync of the folder), or ``abort(handle)`` removes every trace of it (it never raises: what it cannot
+   remove, the next daemon's recovery does);
 4. ``publish(path, data)`` writes a small file (a commit marker) with the same guarantees.
 
 A writer raises StorageError, whose message names the path and the cause (disk full,

@@ -9,6 +9,7 @@ little CPU, and leave the cache to the trainer. A file system that refuses O_DIR
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from datastates.protocol.format import TEMP_SUFFIX
 
 from datastates.protocol.paths import shallow_walk
 from .base import StorageWriter, register_writer
+
+log = logging.getLogger(__name__)
 
 
 def _storage_error(what: str, path: str, exc: OSError) -> StorageError:
@@ -113,6 +116,9 @@ class PosixWriter(StorageWriter):
             os.unlink(handle.temp)
         except FileNotFoundError:
             pass
+        except OSError as exc:  # the folder turned read-only, or is gone: the next daemon's recovery removes it
+            log.warning("cannot remove temporary file %s (%s); it is left for the next daemon to remove",
+                        handle.temp, exc.strerror)
 
     def publish(self, path: str, data: bytes) -> None:
         handle = self.create(path, f"{os.getpid()}-{id(data):x}", direct=False)

@@ -1,0 +1,426 @@
+"""Seeded fault schedules: a real daemon and a real trainer, faults at random points, then I1-I5 checked.
+
+A schedule (``Schedule.draw(seed)``) is a few saves of a tag by the trainer
+(tests/faults/schedule_trainer.py), each hit by at most one fault at a random delay into it:
+
+- ``stall``: the daemon SIGSTOPped past the client's liveness, then SIGCONTed;
+- ``kill_daemon``: kill -9, and a new daemon on the same endpoint;
+- ``disk_full`` / ``read_only``: the root's file system filled up, or the run folder
+  bind-mounted read-only, for the save and its commit;
+- ``kill_trainer``: kill -9 of the trainer, and a new trainer;
+- ``clock_step``: a committed marker rewritten as a node whose clock was an hour off would write it.
+
+Saves pick one of three tags, so the same tag and the same paths are saved again, and one
+save in ten puts its files in another tag's folder (two tags sharing a path); one schedule
+in five runs with ``fallback="local"``. Each schedule writes its own run folder under the
+root; daemon and trainer carry over between schedules unless a fault killed them.
+
+``check`` then holds the run folder against what the trainer's log says ``wait()`` and
+``commit()`` told it (see its docstring for what each invariant means here). A violation
+carries the seed; ``shortest`` replays smaller schedules of the same seed to find the
+shortest one that still shows it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import datastates
+from datastates.client import daemon_status
+from datastates.client.reader import verify
+from datastates.protocol.format import TEMP_SUFFIX, TRACKER, CommitMarker
+from datastates.protocol.tags import marker_paths, read_marker
+
+from conftest import DaemonFactory, DaemonProc, sh
+
+TAGS = ("t0", "t1", "t2")
+NAMES = ("model.pt", "optim.pt")
+FAULTS = {"none": 30, "stall": 12, "kill_daemon": 10, "disk_full": 10, "read_only": 8, "kill_trainer": 10,
+          "clock_step": 12}
+"""Each fault kind and its weight in a draw."""
+NEEDS_ROOT = {"disk_full", "read_only"}
+LIVENESS = 0.75
+KEEP_LAST = 2
+CLOCK_STEP_NS = 3600 * 10**9
+DAEMON = {"host_memory": "4MiB", "chunk_size": "1MiB", "flush_threads": 1, "direct_io": False, "log_level": "info",
+          "client_timeout": 3}
+"""A pool a few times smaller than a save, so a stall or a kill lands mid-copy as often as mid-flush; a
+killed trainer is taken as gone within a second."""
+TRAINER = Path(__file__).with_name("schedule_trainer.py")
+
+
+@dataclass(frozen=True)
+class Save:
+    tag: str
+    folder_tag: str
+    """The tag whose folder the files go to: ``tag`` itself, or another one (two tags sharing a path)."""
+    names: tuple[str, ...]
+    fault: str
+    delay: float
+    """Seconds into the save at which a timed fault hits."""
+
+    def __str__(self) -> str:
+        where = "" if self.folder_tag == self.tag else f" in {self.folder_tag}/"
+        hit = "" if self.fault == "none" else f" + {self.fault} at {self.delay:.2f}s"
+        return f"save {self.tag}{where} {'+'.join(self.names)}{hit}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    fallback: str | None
+    saves: tuple[Save, ...]
+
+    @staticmethod
+    def draw(seed: int, faults: tuple[str, ...]) -> Schedule:
+        rng = random.Random(seed)
+        kinds = [k for k in FAULTS if k in faults]
+        saves = []
+        for _ in range(rng.randint(2, 5)):
+            tag = rng.choice(TAGS)
+            folder_tag = rng.choice(TAGS) if rng.random() < 0.1 else tag
+            names = NAMES if rng.random() < 0.7 else (rng.choice(NAMES),)
+            fault = rng.choices(kinds, weights=[FAULTS[k] for k in kinds])[0]
+            saves.append(Save(tag, folder_tag, names, fault, round(rng.uniform(0.0, 0.25), 3)))
+        return Schedule(seed, "local" if rng.random() < 0.2 else None, tuple(saves))
+
+    def without(self, i: int) -> Schedule:
+        return Schedule(self.seed, self.fallback, self.saves[:i] + self.saves[i + 1:])
+
+    def __str__(self) -> str:
+        lines = [f"seed {self.seed}" + (", fallback='local'" if self.fallback else "")]
+        return "\n".join(lines + [f"  {n}. {s}" for n, s in enumerate(self.saves, 1)])
+
+
+class Violation(AssertionError):
+    pass
+
+
+class Trainer:
+    """The trainer process and its log of what ``wait()`` and ``commit()`` told it."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        log.touch()
+        self.proc = subprocess.Popen([sys.executable, str(TRAINER), str(log)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def call(self, **cmd: Any) -> dict[str, Any] | None:
+        """The reply to ``cmd``; None if the trainer died first (a kill_trainer fault)."""
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return None
+        line = self.proc.stdout.readline()  # the trainer's own timeouts bound this
+        return json.loads(line) if line else None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class Tally:
+    schedules: int = 0
+    saves: int = 0
+    faults: collections.Counter = field(default_factory=collections.Counter)
+    told: collections.Counter = field(default_factory=collections.Counter)
+
+    def __str__(self) -> str:
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
+        told = ", ".join(f"{k} {v}" for k, v in sorted(self.told.items()))
+        return f"{self.schedules} schedules, {self.saves} saves; faults: {faults}; wait()/commit() told: {told}"
+
+
+class Node:
+    """One node: a root (a small loop-mounted file system where we may mount), a daemon and a trainer."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.mount: Path | None = None
+        self.root = self._make_root()
+        self.faults = tuple(k for k in FAULTS if self.mount is not None or k not in NEEDS_ROOT)
+        self.factory = DaemonFactory(tmp)
+        self.daemon = self.factory.start(storage={"roots": [str(self.root)], "keep_last": KEEP_LAST}, **DAEMON)
+        self.trainers = 0
+        self.trainer = self._new_trainer()
+        self.step = 0
+        self.tally = Tally()
+
+    def _make_root(self) -> Path:
+        if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+            root = self.tmp / "ckpt"
+            root.mkdir()
+            return root
+        img, mnt = self.tmp / "fs.img", self.tmp / "mnt"
+        mnt.mkdir()
+        with img.open("wb") as f:
+            f.truncate(160 << 20)
+        if sh("mkfs.ext4", "-q", "-F", "-m", "0", img).returncode or sh("mount", "-o", "loop", img, mnt).returncode:
+            root = self.tmp / "ckpt"
+            root.mkdir()
+            return root
+        self.mount = mnt
+        (mnt / "ckpt").mkdir()
+        return mnt / "ckpt"
+
+    def close(self) -> None:
+        self.trainer.kill()
+        self.daemon.proc.send_signal(signal.SIGCONT)
+        self.factory.stop_all()
+        if self.mount is not None:
+            for _ in range(4):
+                if not os.path.ismount(self.mount) or sh("umount", self.mount).returncode == 0:
+                    continue
+                sh("umount", "-l", self.mount)
+
+    def _new_trainer(self) -> Trainer:
+        self.trainers += 1
+        return Trainer(self.tmp / f"trainer{self.trainers}.log")
+
+    def _restart_daemon(self) -> None:
+        self.daemon = self.factory.start(storage={"roots": [str(self.root)], "keep_last": KEEP_LAST},
+                                         endpoint=self.daemon.endpoint, **DAEMON)
+
+    def _connect(self, fallback: str | None) -> None:
+        self.trainer.call(op="client", endpoint=self.daemon.endpoint, fallback=fallback, liveness=LIVENESS)
+
+    # -- one schedule -------------------------------------------------------------------------------------
+
+    def run(self, schedule: Schedule) -> None:
+        """Run ``schedule`` in its own run folder, settle, check I1-I5, and remove the run folder if they hold."""
+        run = self.root / f"s{schedule.seed}-{self.step + 1}"  # a replay of the seed gets a folder of its own
+        run.mkdir()
+        logs = [self.trainer]
+        seen = len(self.trainer.events())  # the carried-over trainer's lines of earlier schedules
+        saved: dict[int, Save] = {}
+        killed_daemon = False
+        self._connect(schedule.fallback)
+        for save in schedule.saves:
+            self.step += 1
+            saved[self.step] = save
+            self.tally.faults[save.fault] += 1
+            killed_daemon |= save.fault == "kill_daemon"
+            with self._fault(save, run):
+                reply = self.trainer.call(op="save", step=self.step, tag=save.tag, folder=str(run / save.folder_tag),
+                                          names=list(save.names))
+            if reply is None or self.trainer.proc.poll() is not None:  # killed: a new trainer takes over
+                self.trainer.kill()
+                self.trainer = self._new_trainer()
+                logs.append(self.trainer)
+                self._connect(schedule.fallback)
+            elif save.fault == "kill_daemon":
+                self._connect(schedule.fallback)  # the new daemon does not know the old client
+        self.trainer.call(op="close")
+        if any(s.fault == "read_only" for s in schedule.saves):
+            # A temporary file a read-only folder kept the daemon from removing is the next daemon's to remove (I5).
+            self.daemon.stop()
+            self._restart_daemon()
+            killed_daemon = True
+        events = logs[0].events()[seen:] + [e for t in logs[1:] for e in t.events()]
+        self.tally.schedules += 1
+        self.tally.saves += len(saved)
+        self.tally.told.update(e["outcome"].split(":")[0] for e in events if "outcome" in e)
+        try:
+            self._settle(killed_daemon)
+            check(run, saved, events)
+        except Violation:  # the run folder stays for a look, with what the trainer was told
+            run.with_suffix(".log").write_text("".join(json.dumps(e) + "\n" for e in events))
+            raise
+        shutil.rmtree(run)
+
+    @contextlib.contextmanager
+    def _fault(self, save: Save, run: Path) -> Iterator[None]:
+        """Inject ``save.fault`` around the trainer's save (timed faults on a thread, ``delay`` s in)."""
+        if save.fault == "disk_full":
+            with self._full():
+                yield
+                self.trainer.call(op="drain", timeout=30)  # the commit meets the full disk too
+            return
+        if save.fault == "read_only":
+            with self._read_only(run):
+                yield
+                self.trainer.call(op="drain", timeout=30)
+            return
+        if save.fault == "clock_step":
+            shift_a_marker(run, random.Random(save.delay))
+        timed = {"stall": self._stall, "kill_daemon": self._kill_daemon, "kill_trainer": self.trainer.kill}.get(save.fault)
+        if timed is None:
+            yield
+            return
+        hit = threading.Timer(save.delay, timed)
+        hit.start()
+        try:
+            yield
+        finally:
+            hit.join()
+
+    def _stall(self) -> None:
+        self.daemon.proc.send_signal(signal.SIGSTOP)
+        time.sleep(LIVENESS + 0.4)
+        self.daemon.proc.send_signal(signal.SIGCONT)
+
+    def _kill_daemon(self) -> None:
+        self.daemon.proc.kill()
+        self.daemon.proc.wait(30)
+        self._restart_daemon()
+
+    @contextlib.contextmanager
+    def _full(self) -> Iterator[None]:
+        filler = self.root.parent / "filler"
+        st = os.statvfs(self.root)
+        with filler.open("wb") as f:
+            os.posix_fallocate(f.fileno(), 0, max(st.f_bavail * st.f_frsize - (256 << 10), 4096))
+        try:
+            yield
+        finally:
+            filler.unlink()
+
+    @contextlib.contextmanager
+    def _read_only(self, run: Path) -> Iterator[None]:
+        assert sh("mount", "--bind", run, run).returncode == 0
+        try:
+            assert sh("mount", "-o", "remount,bind,ro", run).returncode == 0
+            yield
+        finally:
+            for _ in range(100):  # busy while the daemon has a file open there
+                if sh("umount", run).returncode == 0:
+                    break
+                time.sleep(0.1)
+            else:
+                sh("umount", "-l", run)
+
+    def _settle(self, restarted: bool) -> None:
+        """Wait until the daemon has nothing pending, has let every trainer go (the schedule's clients closed
+        or were killed) and, after a restart, has finished its recovery."""
+        status: dict[str, Any] = {}
+        for _ in range(1200):
+            status = daemon_status(self.daemon.endpoint, timeout=30)
+            if (not status["pending"] and not status["commits_pending"] and not status["clients"]
+                    and (not restarted or status["daemon"]["leftovers_removed"] is not None)):
+                return
+            time.sleep(0.05)
+        raise Violation(f"the daemon never settled: {status.get('snapshots')}")
+
+
+def shift_a_marker(run: Path, rng: random.Random) -> None:
+    """Rewrite one committed marker of ``run`` as a node whose clock was an hour ahead or behind would have."""
+    paths = marker_paths(str(run), 1)
+    if not paths:
+        return
+    path = Path(rng.choice(paths))
+    marker = json.loads(path.read_text())
+    shift = rng.choice((-1, 1)) * CLOCK_STEP_NS
+    marker["requested_ns"] += shift
+    marker["committed_ns"] += shift
+    path.write_text(json.dumps(marker))
+
+
+def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> None:
+    """I1-I5 on ``run`` once the daemon has settled, against what the trainer was told.
+
+    Every element of a save holds its step; the trainer writes ``-step`` right after ``wait()``.
+    - I1: every file a marker lists verifies and holds one step, the same in every file of
+      the tag, a step saved under that tag with exactly those files.
+    - I3: that step's ``wait()`` did not raise (unavailable or refused): a snapshot the
+      trainer gave up on, or that was refused, never appears.
+    - I2: a tag whose ``commit()`` resolved holds that step or a later one of its own, unless
+      ``keep_last`` newer tags stand; every marker that is there is readable and its files whole.
+    - I4: ``latest()`` names the tag the trainer committed last of those there (by the order of
+      its commits, never a clock) and holds a step at least the newest confirmed one; the
+      ``latest`` tracker names a committed tag.
+    - I5: no temporary file and no staging folder is left once the daemon has settled.
+    """
+    told = {(e["step"], e["event"]): e.get("outcome") for e in events}
+    committed: dict[str, int] = {}
+    for path in marker_paths(str(run), 1):
+        marker = CommitMarker.read(path)
+        if marker is None or read_marker(path) is None:
+            raise Violation(f"{path}: a marker that is torn or whose files changed size after commit")
+        steps = {step_of(Path(path).parent / f.path) for f in marker.files}
+        if len(steps) != 1:
+            raise Violation(f"I1: tag {marker.tag} mixes steps {sorted(steps)} across its files")
+        step = steps.pop()
+        save = saved.get(step)
+        if save is None or save.tag != marker.tag or sorted(f.path for f in marker.files) != sorted(save.names):
+            raise Violation(f"I1: tag {marker.tag} holds step {step} ({[f.path for f in marker.files]}), "
+                            f"which was saved as {save}")
+        wait = told.get((step, "wait"))
+        if wait is not None and wait not in ("ok", "local"):
+            raise Violation(f"I3: tag {marker.tag} holds step {step}, whose wait() told the trainer {wait!r}")
+        committed[marker.tag] = step
+    confirmed = {s: saved[s].tag for s in saved if told.get((s, "commit")) == "ok"}
+    for step, tag in sorted(confirmed.items()):
+        mine = committed.get(tag)
+        if mine is not None and mine >= max(s for s, t in confirmed.items() if t == tag):
+            continue
+        newer = [t for t, s in committed.items() if s > step]
+        if mine is None and len(newer) >= KEEP_LAST:
+            continue
+        raise Violation(f"I2: commit() of tag {tag} at step {step} resolved, but the tag now holds "
+                        f"{'nothing' if mine is None else f'step {mine}'} (tags there: {committed})")
+    latest = datastates.latest(run)
+    if committed:
+        expected = max(committed, key=committed.__getitem__)
+        if latest != expected:
+            raise Violation(f"I4: latest() names {latest}, but the last commit there is {expected} ({committed})")
+        if confirmed and committed[latest] < max(confirmed):
+            raise Violation(f"I4: latest() holds step {committed[latest]}, older than confirmed step {max(confirmed)}")
+    elif latest is not None:
+        raise Violation(f"I4: latest() names {latest}, which has no marker")
+    tracker = run / TRACKER
+    if tracker.exists() and tracker.read_text() not in committed:
+        raise Violation(f"I4: the tracker names {tracker.read_text()!r}, not a committed tag ({committed})")
+    left = [p for p in run.rglob("*") if p.name.endswith(TEMP_SUFFIX) or p.name.startswith(".")]
+    if left:
+        raise Violation(f"I5: left behind once the daemon settled: {[str(p) for p in left]}")
+
+
+def step_of(path: Path) -> int:
+    """The one step ``path`` holds in every element, after a full verify; a Violation if it holds more."""
+    try:
+        verify(path)
+        state = datastates.load(path)
+    except Exception as exc:  # noqa: BLE001 - any failure to read a committed file is the finding
+        raise Violation(f"I1: committed file {path} does not load: {exc}") from exc
+    values = set(state["w"].unique().tolist()) | set(state["i"].unique().tolist()) | {state["step"]}
+    if len(values) != 1:
+        raise Violation(f"I1: {path} mixes values {sorted(values)}: a snapshot torn by the trainer's next step")
+    return int(values.pop())
+
+
+def shortest(node: Node, schedule: Schedule, attempts: int = 12) -> Schedule:
+    """The smallest schedule of the same seed found to still fail, removing one save at a time."""
+    best = schedule
+    for _ in range(attempts):
+        for i in range(len(best.saves)):
+            smaller = best.without(i)
+            if not smaller.saves:
+                continue
+            try:
+                node.run(smaller)
+            except Violation:
+                best = smaller
+                break
+        else:
+            return best
+    return best
+
