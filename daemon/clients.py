@@ -83,7 +83,10 @@ class ClientRecord:
             self._by_name.clear()
 
     def gone(self, timeout: float) -> bool:
-        """A watched pid that exited (or was reused); otherwise no message, not even a heartbeat, for ``timeout`` s."""
+        """A client that said it left for good (protocol/outcome.py), a watched pid that exited (or was reused);
+        otherwise no message, not even a heartbeat, for ``timeout`` s."""
+        if self.decisions and outcome.has_left(self.decisions):
+            return True
         if self.started is not None:
             return process_start(self.pid) != self.started
         return time.monotonic() - self.seen > timeout

@@ -76,6 +76,22 @@ def decide(folder: str, ticket: str, outcome: str) -> str:
         return outcome
 
 
+LEFT = "left"
+"""A name no ticket takes (tickets are decimal): the client's word that it will never talk to this daemon again."""
+
+
+def leave(folder: str) -> None:
+    """Say, where a stalled daemon finds it on resuming, that this client went on without it (its local fallback)."""
+    try:
+        os.symlink(LEFT, os.path.join(folder, LEFT))
+    except (FileExistsError, FileNotFoundError):  # said already, or no daemon ever had the folder
+        pass
+
+
+def has_left(folder: str) -> bool:
+    return os.path.lexists(os.path.join(folder, LEFT))
+
+
 def forget(folder: str, ticket: str) -> None:
     """Drop a ``copied`` decision the client has heard of: it will never give up on that snapshot."""
     try:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -12,9 +14,9 @@ import torch
 import datastates
 from datastates.client import Client
 from datastates.protocol.errors import CommitError, SnapshotFailedError
-from datastates.protocol.format import marker_name
+from datastates.protocol.format import MEGATRON_TRACKER, TRACKER, marker_name
 
-from conftest import DaemonProc, assert_state_equal, save, temp_files
+from conftest import DaemonProc, assert_state_equal, read_only, save, sh, temp_files
 
 
 @pytest.fixture
@@ -175,3 +177,77 @@ def test_trainer_can_checkpoint_again_after_a_failed_snapshot(client: Client, da
     client.commit("global_step9").result(timeout=120)
     assert_state_equal(state, datastates.load(path))
     assert datastates.latest(daemon.root) == "global_step9"
+
+
+def snapshot_entry(client: Client, path: Path) -> dict[str, Any]:
+    """The daemon's status entry of the one snapshot of ``path``."""
+    (entry,) = [s for s in client.status()["snapshots"] if s["path"] == str(path)]
+    return entry
+
+
+def wait_durable(client: Client, path: Path) -> None:
+    """Poll status until the snapshot of ``path`` is durable (a hang guard, not a timed assertion)."""
+    for _ in range(2400):
+        entry = snapshot_entry(client, path)
+        if entry["state"] == "durable":
+            return
+        assert entry["state"] != "failed", entry
+        time.sleep(0.05)
+    raise AssertionError(f"the snapshot of {path} never became durable")
+
+
+def test_the_trackers_never_name_a_tag_whose_marker_failed(client: Client, daemon: DaemonProc) -> None:
+    """The marker commits a tag, so the trackers follow it: when the marker cannot be written (the tag folder is
+    read-only) but the trackers could be (their folder is not), both trackers still name the previous tag."""
+    root = daemon.root
+    save(client, shard(1, 1), root / "iter_0000001" / "model_states.pt")
+    path = root / "iter_0000002" / "model_states.pt"
+    client.snapshot(shard(2, 1), path)
+    client.wait()
+    wait_durable(client, path)
+    with read_only(path.parent):
+        with pytest.raises(CommitError, match="read-only file system") as not_committed:
+            client.commit("iter_0000002").result(timeout=60)
+        assert marker_name("iter_0000002") in not_committed.value.message
+        named = ((root / TRACKER).read_text(), (root / MEGATRON_TRACKER).read_text())
+        assert named == ("iter_0000001", "1"), f"the trackers name a tag whose marker failed: {named}"
+        assert datastates.latest(root) == "iter_0000001"
+    client.commit("iter_0000002").result(timeout=60)  # writable again: the retry commits, trackers follow
+    assert (root / TRACKER).read_text() == "iter_0000002"
+    assert (root / MEGATRON_TRACKER).read_text() == "2"
+    assert temp_files(root) == []
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, size: str) -> Iterator[None]:
+    """``folder`` a tmpfs of ``size`` while inside: files in it run out of space, files in its parent do not."""
+    folder.mkdir(parents=True)
+    mounted = sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield
+    finally:
+        if sh("umount", folder).returncode != 0:
+            assert sh("umount", "-l", folder).returncode == 0, f"cannot unmount the tmpfs on {folder}"
+
+
+def test_commit_fails_when_a_file_cannot_become_durable_though_its_marker_could(
+        client: Client, daemon: DaemonProc) -> None:
+    """COMMIT waits for every file to be durable: one that runs out of space fails the commit, naming the file
+    and the cause, though the tag folder, where the marker goes, has room; no marker appears."""
+    root = daemon.root
+    save(client, shard(1, 1), root / "step1" / "model_states.pt")
+    shards = root / "step2" / "shards"  # the tag folder is step2: the marker goes there, outside the tmpfs
+    with small_tmpfs(shards, "1m"):
+        path = shards / "model_states.pt"
+        client.snapshot(shard(2, 8), path, tag="step2")  # 8 MiB into 1 MiB
+        with pytest.raises(CommitError) as not_committed:
+            client.commit("step2").result(timeout=120)  # asked before the write fails: the daemon must wait for it
+        assert "disk full" in not_committed.value.message and str(path) in not_committed.value.message
+        entry = snapshot_entry(client, path)
+        assert entry["state"] == "failed" and "disk full" in entry["error"]
+        assert temp_files(root) == [] and not path.exists()
+    assert not (root / "step2" / marker_name("step2")).exists()
+    assert datastates.latest(root) == "step1"
+    assert (root / TRACKER).read_text() == "step1"

@@ -24,7 +24,7 @@ import datastates
 from datastates.client import Client, daemon_status
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import CommitError
-from datastates.protocol.format import TRACKER, marker_name
+from datastates.protocol.format import TRACKER, done_name, marker_name
 
 from conftest import BIN, DaemonProc, assert_state_equal, save
 
@@ -174,6 +174,26 @@ def test_a_node_that_dies_leaves_the_tag_uncommitted(start_daemons: Callable[...
         c1.close(timeout=1)
     assert datastates.latest(n0.root) == "global_step1"
     assert not (n0.root / "global_step2" / marker_name("global_step2")).exists()
+
+
+def test_a_node_other_than_0_confirms_a_commit_only_once_node_0s_marker_exists(
+        start_daemons: Callable[..., list[DaemonProc]]) -> None:
+    """Node 1 has all its files durable and its done marker written, but node 0's rank never commits: node 1 must
+    not confirm the tag (no marker exists); it fails the commit at commit_timeout, and the tag stays uncommitted."""
+    n0, n1 = two_nodes(start_daemons, commit_timeout=1)
+    c0, c1 = rank_client(n0, 0, 2, 1, 2), rank_client(n1, 1, 2, 1, 2)
+    try:
+        for r, c in enumerate((c0, c1)):
+            c.snapshot({"w": torch.full((3,), float(r))}, n0.root / "global_step1" / f"rank{r}.pt")
+            c.wait()
+        with pytest.raises(CommitError, match="node 0 wrote no marker"):
+            c1.commit("global_step1").result(timeout=120)
+        assert (n0.root / "global_step1" / done_name("global_step1", 1)).exists()  # node 1 did its part
+    finally:
+        c0.close()
+        c1.close()
+    assert not (n0.root / "global_step1" / marker_name("global_step1")).exists()
+    assert datastates.latest(n0.root) is None
 
 
 def free_port() -> int:

@@ -47,6 +47,26 @@ def test_protect_fences_the_optimizer_step(client: Client, daemon: DaemonProc) -
     assert_state_equal(before["optimizer"], loaded["optimizer"]["state"])
 
 
+def test_wait_returns_only_once_the_daemon_holds_its_own_copy(start_daemon: Callable[..., DaemonProc]) -> None:
+    """The step taken the moment ``wait()`` returns never reaches the file.
+
+    256 MiB through an 8 MiB pool: the copy runs long after admission (each chunk waits for
+    a write), so a WAIT answered before the daemon held every byte would let the step race it.
+    """
+    d = start_daemon(host_memory="8MiB", chunk_size="4MiB")
+    one = torch.tensor(1.0).view(torch.int32).item()  # the bits of 1.0f
+    t = torch.full((64 << 20,), 1.0)
+    with Client(d.endpoint, timeout=120) as c:
+        handle = c.snapshot({"t": t}, d.root / "step1" / "model_states.pt")
+        c.wait()
+        t.fill_(2.0)  # the optimizer step, at once
+        c.commit(handle.tag).result(timeout=300)
+    loaded = datastates.load(handle.path)["t"]
+    assert loaded.shape == t.shape
+    changed = int(loaded.view(torch.int32).ne(one).sum())
+    assert changed == 0, f"{changed} of {loaded.numel()} elements in the file are not the pre-step value 1.0"
+
+
 def test_host_memory_stays_flat_over_50_checkpoints(start_daemon: Callable[..., DaemonProc]) -> None:
     """The pool is mapped once and reused: 50 checkpoints leave the daemon's RSS where 10 did."""
     d = start_daemon(host_memory="16MiB", chunk_size="1MiB")

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +24,7 @@ from datastates.client import Client, daemon_status
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import CommitError, CorruptCheckpointError, InvalidRequestError
 
-from conftest import DaemonProc, assert_state_equal
+from conftest import DaemonProc, assert_state_equal, save
 
 TRAINER = """
 import sys, time, torch
@@ -136,6 +137,29 @@ def test_memory_restore_none_turns_it_off(start_daemon: Callable[..., DaemonProc
         restored = c.restore(d.root, "rank0.pt")
     assert restored is not None and restored.source == "storage" and "memory_restore is none" in restored.why_not_memory
     assert_state_equal(expected(1), restored.state)
+
+
+def test_restore_by_tag_returns_its_committed_version_never_a_newer_uncommitted_one(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """Tag ``last`` is committed, then saved again and durable, but not committed: the daemon holds a replica of
+    each version of that one path, same tag, same size. Restoring ``last`` gives the committed version, bitwise."""
+    d = start_daemon()
+    run = d.root / "run"
+    path = run / "last" / "rank0.pt"
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, expected(1), path, tag="last")
+        newer = c.snapshot(expected(2), path, tag="last")
+        c.wait()
+        for _ in range(2400):  # a hang guard: until the new version and its replica are written
+            if next(j for j in c.status()["snapshots"] if j["id"] == newer.id)["state"] == "durable":
+                break
+            time.sleep(0.05)
+        held = [(r["tag"], r["committed"], r["size"]) for r in c.status()["replicas"]["replicas"] if r["path"] == str(path)]
+        assert sorted(held) == [("last", False, held[0][2]), ("last", True, held[0][2])], held  # the case under test
+        restored = c.restore(run, "rank0.pt", tag="last")
+    assert restored is not None and (restored.tag, restored.source) == ("last", "memory"), restored
+    assert_state_equal(expected(1), restored.state)
+    assert_state_equal(expected(1), datastates.load(path))  # storage too still holds the committed version
 
 
 def test_restore_refusals_are_clear(start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:

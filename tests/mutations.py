@@ -1,0 +1,292 @@
+"""Mutation check (issue 13, "the suite must be able to fail"): each deliberate bug must fail a test named for it.
+
+Not part of the pytest run (its name does not match ``test_*.py``); run it on demand::
+
+    .venv/bin/python tests/mutations.py                       # every mutation, then the table
+    .venv/bin/python tests/mutations.py wait-at-admission     # one mutation (or several) by name
+    .venv/bin/python tests/mutations.py --list                # the names and what each breaks
+    .venv/bin/python tests/mutations.py --no-baseline ...     # skip the unmutated run of the tests first
+
+For each mutation it copies the working tree (tracked files and untracked ones git does
+not ignore) into a temporary folder, applies one small textual bug there (each
+replacement must match exactly once, so the script breaks loudly when the code moves),
+and runs the tests that must catch it against that copy. The copy is what gets imported,
+by pytest and by every ``datastatesd`` and trainer the tests spawn: ``PYTHONPATH`` points
+at the copy, whose ``datastates/`` folder links the installed layout (``protocol/``,
+``client/``, ``daemon/``), so the path finder resolves every ``datastates.*`` module there
+before the editable install's finder is asked. A mutation is caught when its tests fail
+(pytest exit status 1); the table lists each one, and the exit status is 1 if any survives.
+
+First, unless ``--no-baseline``, the same tests run on an unmutated copy: they must pass
+there, or a failure under a mutation would prove nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = Path(sys.executable)
+RUN_TIMEOUT_S = 1800
+"""A mutation whose tests hang past this is reported as such (pytest-timeout normally fails them first)."""
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace ``old`` by ``new`` in ``path`` (relative to the repository); ``old`` must occur exactly once."""
+
+    path: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]
+    """pytest node ids, relative to the repository, that must fail under this mutation."""
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "wait-at-admission",
+        "WAIT is answered at admission, before any byte is copied",
+        (Edit("daemon/server.py",
+              "        results = await asyncio.gather(*(j.copied for j in jobs), return_exceptions=True)\n",
+              "        results = [None for _ in jobs]  # MUTATION: answered before the copy\n"),),
+        ("tests/test_pipeline.py::test_wait_returns_only_once_the_daemon_holds_its_own_copy",),
+    ),
+    Mutation(
+        "no-fsync",
+        "no fsync of data files or folders",
+        (Edit("protocol/fileio.py",
+              "    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)\n    try:\n        os.fsync(fd)\n",
+              "    return  # MUTATION: no folder fsync\n    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)\n"
+              "    try:\n        os.fsync(fd)\n"),
+         Edit("daemon/storage/posix.py",
+              "            os.fsync(handle.fd)\n",
+              "            pass  # MUTATION: no file fsync\n")),
+        ("tests/faults/test_power_loss.py",),
+    ),
+    Mutation(
+        "write-in-place",
+        "data written in place under its final name (no temporary name, no rename)",
+        (Edit("daemon/storage/posix.py",
+              "        temp = temp_path(path, f\"{self.owner}-{token}\")\n"
+              "        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW\n",
+              "        temp = path  # MUTATION: written under the final name\n"
+              "        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW\n"),),
+        ("tests/faults/test_kill_daemon.py::test_kill9_while_a_file_is_half_written_leaves_nothing_partial_under_its_final_name",
+         "tests/faults/test_kill_daemon.py::test_kill9_mid_flush_leaves_no_partial_file_under_a_final_name"),
+    ),
+    Mutation(
+        "tracker-before-marker",
+        "the `latest` trackers written before the commit marker",
+        (Edit("daemon/commit.py",
+              "        if staging is None:\n            await self._write(path, marker.encode(), tag)\n",
+              "        if staging is None:\n"
+              "            if os.path.basename(folder) == tag and any(within(os.path.dirname(folder), r) for r in self._roots):\n"
+              "                for tracker, data in trackers(tag, folder).items():  # MUTATION: trackers first\n"
+              "                    await self._write(tracker, data, tag)\n"
+              "            await self._write(path, marker.encode(), tag)\n"),),
+        ("tests/test_commit.py::test_the_trackers_never_name_a_tag_whose_marker_failed",
+         "tests/faults/test_kill_daemon.py::test_kill9_mid_flush_leaves_no_partial_file_under_a_final_name"),
+    ),
+    Mutation(
+        "commit-before-durable",
+        "COMMIT writes the marker without waiting for the files to be durable",
+        (Edit("daemon/commit.py",
+              "        results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)\n",
+              "        results = [None for _ in jobs]  # MUTATION: no wait for durable files\n"),),
+        ("tests/test_commit.py::test_commit_fails_when_a_file_cannot_become_durable_though_its_marker_could",),
+    ),
+    Mutation(
+        "restore-by-path",
+        "restore looks a replica up by path, ignoring the tag and the committed state",
+        (Edit("daemon/replicas.py",
+              "        match = [r for r in found if r.tag == tag and r.committed and r.size == size and os.path.exists(r.file)]\n",
+              "        match = [r for r in found if r.size == size and os.path.exists(r.file)]  # MUTATION: by path\n"),),
+        ("tests/test_restore.py::test_restore_by_tag_returns_its_committed_version_never_a_newer_uncommitted_one",),
+    ),
+    Mutation(
+        "node-commits-without-node0",
+        "a node other than node 0 answers COMMIT without waiting for node 0's marker",
+        (Edit("daemon/commit.py",
+              "            return await self._await_global(tag, folder, mine.committed_ns)\n",
+              "            return m.Committed(tag=tag, marker=os.path.join(folder, marker_name(tag)), files=list(files))"
+              "  # MUTATION\n"),),
+        ("tests/test_multirank.py::test_a_node_other_than_0_confirms_a_commit_only_once_node_0s_marker_exists",),
+    ),
+)
+
+
+def working_tree_files() -> list[str]:
+    """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                         capture_output=True, check=True).stdout.decode()
+    return sorted(p for p in set(out.split("\0")) if p and (REPO / p).is_file())
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree copied to ``dest``, with ``dest/datastates`` linking the installed package layout."""
+    for rel in working_tree_files():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, target)
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(package_dir.items(), key=lambda kv: kv[0].count(".")):
+        where = dest.joinpath(*package.split("."))
+        if where.resolve() == (dest / folder).resolve():
+            continue  # already there, through its parent's link
+        assert not where.exists(), f"{where} exists and is not {folder}: cannot link the package layout"
+        where.symlink_to(os.path.relpath(dest / folder, where.parent), target_is_directory=True)
+
+
+def environment(tree: Path) -> dict[str, str]:
+    """The environment of the test run: the copy first on every process's import path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(tree)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_imports(tree: Path) -> None:
+    """Fail unless the trainer side and ``datastatesd`` both import the copy, from any working folder."""
+    env = environment(tree)
+    probe = ("import importlib.util as u; print('\\n'.join(u.find_spec(n).origin for n in "
+             "('datastates', 'datastates.protocol.fileio', 'datastates.client.client', 'datastates.daemon.commit', "
+             "'datastates.daemon.storage.posix')))")
+    for cwd in (tree, Path("/")):
+        origins = subprocess.run([str(PYTHON), "-c", probe], cwd=cwd, env=env, capture_output=True, text=True,
+                                 check=True).stdout.split()
+        outside = [o for o in origins if not Path(o).resolve().is_relative_to(tree.resolve())]
+        assert not outside, f"imported from outside the copy (cwd {cwd}): {outside}"
+    daemon = subprocess.run([str(PYTHON.parent / "datastatesd"), "--help"], cwd="/", capture_output=True, text=True,
+                            env={**env, "PYTHONVERBOSE": "1"}, timeout=120)
+    loaded = [line for line in daemon.stderr.splitlines() if "main.py" in line and "daemon" in line]
+    assert daemon.returncode == 0 and loaded, f"datastatesd --help failed: {daemon.stderr[-2000:]}"
+    assert all(str(tree) in line for line in loaded), f"datastatesd imported its main module elsewhere: {loaded}"
+
+
+def apply(tree: Path, edits: tuple[Edit, ...]) -> None:
+    for edit in edits:
+        path = tree / edit.path
+        text = path.read_text()
+        found = text.count(edit.old)
+        if found != 1:
+            raise SystemExit(f"mutation edit of {edit.path}: the text to replace occurs {found} times, not once; "
+                             f"the code moved, update tests/mutations.py:\n{edit.old}")
+        path.write_text(text.replace(edit.old, edit.new))
+
+
+@dataclass
+class Outcome:
+    caught: bool
+    verdict: str
+    seconds: float
+    tail: str = ""
+
+
+def run_tests(tree: Path, tests: tuple[str, ...], extra: list[str]) -> Outcome:
+    """Run ``tests`` in ``tree``; caught means pytest reported failed tests (exit status 1)."""
+    present = [t for t in tests if (tree / t.split("::")[0]).is_file()]
+    if not present:
+        return Outcome(False, "no test: " + ", ".join(t.split("::")[0] for t in tests) + " missing", 0.0)
+    start = time.monotonic()
+    cmd = [str(PYTHON), "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", *extra, *present]
+    try:
+        run = subprocess.run(cmd, cwd=tree, env=environment(tree), capture_output=True, text=True,
+                             timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return Outcome(True, f"caught (hung past {RUN_TIMEOUT_S} s)", time.monotonic() - start)
+    seconds = time.monotonic() - start
+    tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-25:])
+    if run.returncode == 0:
+        verdict = "SURVIVED" + (f" (only {len(present)} of {len(tests)} tests exist)" if len(present) < len(tests) else "")
+        return Outcome(False, verdict, seconds, tail)
+    if run.returncode == 1:
+        failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED ")]
+        return Outcome(True, "caught", seconds, "\n".join(failed) or tail)
+    return Outcome(False, f"ERROR (pytest exit {run.returncode})", seconds, tail)
+
+
+def table(rows: list[tuple[Mutation, Outcome]]) -> str:
+    head = ("mutation", "test(s) expected to catch it", "caught?")
+    lines = [(m.name, ", ".join(t.split("/")[-1] for t in m.tests), f"{o.verdict} ({o.seconds:.0f} s)")
+             for m, o in rows]
+    widths = [max(len(r[i]) for r in [head, *lines]) for i in range(3)]
+    fmt = "| " + " | ".join(f"{{:{w}}}" for w in widths) + " |"
+    out = [fmt.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [fmt.format(*r) for r in lines]
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip running the tests on an unmutated copy first")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies (their paths are printed)")
+    parser.add_argument("--pytest-arg", action="append", default=[], help="passed on to pytest (repeatable), e.g. --long")
+    args = parser.parse_args()
+    by_name = {m.name: m for m in MUTATIONS}
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:28} {m.what}\n{'':28} caught by: {', '.join(m.tests)}")
+        return 0
+    unknown = [n for n in args.names if n not in by_name]
+    if unknown:
+        parser.error(f"unknown mutation(s) {unknown}; known: {sorted(by_name)}")
+    chosen = [by_name[n] for n in args.names] or list(MUTATIONS)
+
+    work = Path(tempfile.mkdtemp(prefix="ds-mutations-"))
+    try:
+        if not args.no_baseline:
+            tree = work / "baseline"
+            copy_tree(tree)
+            check_imports(tree)
+            tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            print(f"baseline: the tests on an unmutated copy ({tree}) ...", flush=True)
+            base = run_tests(tree, tests, args.pytest_arg)
+            if base.caught or base.verdict.startswith("ERROR"):
+                print(f"baseline FAILED ({base.verdict}): the tests fail without any mutation\n{base.tail}")
+                return 2
+            print(f"baseline passed ({base.seconds:.0f} s)", flush=True)
+        rows = []
+        for m in chosen:
+            tree = work / m.name
+            copy_tree(tree)
+            apply(tree, m.edits)
+            check_imports(tree)
+            print(f"{m.name}: {m.what} ...", flush=True)
+            outcome = run_tests(tree, m.tests, args.pytest_arg)
+            print(f"  {outcome.verdict} ({outcome.seconds:.0f} s)", flush=True)
+            if outcome.tail:
+                print("  " + outcome.tail.replace("\n", "\n  "), flush=True)
+            rows.append((m, outcome))
+        print()
+        print(table(rows))
+        survived = [m.name for m, o in rows if not o.caught]
+        if survived:
+            print(f"\n{len(survived)} mutation(s) not caught: {', '.join(survived)}")
+        return 1 if survived else 0
+    finally:
+        if args.keep:
+            print(f"copies kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
