@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -72,6 +73,17 @@ class SnapshotHandle:
         return self.ack.result().skipped
 
 
+def _settle(caller: Future, reply: Future) -> None:
+    """``caller`` resolved as ``reply`` was, once."""
+    if caller.done():
+        return
+    exc = reply.exception()
+    if exc is None:
+        caller.set_result(reply.result())
+    else:
+        caller.set_exception(exc)
+
+
 def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
@@ -113,6 +125,12 @@ class Client:
         self._local: Any = None
         """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
+        self._commits: list[tuple[str, Future, Future]] = []
+        """COMMITs the daemon has not answered: (tag, the caller's future, the daemon's reply). With the local
+        fallback, a tag whose snapshots ``wait()`` saves again locally is committed locally instead."""
+        self._commits_lock = threading.Lock()
+        self._waiting = False
+        """Whether ``wait()`` runs: a COMMIT the lost daemon fails meanwhile may be one it commits locally."""
         """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
         self._tickets = itertools.count(1)
         self._decisions = outcome.make_folder()
@@ -184,6 +202,8 @@ class Client:
         if not self._uncopied:
             return
         pending = list(self._uncopied)
+        saved: set[str] = set()
+        self._waiting = True
         try:
             self._wait_daemon(pending, timeout)
         except DaemonUnavailable as exc:
@@ -191,8 +211,13 @@ class Client:
                 local = self._go_local(exc)
                 for _ack, msg, cap in pending:  # unchanged since snapshot(): this is the fence
                     local.save(msg, cap.storages)
+                saved = {msg.tag for _, msg, _ in pending}
             if self._uncopied and self._uncopied[0] is pending[0]:
                 del self._uncopied[: len(pending)]
+        finally:
+            self._waiting = False
+            if self._commits:
+                self._commit_locally(saved)
 
     def _give_up(self, pending: list[tuple[Future, m.Snapshot, Capture]], exc: DaemonUnavailable) -> list[str]:
         """Claim every snapshot in ``pending`` abandoned; the paths of those the daemon had not claimed copied first.
@@ -252,7 +277,40 @@ class Client:
         check_tag(tag)
         if self._local is not None:
             return _done(self._local.commit(tag))
-        return self._conn.request(m.Commit(tag=tag))
+        reply, caller = self._conn.request(m.Commit(tag=tag)), Future()
+        with self._commits_lock:
+            self._commits.append((tag, caller, reply))
+        reply.add_done_callback(lambda _: self._answer(tag, caller, reply))
+        return caller
+
+    def _answer(self, tag: str, caller: Future, reply: Future) -> None:
+        """Pass the daemon's reply on, unless the daemon went away while snapshots of ``tag`` were not yet
+        copied and the local fallback is on: then ``wait()`` saves them again and commits ``tag`` locally."""
+        exc = reply.exception()
+        if isinstance(exc, DaemonUnavailable) and self.fallback == "local" and (
+                self._waiting or any(msg.tag == tag for _, msg, _ in list(self._uncopied))):
+            return
+        with self._commits_lock:
+            self._commits = [c for c in self._commits if c[1] is not caller]
+        _settle(caller, reply)
+
+    def _commit_locally(self, tags: set[str]) -> None:
+        """Answer the COMMITs the daemon never will: locally for ``tags`` (saved again), as it failed for others."""
+        with self._commits_lock:
+            waiting, self._commits = self._commits, []
+        for tag, caller, reply in waiting:
+            if caller.done():
+                continue
+            if tag in tags:  # its snapshots the daemon never copied are now saved here: the tag is ours to commit
+                try:
+                    caller.set_result(self._local.commit(tag))
+                except DatastatesError as exc:
+                    caller.set_exception(exc)
+            elif reply.done():
+                _settle(caller, reply)
+            else:  # the lost connection fails it in a moment; ``_answer`` passes that on
+                with self._commits_lock:
+                    self._commits.append((tag, caller, reply))
 
     def restore(self, root: str | os.PathLike, name: str, tag: str | None = None,
                 map_location: MapLocation = None) -> Restored | None:

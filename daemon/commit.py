@@ -157,6 +157,8 @@ class CommitLedger:
         self._timeout = timeout
         self._listeners: list[CommitListener] = []
         self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
+        self._committing: dict[tuple[str, str], list[SnapshotJob]] = {}
+        """Snapshots whose COMMIT is under way, until it is answered."""
         self._failed: dict[tuple[str, str], list[SnapshotJob]] = {}
         """Snapshots of a commit that failed: a commit with no new snapshot of the tag retries them (see ``commit``)."""
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
@@ -175,15 +177,23 @@ class CommitLedger:
     def subscribe(self, listener: CommitListener) -> None:
         self._listeners.append(listener)
 
-    def check_owner(self, path: str, client_id: str, alive: Callable[[str], bool]) -> None:
-        """Refuse ``path`` while a live client's uncommitted snapshot of it is open: one of the two states would be lost.
-
-        A client that is gone (a killed trainer whose restart saves the same step) holds nothing.
+    def check_owner(self, path: str, client_id: str, tag: str, alive: Callable[[str], bool]) -> None:
+        """Refuse ``path`` while another tag, or another live client, holds an uncommitted snapshot of it (open,
+        being committed, or kept for a retry): one of the two states would be lost, or a tag's marker would name
+        the other's bytes once its commit lands. A client that is gone (a killed trainer whose restart saves the
+        same step) holds nothing.
         """
-        for (other, tag), jobs in list(self._open.items()):
-            if other != client_id and any(j.path == path for j in jobs) and alive(other):
-                raise PathNotAllowedError(f"path {path!r} refused: client {other} is saving it for tag {tag!r}, not yet "
-                                          "committed; two clients must not write one file", path=path)
+        for table in (self._open, self._committing, self._failed):
+            for (other, held), jobs in list(table.items()):
+                if not any(j.path == path for j in jobs):
+                    continue
+                if other != client_id and alive(other):
+                    raise PathNotAllowedError(f"path {path!r} refused: client {other} is saving it for tag {held!r}, "
+                                              "not yet committed; two clients must not write one file", path=path)
+                if other == client_id and held != tag:
+                    raise PathNotAllowedError(f"path {path!r} refused: this client is saving it for tag {held!r}, "
+                                              f"not yet committed; a file belongs to one tag (save {tag!r} elsewhere)",
+                                              path=path)
 
     def add(self, job: SnapshotJob) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
@@ -228,16 +238,19 @@ class CommitLedger:
             if skipped:
                 raise SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({skipped})", tag=tag)
             raise CommitError(f"tag {tag!r} not committed: one of its snapshots was refused: {refused}", tag=tag)
-        jobs = await self._supersede(client_id, tag, self._open.pop(key, None) or [])
+        jobs = self._committing[key] = self._open.pop(key, None) or []
         requested_ns = time.time_ns()
         self.pending += 1
         try:
+            jobs = self._committing[key] = await self._supersede(client_id, tag, jobs)
             sequence = await self._next_sequence(tag, jobs)
             if ranks.world_size == 1:
                 return await self._commit_alone(client_id, tag, jobs, requested_ns, sequence)
             return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns, sequence)
         finally:
             self.pending -= 1
+            if self._committing.get(key) is jobs:  # answered: committed (its marker lists them) or kept for a retry
+                del self._committing[key]
 
     async def _supersede(self, client_id: str, tag: str, jobs: list[SnapshotJob]) -> list[SnapshotJob]:
         """The snapshots a commit covers: the new ones of its tag, else those of its last failed commit (a retry).
@@ -380,7 +393,11 @@ class CommitLedger:
         mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank, commit.snapshots)
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
-            return await self._await_global(tag, folder, mine.committed_ns)
+            try:
+                return await self._await_global(tag, folder, mine.committed_ns)
+            except CommitError:  # this node's ranks are told the tag failed: node 0 must not commit it later
+                await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, ranks.node_rank)))
+                raise
         everyone, snapshots = await self._gather(tag, folder, nodes)
         committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, sequence, nodes,
                                                                     snapshots=snapshots), folder, order)

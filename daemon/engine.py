@@ -18,6 +18,7 @@ from typing import Any, Callable
 from datastates.protocol.errors import DatastatesError, SnapshotFailedError
 
 from .copier import copy_piece
+from .instances import Gone
 from .job import SnapshotJob
 from .memory import HostPool
 from datastates.protocol.layout import Piece
@@ -44,7 +45,7 @@ class Engine:
             self._writers[cls] = cls(direct_io=self._direct_io, owner=self._owner)
         return self._writers[cls]
 
-    async def remove_leftovers(self, roots: list[str], gone: Callable[[str], bool]) -> list[str]:
+    async def remove_leftovers(self, roots: list[str], gone: Gone) -> list[str]:
         """What killed daemons of this node (``gone`` owners) left half-written under the roots, deleted."""
         removed: list[str] = []
         for root in roots:

@@ -19,6 +19,7 @@ import re
 import secrets
 import socket
 import time
+from typing import Callable
 
 from datastates.protocol.paths import SHM_DIR
 
@@ -28,6 +29,21 @@ OWNER_RE = re.compile(r"[0-9a-f]{16}")
 
 FORGET_AFTER_S = 7 * 86400
 """A dead writer's lock file whose roots no later daemon covered goes after this long (its leftovers then stay)."""
+
+
+Gone = Callable[[str, str], bool]
+"""(owner tag, a path that writer left) → whether that writer is dead: ``Instance.gone``."""
+
+
+def _before_boot(path: str) -> bool:
+    """Whether ``path`` last changed before this boot (the kernel's btime), when no process of now could have."""
+    try:
+        mtime = os.lstat(path).st_mtime
+        with open("/proc/stat") as f:
+            btime = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return mtime < btime
 
 
 class Instance:
@@ -46,14 +62,16 @@ class Instance:
     def _lock(self, owner: str) -> str:
         return os.path.join(self.folder, f"{owner}.lock")
 
-    def gone(self, owner: str) -> bool:
-        """Whether the daemon that tagged files with ``owner`` is dead: of this node, not this one, its lock free."""
+    def gone(self, owner: str, left: str | None = None) -> bool:
+        """Whether the writer that tagged files with ``owner`` is dead: of this node, not this one, and its lock
+        free; or, its lock file gone with /dev/shm in a reboot, ``left`` (a file or folder it left) last changed
+        before this boot. Otherwise there is no proof of death (an older daemon, or a lock folder removed)."""
         if not OWNER_RE.fullmatch(owner) or not owner.startswith(self.host) or owner == self.owner:
             return False
         try:
             fd = os.open(self._lock(owner), os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
-            return False  # no proof of death: an older daemon, or one whose lock folder was removed
+            return left is not None and _before_boot(left)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -22,10 +22,12 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.paths import SHM_DIR
+
+from .instances import Gone
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +57,13 @@ def _folder_prefix() -> str:
     return os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-")
 
 
-def remove_gone(gone: Callable[[str], bool]) -> list[str]:
+def remove_gone(gone: Gone) -> list[str]:
     """The replica folders of killed daemons of this node (``gone`` owners), deleted: no one can restore from them."""
     removed = []
     prefix = _folder_prefix()
     for name in os.listdir(SHM_DIR):
         folder = os.path.join(SHM_DIR, name)
-        if folder.startswith(prefix) and gone(folder[len(prefix):]) and not os.path.islink(folder):
+        if folder.startswith(prefix) and gone(folder[len(prefix):], folder) and not os.path.islink(folder):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed

@@ -173,7 +173,8 @@ class Daemon:
             path = check_path(body.path, roots)
             written = self.versions.place(path, body.tag, tag_folder(body.tag, {path: 0}, roots),
                                           versioned=client.ranks.num_nodes == 1)
-            self.ledger.check_owner(written, client.id, lambda other: self.clients.alive(other, self.cfg.client_timeout))
+            self.ledger.check_owner(written, client.id, body.tag,
+                                    lambda other: self.clients.alive(other, self.cfg.client_timeout))
             plan = plan_snapshot(body, written, self.cfg.chunk_size, f"{self.instance.owner}/{client.id}/{job_id}")
             return plan, path, client.regions_for(path, body.sources)
 
@@ -191,9 +192,10 @@ class Daemon:
         """Remove what killed daemons of this node left (any endpoint): half-written files, replicas; then admit."""
         gone = self.instance.gone
         try:
-            self.leftovers = await self.engine.remove_leftovers(self.cfg.storage.roots, gone)
+            removed: list[str] = []  # staging folders first: removing a temp file inside one renews its mtime
             for root in self.cfg.storage.roots:
-                self.leftovers += await self.engine.flush(Versions.remove_leftovers, root, gone)
+                removed += await self.engine.flush(Versions.remove_leftovers, root, gone)
+            self.leftovers = removed + await self.engine.remove_leftovers(self.cfg.storage.roots, gone)
             self.leftovers += await self.engine.flush(remove_gone, gone)
             if self.instance.alone():  # no other daemon may still need a dead client's "abandoned" decisions
                 self.leftovers += await self.engine.flush(outcome.remove_dead_client_folders)

@@ -27,13 +27,14 @@ import re
 import shutil
 import threading
 from dataclasses import dataclass
-from typing import Callable
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.fileio import fsync_dir, makedirs_durable
 from datastates.protocol.format import marker_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.tags import listing
+
+from .instances import Gone
 
 STAGING_SUFFIX = ".dsgen"
 STAGING_RE = re.compile(r"\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
@@ -122,13 +123,13 @@ class Versions:
             shutil.rmtree(staging.staging, ignore_errors=True)
 
     @staticmethod
-    def remove_leftovers(root: str, gone: Callable[[str], bool]) -> list[str]:
+    def remove_leftovers(root: str, gone: Gone) -> list[str]:
         """Staging folders under ``root`` that killed daemons (``gone`` owners) left: an unfinished or a replaced version."""
         removed = []
         for folder, dirs, _ in shallow_walk(root, LEFTOVER_DEPTH):
             for name in dirs:
                 match = STAGING_RE.fullmatch(name)
-                if match and gone(match.group(1)):
+                if match and gone(match.group(1), os.path.join(folder, name)):
                     shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
                     removed.append(os.path.join(folder, name))
         return removed

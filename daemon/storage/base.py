@@ -16,9 +16,11 @@ the engine makes one instance of each, with the node config's options.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from datastates.protocol.errors import InvalidRequestError
+
+from ..instances import Gone
 
 
 class StorageWriter(ABC):
@@ -45,7 +47,7 @@ class StorageWriter(ABC):
     def publish(self, path: str, data: bytes) -> None: ...
 
     @abstractmethod
-    def remove_leftovers(self, root: str, gone: Callable[[str], bool]) -> list[str]:
+    def remove_leftovers(self, root: str, gone: Gone) -> list[str]:
         """Delete the temporary files under ``root`` whose owner is ``gone`` (a killed daemon of this node)."""
 
 

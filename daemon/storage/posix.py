@@ -13,13 +13,13 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable
 
 from datastates.protocol.errors import StorageError
 from datastates.protocol.fileio import PAGE, fsync_dir, makedirs_durable
 from datastates.protocol.format import TEMP_SUFFIX
-
 from datastates.protocol.paths import shallow_walk
+
+from ..instances import Gone
 from .base import StorageWriter, register_writer
 
 log = logging.getLogger(__name__)
@@ -130,13 +130,13 @@ class PosixWriter(StorageWriter):
         self.finalize(handle)
 
 
-    def remove_leftovers(self, root: str, gone: Callable[[str], bool]) -> list[str]:
+    def remove_leftovers(self, root: str, gone: Gone) -> list[str]:
         removed = []
         for folder, _, files in shallow_walk(root, LEFTOVER_DEPTH):  # checkpoints live at <root>/<tag>/<file>
             for name in files:
                 owner = _TEMP_RE.fullmatch(name)
-                if owner and gone(owner.group(1)):
-                    path = os.path.join(folder, name)
+                path = os.path.join(folder, name)
+                if owner and gone(owner.group(1), path):
                     try:
                         os.unlink(path)
                         removed.append(path)

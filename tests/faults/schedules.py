@@ -143,11 +143,14 @@ class Tally:
     saves: int = 0
     faults: collections.Counter = field(default_factory=collections.Counter)
     told: collections.Counter = field(default_factory=collections.Counter)
+    held: int = 0
+    """Leftovers a live daemon still held at a schedule's end, removed by the next daemon (I5)."""
 
     def __str__(self) -> str:
         faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
         told = ", ".join(f"{k} {v}" for k, v in sorted(self.told.items()))
-        return f"{self.schedules} schedules, {self.saves} saves; faults: {faults}; wait()/commit() told: {told}"
+        return (f"{self.schedules} schedules, {self.saves} saves; faults: {faults}; wait()/commit() told: {told}; "
+                f"leftovers a live daemon held until the next one removed them: {self.held}")
 
 
 class Node:
@@ -230,11 +233,6 @@ class Node:
             elif save.fault == "kill_daemon":
                 self._connect(schedule.fallback)  # the new daemon does not know the old client
         self.trainer.call(op="close")
-        if any(s.fault == "read_only" for s in schedule.saves):
-            # A temporary file a read-only folder kept the daemon from removing is the next daemon's to remove (I5).
-            self.daemon.stop()
-            self._restart_daemon()
-            killed_daemon = True
         events = logs[0].events()[seen:] + [e for t in logs[1:] for e in t.events()]
         self.tally.schedules += 1
         self.tally.saves += len(saved)
@@ -242,10 +240,25 @@ class Node:
         try:
             self._settle(killed_daemon)
             check(run, saved, events)
+            self._check_leftovers(run)
         except Violation:  # the run folder stays for a look, with what the trainer was told
             run.with_suffix(".log").write_text("".join(json.dumps(e) + "\n" for e in events))
             raise
         shutil.rmtree(run)
+
+    def _check_leftovers(self, run: Path) -> None:
+        """I5: nothing is left once the next daemon has started. What the live daemon still holds (a temporary
+        file it could not remove from a read-only folder, the staging folder of a re-save whose commit failed) is
+        counted, then the daemon is restarted and must remove it."""
+        left = leftovers(run)
+        if not left:
+            return
+        self.tally.held += len(left)
+        self.daemon.stop()
+        self._restart_daemon()
+        self._settle(restarted=True)
+        if leftovers(run):
+            raise Violation(f"I5: the next daemon did not remove {[str(p) for p in leftovers(run)]}")
 
     @contextlib.contextmanager
     def _fault(self, save: Save, run: Path) -> Iterator[None]:
@@ -296,9 +309,11 @@ class Node:
 
     @contextlib.contextmanager
     def _read_only(self, run: Path) -> Iterator[None]:
-        assert sh("mount", "--bind", run, run).returncode == 0
+        bound = sh("mount", "--bind", run, run)
+        assert bound.returncode == 0, f"mount --bind {run}: {bound.stderr}"
         try:
-            assert sh("mount", "-o", "remount,bind,ro", run).returncode == 0
+            ro = sh("mount", "-o", "remount,bind,ro", run)
+            assert ro.returncode == 0, f"remount,bind,ro {run}: {ro.stderr}"
             yield
         finally:
             for _ in range(100):  # busy while the daemon has a file open there
@@ -347,7 +362,7 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> No
     - I4: ``latest()`` names the tag the trainer committed last of those there (by the order of
       its commits, never a clock) and holds a step at least the newest confirmed one; the
       ``latest`` tracker names a committed tag.
-    - I5: no temporary file and no staging folder is left once the daemon has settled.
+    I5 is ``Node._check_leftovers``'s.
     """
     told = {(e["step"], e["event"]): e.get("outcome") for e in events}
     committed: dict[str, int] = {}
@@ -389,9 +404,11 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> No
     tracker = run / TRACKER
     if tracker.exists() and tracker.read_text() not in committed:
         raise Violation(f"I4: the tracker names {tracker.read_text()!r}, not a committed tag ({committed})")
-    left = [p for p in run.rglob("*") if p.name.endswith(TEMP_SUFFIX) or p.name.startswith(".")]
-    if left:
-        raise Violation(f"I5: left behind once the daemon settled: {[str(p) for p in left]}")
+
+
+def leftovers(run: Path) -> list[Path]:
+    """Temporary files and staging folders under ``run``: what no reader trusts, and I5 says must go."""
+    return [p for p in run.rglob("*") if p.name.endswith(TEMP_SUFFIX) or p.name.startswith(".")]
 
 
 def step_of(path: Path) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,15 +43,17 @@ def settled(d: DaemonProc) -> dict[str, Any]:
     raise AssertionError(f"the daemon never settled: {status['snapshots']}")
 
 
-def stalled_save(d: DaemonProc, path: Path, stop_after: float, **client: Any) -> tuple[Client, torch.Tensor, bool]:
+def stalled_save(d: DaemonProc, path: Path, stop_after: float,
+                 **client: Any) -> tuple[Client, torch.Tensor, bool, Future]:
     """snapshot + commit of step 1, SIGSTOP ``stop_after`` s later, then wait(), then step 2 as a trainer would.
 
-    Returns the client, the tensor and whether ``wait()`` returned (True) or raised DaemonUnavailable (False).
+    Returns the client, the tensor, whether ``wait()`` returned (True) or raised DaemonUnavailable (False),
+    and the commit's future.
     """
     c = Client(d.endpoint, timeout=30, liveness=LIVENESS, **client)
     t = torch.full((ELEMENTS,), 1.0)
     c.snapshot({"t": t}, path, tag="step1")
-    c.commit("step1")
+    committed = c.commit("step1")
     time.sleep(stop_after)
     d.proc.send_signal(signal.SIGSTOP)
     try:
@@ -59,7 +62,7 @@ def stalled_save(d: DaemonProc, path: Path, stop_after: float, **client: Any) ->
     except DaemonUnavailable:
         copied = False
     t.fill_(2.0)  # the optimizer step, once wait() has returned or raised
-    return c, t, copied
+    return c, t, copied, committed
 
 
 @pytest.fixture
@@ -74,7 +77,7 @@ def stallable(start_daemon: Callable[..., DaemonProc]) -> Any:
 def test_what_wait_said_is_what_the_stalled_daemon_does(stallable: DaemonProc, stop_after: float) -> None:
     d = stallable
     path = d.root / "run" / "step1" / "m.pt"
-    c, _, copied = stalled_save(d, path, stop_after)
+    c, _, copied, _ = stalled_save(d, path, stop_after)
     d.proc.send_signal(signal.SIGCONT)
     status = settled(d)
     c.close(timeout=5)
@@ -96,7 +99,7 @@ def test_mid_copy_the_trainer_is_told_unavailable_and_nothing_is_committed(stall
     """The issue's case: SIGSTOP 0.15 s into a copy of 512 MiB through 8 MiB; liveness passes; step 2; SIGCONT."""
     d = stallable
     path = d.root / "run" / "step1" / "m.pt"
-    c, _, copied = stalled_save(d, path, 0.15)
+    c, _, copied, _ = stalled_save(d, path, 0.15)
     assert not copied, "the copy finished within 0.15 s: this machine is too fast for the case"
     d.proc.send_signal(signal.SIGCONT)
     settled(d)
@@ -107,10 +110,10 @@ def test_mid_copy_the_trainer_is_told_unavailable_and_nothing_is_committed(stall
 def test_with_the_local_fallback_the_resumed_daemon_never_replaces_the_trainers_file(stallable: DaemonProc) -> None:
     d = stallable
     path = d.root / "run" / "step1" / "m.pt"
-    c, t, copied = stalled_save(d, path, 0.15, fallback="local")
+    c, t, copied, committed = stalled_save(d, path, 0.15, fallback="local")
     assert copied and c.local  # wait() gave up on the daemon and saved step 1 itself, before the step
-    try:
-        c.commit("step1").result(timeout=60)
+    try:  # the COMMIT the daemon never answered is answered by the local commit of what wait() saved again
+        committed.result(timeout=60)
     except DatastatesError as exc:
         pytest.fail(f"the local commit failed: {exc}")
     d.proc.send_signal(signal.SIGCONT)
