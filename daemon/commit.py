@@ -191,9 +191,9 @@ class CommitLedger:
                     raise PathNotAllowedError(f"path {path!r} refused: client {other} is saving it for tag {held!r}, "
                                               "not yet committed; two clients must not write one file", path=path)
                 if other == client_id and held != tag:
-                    raise PathNotAllowedError(f"path {path!r} refused: this client is saving it for tag {held!r}, "
-                                              f"not yet committed; a file belongs to one tag (save {tag!r} elsewhere)",
-                                              path=path)
+                    state = "whose commit failed (commit it again to retry)" if table is self._failed else "not yet committed"
+                    raise PathNotAllowedError(f"path {path!r} refused: this client saved it for tag {held!r}, {state}; "
+                                              f"a file belongs to one tag (save {tag!r} elsewhere)", path=path)
 
     def add(self, job: SnapshotJob) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import json
 import os
 import random
@@ -299,12 +300,22 @@ class Node:
     @contextlib.contextmanager
     def _full(self) -> Iterator[None]:
         filler = self.root.parent / "filler"
-        st = os.statvfs(self.root)
-        with filler.open("wb") as f:
-            os.posix_fallocate(f.fileno(), 0, max(st.f_bavail * st.f_frsize - (256 << 10), 4096))
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            for _ in range(20):  # the daemon may be flushing meanwhile: take what is free, again, until it holds
+                st = os.statvfs(self.root)
+                want = st.f_bavail * st.f_frsize - (256 << 10)
+                if want <= 0:
+                    break
+                try:
+                    os.posix_fallocate(fd, os.fstat(fd).st_size, want)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
             yield
         finally:
+            os.close(fd)
             filler.unlink()
 
     @contextlib.contextmanager
@@ -312,7 +323,11 @@ class Node:
         bound = sh("mount", "--bind", run, run)
         assert bound.returncode == 0, f"mount --bind {run}: {bound.stderr}"
         try:
-            ro = sh("mount", "-o", "remount,bind,ro", run)
+            for _ in range(100):  # busy while a file is open for writing there (the previous save's flush)
+                ro = sh("mount", "-o", "remount,bind,ro", run)
+                if ro.returncode == 0 or "busy" not in ro.stderr:
+                    break
+                time.sleep(0.05)
             assert ro.returncode == 0, f"remount,bind,ro {run}: {ro.stderr}"
             yield
         finally:

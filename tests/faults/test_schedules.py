@@ -12,12 +12,14 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 from schedules import Node, Schedule, Violation, shortest
 
 SCHEDULES = int(os.environ.get("DATASTATES_SCHEDULES", "200"))
 FIRST_SEED = int(os.environ.get("DATASTATES_SEED", "1"))
 
 
+@pytest.mark.timeout(120 + 20 * SCHEDULES)  # about 3 s a schedule here; the suite's 300 s is per test
 def test_every_fault_schedule_keeps_committed_tags_whole_and_ordered(tmp_path: Path) -> None:
     node = Node(tmp_path)
     failure = ""
