@@ -75,13 +75,19 @@ class SnapshotHandle:
 
 def _settle(caller: Future, reply: Future) -> None:
     """``caller`` resolved as ``reply`` was, once."""
-    if caller.done():
-        return
     exc = reply.exception()
-    if exc is None:
-        caller.set_result(reply.result())
-    else:
-        caller.set_exception(exc)
+    _resolve(caller, reply.result() if exc is None else None, exc)
+
+
+def _resolve(fut: Future, value: Any, exc: BaseException | None) -> None:
+    """Resolve ``fut`` unless already done: the connection's thread and ``wait()`` may race to answer one COMMIT."""
+    try:
+        if exc is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(exc)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def _done(value: Any) -> Future:
@@ -125,13 +131,13 @@ class Client:
         self._local: Any = None
         """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
+        """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
         self._commits: list[tuple[str, Future, Future]] = []
         """COMMITs the daemon has not answered: (tag, the caller's future, the daemon's reply). With the local
         fallback, a tag whose snapshots ``wait()`` saves again locally is committed locally instead."""
         self._commits_lock = threading.Lock()
         self._waiting = False
         """Whether ``wait()`` runs: a COMMIT the lost daemon fails meanwhile may be one it commits locally."""
-        """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
         self._tickets = itertools.count(1)
         self._decisions = outcome.make_folder()
         """Where this client and the daemon agree on each snapshot's fate (protocol/outcome.py); the daemon removes it."""
@@ -303,9 +309,9 @@ class Client:
                 continue
             if tag in tags:  # its snapshots the daemon never copied are now saved here: the tag is ours to commit
                 try:
-                    caller.set_result(self._local.commit(tag))
+                    _resolve(caller, self._local.commit(tag), None)
                 except DatastatesError as exc:
-                    caller.set_exception(exc)
+                    _resolve(caller, None, exc)
             elif reply.done():
                 _settle(caller, reply)
             else:  # the lost connection fails it in a moment; ``_answer`` passes that on

@@ -274,7 +274,8 @@ class Node:
                 yield
                 self.trainer.call(op="drain", timeout=30)
             return
-        if save.fault == "clock_step":
+        if save.fault == "clock_step":  # a marker as written by another clock: not one a commit in flight rewrites
+            self.trainer.call(op="drain", timeout=30)
             shift_a_marker(run, random.Random(save.delay))
         timed = {"stall": self._stall, "kill_daemon": self._kill_daemon, "kill_trainer": self.trainer.kill}.get(save.fault)
         if timed is None:
@@ -361,7 +362,9 @@ def shift_a_marker(run: Path, rng: random.Random) -> None:
     shift = rng.choice((-1, 1)) * CLOCK_STEP_NS
     marker["requested_ns"] += shift
     marker["committed_ns"] += shift
-    path.write_text(json.dumps(marker))
+    temp = path.with_name(path.name + ".clock")
+    temp.write_text(json.dumps(marker))
+    temp.rename(path)  # whole, as the daemon writes markers
 
 
 def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> None:
