@@ -195,6 +195,13 @@ class CommitLedger:
                     raise PathNotAllowedError(f"path {path!r} refused: this client saved it for tag {held!r}, {state}; "
                                               f"a file belongs to one tag (save {tag!r} elsewhere)", path=path)
 
+    def committing(self, client_id: str, tag: str, folder: str) -> bool:
+        """Whether this client's commit of ``tag`` with files in ``folder`` is in flight: its marker may land at any
+        moment, so the client's new save of the tag must be written as a new version, never renamed over a file
+        that marker lists. Other ranks' saves of a tag whose commit waits for them join it, as they should."""
+        jobs = self._committing.get((client_id, tag), [])
+        return any(within(j.path, folder) for j in jobs)
+
     def add(self, job: SnapshotJob) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
 

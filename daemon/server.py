@@ -171,8 +171,9 @@ class Daemon:
         def admit() -> tuple[Any, str, Any]:
             roots = self.cfg.storage.roots
             path = check_path(body.path, roots)
-            written = self.versions.place(path, body.tag, tag_folder(body.tag, {path: 0}, roots),
-                                          versioned=client.ranks.num_nodes == 1)
+            folder = tag_folder(body.tag, {path: 0}, roots)
+            written = self.versions.place(path, body.tag, folder, versioned=client.ranks.num_nodes == 1,
+                                          committing=self.ledger.committing(client.id, body.tag, folder))
             self.ledger.check_owner(written, client.id, body.tag,
                                     lambda other: self.clients.alive(other, self.cfg.client_timeout))
             plan = plan_snapshot(body, written, self.cfg.chunk_size, f"{self.instance.owner}/{client.id}/{job_id}")

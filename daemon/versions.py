@@ -75,11 +75,13 @@ class Versions:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # admission runs on executor threads
 
-    def place(self, path: str, tag: str, folder: str, versioned: bool = True) -> str:
+    def place(self, path: str, tag: str, folder: str, versioned: bool = True, committing: bool = False) -> str:
         """Where a snapshot of ``path`` for ``tag`` (marker folder ``folder``) is written; refuses another tag's file.
 
         ``versioned`` False (a multi-node job, whose nodes cannot switch one folder together):
-        a committed tag is refused instead of saved again.
+        a committed tag is refused instead of saved again. ``committing``: a commit of the tag in
+        ``folder`` is in flight, so the tag counts as committed already (its marker may land before
+        this snapshot's file is renamed into place).
         """
         others = sorted({mk.tag for _, mk, _ in listing(path) if mk.tag != tag})
         if others:
@@ -91,10 +93,11 @@ class Versions:
                 del self._open[(folder, tag)]
                 staging = None
             if staging is None:
-                if not os.path.exists(os.path.join(folder, marker_name(tag))):
+                if not committing and not os.path.exists(os.path.join(folder, marker_name(tag))):
                     return path  # no committed version to protect
                 if not versioned:
-                    raise PathNotAllowedError(f"path {path!r} refused: tag {tag!r} is committed in {folder}, and a "
+                    state = "being committed" if committing else "committed"
+                    raise PathNotAllowedError(f"path {path!r} refused: tag {tag!r} is {state} in {folder}, and a "
                                               "multi-node job cannot save a committed tag again; use a new tag", path=path)
                 name = f".{self._owner}-{next(self._ids)}{STAGING_SUFFIX}"  # fits NAME_MAX beside any folder
                 staging = Staging(tag, folder, os.path.join(os.path.dirname(folder), name))

@@ -384,6 +384,7 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> No
     """
     told = {(e["step"], e["event"]): e.get("outcome") for e in events}
     committed: dict[str, int] = {}
+    newness: dict[str, tuple[int, int, int]] = {}
     for path in marker_paths(str(run), 1):
         marker = CommitMarker.read(path)
         if marker is None or read_marker(path) is None:
@@ -399,7 +400,8 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> No
         wait = told.get((step, "wait"))
         if wait is not None and wait not in ("ok", "local"):
             raise Violation(f"I3: tag {marker.tag} holds step {step}, whose wait() told the trainer {wait!r}")
-        committed[marker.tag] = step
+        if marker.tag not in newness or marker.newness > newness[marker.tag]:  # a tag committed in two folders:
+            committed[marker.tag], newness[marker.tag] = step, marker.newness  # readers take its newest marker
     confirmed = {s: saved[s].tag for s in saved if told.get((s, "commit")) == "ok"}
     for step, tag in sorted(confirmed.items()):
         mine = committed.get(tag)

@@ -101,6 +101,25 @@ def test_a_resave_that_commits_replaces_the_version_whole(start_daemon: Callable
     assert sorted(p.name for p in (d.root / "run").iterdir()) == ["last", "latest"]  # no version left beside it
 
 
+def test_a_save_while_the_tags_commit_is_in_flight_never_replaces_the_file_that_commit_names(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """The fault schedules found it (seed 10117): the tag had no marker yet when the next save was admitted, so
+    that save was renamed over the file the landing marker named, and a failed commit of it left the swap for good."""
+    d = start_daemon(**SLOW)
+    folder = d.root / "run" / "last"
+    with Client(d.endpoint, timeout=60) as c:
+        for name, state in files(1).items():
+            c.snapshot(state, folder / name, tag="last")
+        first = c.commit("last")  # in flight: 64 MiB through a 4 MiB pool
+        for name, state in files(2).items():
+            c.snapshot(state, folder / name, tag="last")
+        first.result(timeout=120)
+        c.wait()  # step 2's files are whole, but their commit has not been asked for
+        assert steps_in(folder, "last") == {1.0}  # the committed version, untouched
+        c.commit("last").result(timeout=120)
+        assert steps_in(folder, "last") == {2.0}
+
+
 def test_another_tags_file_and_another_clients_open_file_are_refused(start_daemon: Callable[..., DaemonProc]) -> None:
     d = start_daemon()
     shared = d.root / "k" / "m.pt"
