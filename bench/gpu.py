@@ -102,28 +102,52 @@ def torch_save(state: Any, root: str) -> Callable[[int], Timing]:
     return save
 
 
-def pinned_stager() -> Any:
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+class PinnedStager:
+    """DCP's DefaultStager with pinned buffers, reused across saves as DCP advises.
 
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                                        use_non_blocking_copy=True))
+    Some torch versions (2.11 on the GPU machine) close a caller's stager once its
+    ``async_save`` ends, which empties its copy table: the next save through it fails with
+    ``KeyError: <class 'type'>``. Then each save gets a new stager, which pins its buffers
+    again, as it would in a trainer on that torch; ``made`` counts them for the report.
+    """
+
+    def __init__(self) -> None:
+        self.made = 0
+        self._stager: Any = None
+
+    def get(self) -> Any:
+        if self._stager is None or self._closed():
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=True))
+            self.made += 1
+        return self._stager
+
+    def _closed(self) -> bool:
+        inner = getattr(self._stager, "_state_dict_stager", None)  # private: DCP has no public "closed" flag
+        return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
 
 
-def dcp_async(state: Any, folder: str, stager: Any) -> tuple[float, Future | None, Future]:
+def dcp_async(state: Any, folder: str, stager: PinnedStager) -> tuple[float, Future | None, Future]:
     """Start one ``async_save``: (blocking seconds, staging future or None, upload future)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
     t0 = time.perf_counter()
     resp = dcp.async_save(state, checkpoint_id=folder, async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                          async_stager=stager, no_dist=True)
+                          async_stager=stager.get(), no_dist=True)
     blocking = time.perf_counter() - t0
     if isinstance(resp, AsyncSaveResponse):
         return blocking, resp.staging_completion, resp.upload_completion
     return blocking, None, resp
 
 
-def dcp_save(state: Any, root: str, stager: Any) -> Callable[[int], Timing]:
+def dcp_save(state: Any, root: str, stager: PinnedStager) -> Callable[[int], Timing]:
     def save(i: int) -> Timing:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -153,7 +177,7 @@ def train(mode: str, run: int, args: argparse.Namespace, root: str, endpoint: st
     model, opt = mlp(args.mlp_dim, args.mlp_layers)
     x = torch.randn(args.batch, args.mlp_dim, device="cuda")
     client = Client(endpoint, timeout=600) if mode == "datastates" else None
-    stager = pinned_stager() if mode == "dcp" else None
+    stager = PinnedStager() if mode == "dcp" else None
     pending: dict[str, Future | None] = {"staging": None, "upload": None}
     commits: list[Future] = []
     if client is not None:
@@ -236,7 +260,7 @@ def main() -> int:
         with datastatesd(root, host_memory=f"{pool}MiB", chunk_size="64MiB") as endpoint:
             wait_pool_mapped(endpoint)
             peak = peak_copy(state)
-            stager = pinned_stager()
+            stager = PinnedStager()
             with Client(endpoint, timeout=600) as client:
                 contenders = {"datastates": datastates_save(client, state, root), "dcp pinned": dcp_save(state, root, stager),
                               "torch.save": torch_save(state, root)}
@@ -254,6 +278,8 @@ def main() -> int:
                     print(f"run {r + 1}/{args.runs}: peak {nbytes / peaks[-1] / 1e9:.1f} GB/s, "
                           + ", ".join(f"{n} safe {s[-1][1]:.3f} s" for n, s in samples.items())
                           + ", step " + ", ".join(f"{m} {v[-1] * 1e3:.1f} ms" for m, v in step_s.items()), flush=True)
+            print(f"dcp pinned: {stager.made} stager(s) made for {args.runs + 1} saves"
+                  + (" (this torch closes a caller's stager after each async_save)" if stager.made > 1 else ""))
             stager.close()
     finally:
         if args.root is None:

@@ -22,7 +22,7 @@ from datastates.protocol.descriptors import CUDA_IPC, Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import check_tag
-from datastates.protocol.liveness import pid_namespace
+from datastates.protocol.liveness import pid_namespace, process_start
 from datastates.protocol.paths import check_path
 
 from .capture import Capture, capture
@@ -143,7 +143,8 @@ class Client:
         """Where this client and the daemon agree on each snapshot's fate (protocol/outcome.py); the daemon removes it."""
         self._conn = Connection(self.endpoint, liveness)
         hello = m.Hello(pid=os.getpid(), name=name or f"pid{os.getpid()}", host=socket.gethostname(), on_busy=on_busy,
-                        pidns=pid_namespace(), ranks=self.ranks, decisions=self._decisions)
+                        pidns=pid_namespace(), started=process_start(os.getpid()) or "", ranks=self.ranks,
+                        decisions=self._decisions)
         try:
             welcome = self._conn.call(hello, timeout)
         except BaseException as exc:

@@ -24,7 +24,7 @@ from datastates.protocol import messages as m
 from datastates.protocol import outcome
 from datastates.protocol.descriptors import Ranks, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, UnknownClientError
-from datastates.protocol.liveness import pid_namespace, process_start
+from datastates.protocol.liveness import process_start, shares_pids
 
 from .config import LOST_HISTORY
 from .sources import Region, open_region
@@ -120,7 +120,6 @@ class ClientRegistry:
         """Clients that went without BYE (a killed trainer), newest last."""
         self._by_identity: dict[bytes, ClientRecord] = {}
         self._ids = itertools.count(1)
-        self._pidns = pid_namespace()
         self._host = socket.gethostname()
 
     def add(self, identity: bytes, hello: m.Hello) -> ClientRecord:
@@ -134,7 +133,7 @@ class ClientRegistry:
             host=hello.host[:128], on_busy=hello.on_busy, ranks=hello.ranks.check(),
             decisions=outcome.check_folder(hello.decisions),
         )
-        if hello.pidns and hello.pidns == self._pidns and hello.host == self._host:
+        if hello.host == self._host and shares_pids(hello.pidns, hello.started, hello.pid):
             record.started = process_start(hello.pid)
         self._by_identity[identity] = record
         return record

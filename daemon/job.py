@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from datastates.protocol import outcome
 from datastates.protocol.errors import SnapshotFailedError
@@ -35,7 +35,7 @@ def _quiet(fut: asyncio.Future) -> None:
 
 class SnapshotJob:
     def __init__(self, job_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region],
-                 decision: tuple[str, str] | None = None) -> None:
+                 decision: tuple[str, str] | None = None, owner_alive: Callable[[], bool] | None = None) -> None:
         loop = asyncio.get_running_loop()
         self.id = job_id
         self.client_id = client_id
@@ -49,6 +49,8 @@ class SnapshotJob:
         """Which snapshot this is, as its file's header and its tag's marker record it."""
         self.decision = decision
         """(the client's decision folder, this snapshot's ticket): where the copy's outcome is agreed (protocol/outcome.py)."""
+        self.owner_alive = owner_alive
+        """Whether the trainer still lives, asked once its GPU state is copied (see ``mark_copied``)."""
         self.copied_bytes = 0
         self.flushed_bytes = 0
         self.state = JobState.COPYING
@@ -85,7 +87,16 @@ class SnapshotJob:
 
         The claim comes before WAIT is answered: a trainer that gave up has since changed its
         tensors, so bytes copied after that point may mix two steps and must never be written.
+
+        A trainer that died before its GPU state was copied fails it too, even when the copy
+        ran: its death aborted the kernels it had queued, which completes the snapshot's
+        event without their results, so the bytes may predate the snapshot. Asked after the
+        last copy, a trainer still alive cannot have died during any of them.
         """
+        if (self.owner_alive is not None and any(r.device_memory for r in self.regions)
+                and not self.owner_alive()):
+            raise SnapshotFailedError(f"snapshot of {self.path} failed: its trainer died before its GPU state was "
+                                      "copied, so the kernels it had queued may not be in it", path=self.path)
         if self.decision is not None and outcome.decide(*self.decision, outcome.COPIED) != outcome.COPIED:
             raise SnapshotFailedError(f"snapshot of {self.path} abandoned: the trainer gave up waiting for its copy "
                                       "(DaemonUnavailable) and may have changed the state since; nothing of it is "

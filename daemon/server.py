@@ -182,7 +182,8 @@ class Daemon:
         plan, path, regions = await asyncio.get_running_loop().run_in_executor(None, admit)
         earlier = self.jobs.pending_at(plan.path)
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
-        job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision)
+        job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision,
+                          owner_alive=lambda: self.clients.alive(client.id, self.cfg.client_timeout))
         job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks)
         self.jobs.add(job)
         self.ledger.add(job)

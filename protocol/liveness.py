@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 
+_DEAD_STATES = frozenset("ZXx")
+"""/proc/<pid>/stat states of a process that has exited: zombie, dead."""
+PF_EXITING = 0x4
+"""The kernel's per-task flag (stat field 9) set once a process has begun to exit."""
+
 
 def pid_namespace() -> int:
     """This process's pid namespace (an inode number), or 0 where /proc does not tell."""
@@ -14,11 +19,32 @@ def pid_namespace() -> int:
 
 
 def process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks, which a reused pid does not share; None if it is gone."""
+    """The start time of process ``pid`` in clock ticks, which a reused pid does not share; None if it is gone.
+
+    A process that is exiting or a zombie is gone too: by then the kernel has torn down
+    (or is tearing down) its memory and its CUDA context, so its GPU memory no longer holds
+    what it held, and a copy that raced its death read nothing it can vouch for.
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[-1].split()  # the name in parentheses may hold spaces
-    return fields[19] if len(fields) > 19 else None
+    if len(fields) <= 19 or fields[0] in _DEAD_STATES or int(fields[6]) & PF_EXITING:
+        return None
+    return fields[19]
+
+
+def shares_pids(pidns: int, started: str, pid: int) -> bool:
+    """Whether a peer that reported namespace ``pidns`` and start time ``started`` for its ``pid`` is
+    watchable here by that pid (the caller checks the host is the same).
+
+    The namespaces' inode numbers decide where both sides can read them. Some kernels and
+    sandboxes (gVisor) have no /proc/self/ns/pid; there a pid that shows here the start time
+    the peer read for itself is taken as the same process.
+    """
+    here = pid_namespace()
+    if pidns and here:
+        return pidns == here
+    return bool(started) and process_start(pid) == started

@@ -69,6 +69,9 @@ class Hello(Body):
     """What the daemon does with a new tag's snapshot while an older tag's is still pending: see ON_BUSY."""
     pidns: int = 0
     """Inode of the client's pid namespace: a daemon in the same one watches ``pid`` itself, not heartbeats."""
+    started: str = ""
+    """The client's start time as its own /proc says: where namespaces cannot be read, a daemon that reads the
+    same for ``pid`` watches it (protocol/liveness.py ``shares_pids``)."""
     ranks: Ranks = field(default_factory=Ranks)
     decisions: str = ""
     """The client's folder of per-snapshot decisions (protocol/outcome.py); "" for a client that never gives up."""

@@ -192,8 +192,16 @@ def test_a_trainer_that_exits_after_wait_leaves_its_checkpoint_and_no_held_regio
     assert not st["clients"] and st["clients_lost"][-1]["how"] == "exited", st
 
 
-def test_a_trainer_killed_before_its_gpu_copy_fails_that_snapshot_only(daemon: DaemonProc, client: Any) -> None:
-    """Its GPU memory is gone, so the snapshot must fail, not be read from freed memory; others are served."""
+def test_a_trainer_killed_before_its_gpu_copy_never_commits_bytes_from_before_its_snapshot(
+        daemon: DaemonProc, client: Any) -> None:
+    """The trainer dies while a kernel queued before its snapshot still runs; others are served.
+
+    Where the driver aborts a dead process's kernels, the snapshot's event may complete
+    without their results: the daemon must fail the snapshot (its trainer is gone when the
+    copy ends). Where they drain before the process is gone (seen under gVisor, H200), the
+    copy holds their results and the snapshot may be durable. Either way no committed file
+    holds the bytes from before the kernels ran (3.0).
+    """
     path = daemon.root / "killed" / "model_states.pt"
     proc = subprocess.Popen([sys.executable, "-c", CHILD_EXITS, daemon.endpoint, str(path), "killed"],
                             stdout=subprocess.PIPE, text=True)
@@ -204,8 +212,11 @@ def test_a_trainer_killed_before_its_gpu_copy_fails_that_snapshot_only(daemon: D
         if jobs and jobs[0]["state"] in ("failed", "durable"):
             break
         time.sleep(0.1)
-    assert jobs and jobs[0]["state"] == "failed", jobs  # abandoned, or its IPC event already gone at open
-    assert not path.exists()
+    assert jobs and jobs[0]["state"] in ("failed", "durable"), jobs
+    if jobs[0]["state"] == "failed":
+        assert not path.exists()
+    else:
+        assert torch.equal(datastates.load(path, map_location="cpu")["x"], torch.full((1 << 26,), 4.0))
     state = {"w": torch.randn(1 << 20, device="cuda")}
     save(client, state, daemon.root / "after" / "model_states.pt")
     assert_state_equal(to_cpu(state), datastates.load(daemon.root / "after" / "model_states.pt", map_location="cpu"))
