@@ -167,7 +167,8 @@ class Client:
     def _go_local(self, exc: DaemonUnavailable) -> Any:
         """Switch to local saves for good, or raise ``exc`` if the fallback is off."""
         self._conn.close()
-        outcome.leave(self._decisions)  # for good: a resumed daemon lets this client go instead of waiting on its pid
+        # for good: a resumed daemon lets this client go instead of waiting on its pid, and writes nothing more for it
+        outcome.leave(self._decisions, local=self.fallback == "local")
         if self.fallback != "local":
             raise exc
         log.warning("%s; fallback='local': checkpoints are now written synchronously by the trainer", exc.message)

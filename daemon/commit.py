@@ -28,6 +28,7 @@ from datastates.protocol.errors import (
     CommitError,
     DatastatesError,
     PathNotAllowedError,
+    SnapshotFailedError,
     SnapshotSkippedError,
     StorageError,
 )
@@ -298,6 +299,11 @@ class CommitLedger:
         """The files of ``jobs`` once all are durable (path → size); CommitError if one failed."""
         results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
         failed = [(j, r) for j, r in zip(jobs, results) if isinstance(r, BaseException)]
+        for job in jobs:
+            try:
+                job.check_still_wanted()
+            except SnapshotFailedError as exc:
+                failed.append((job, exc))
         if failed:
             job, exc = failed[0]
             raise CommitError(

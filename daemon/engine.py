@@ -114,7 +114,7 @@ class Engine:
             await self.flush(sink.header, plan.with_checksums(sums).encode(), plan.data_offset)
             if after:
                 await asyncio.wait(after)
-            await self.flush(sink.finalize)
+            await self.flush(_finalize, job, sink)
         except Exception as exc:
             if not isinstance(exc, DatastatesError):
                 log.exception("snapshot %d to %s failed", job.id, job.path)
@@ -133,3 +133,8 @@ class Engine:
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)
 
+
+def _finalize(job: SnapshotJob, sink: FileSink) -> None:
+    """Rename the file into place, on the flush thread right after the last check that its trainer still wants it."""
+    job.check_still_wanted()
+    sink.finalize()

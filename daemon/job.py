@@ -105,6 +105,12 @@ class SnapshotJob:
         self.regions = ()  # the daemon holds its own copy; the trainer's maps may go
         self.copied.set_result(None)
 
+    def check_still_wanted(self) -> None:
+        """Raise if the trainer went on saving in its own process: it writes this path itself now (protocol/outcome.py)."""
+        if self.decision is not None and outcome.went_local(self.decision[0]):
+            raise SnapshotFailedError(f"snapshot of {self.path} not written: its trainer lost the daemon and now saves "
+                                      "its checkpoints itself (fallback='local')", path=self.path)
+
     def mark_durable(self) -> None:
         self.state = JobState.DURABLE
         self._finish()

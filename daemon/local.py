@@ -70,20 +70,31 @@ class LocalSaver:
             self._chunk = Chunk(PIECE)
         sink = FileSink(self._writer(path), path, "0")
         sums = [list(s.checksums) for s in plan.header.storages]
-        sink.create()
         try:
+            sink.create()
             for piece in plan.pieces:
                 for storage, slot, digest in copy_piece(piece, self._chunk, regions):
                     sums[storage][slot] = digest
                 sink.write(plan.data_offset + piece.offset, self._chunk.view[: piece.length])
             sink.header(plan.with_checksums(sums).encode(), plan.data_offset)
+            sink.finalize()
         except BaseException:
             sink.abort()
+            self._forget(msg.tag, [path])
             raise
-        sink.finalize()
         self._files.setdefault(msg.tag, {})[path] = plan.file_size
         self._snapshots[path] = plan.header.snapshot
         return m.SnapshotAck(snapshot_id=0, total_bytes=plan.total_bytes)
+
+    def _forget(self, tag: str, paths: list[str]) -> None:
+        """A save of ``tag`` failed: its version can never be whole, so its staging folder goes now.
+
+        This trainer lives on, so no daemon would remove a staging folder of its owner (I5).
+        """
+        files = self._files.pop(tag, {})
+        for p in files:
+            self._snapshots.pop(p, None)
+        self._versions.abandon([*files, *paths])
 
     def _writer(self, path: str) -> StorageWriter:
         return writer_class(path)(direct_io=False, owner=self._instance.owner)
@@ -98,9 +109,13 @@ class LocalSaver:
         run = os.path.dirname(folder if staging is None else staging.folder)
         marker = make_marker(tag, files, folder, time.time_ns(), next_sequence(run), snapshots=snapshots)
         path = os.path.join(folder, marker_name(tag))
-        self._writer(path).publish(path, marker.encode())
-        if staging is None:
-            return m.Committed(tag=tag, marker=path, files=list(files))
-        self._versions.switch(staging)
+        try:
+            self._writer(path).publish(path, marker.encode())
+            if staging is None:
+                return m.Committed(tag=tag, marker=path, files=list(files))
+            self._versions.switch(staging)
+        except BaseException:
+            self._versions.abandon(list(files))  # the committed version stands; the new one is never committed
+            raise
         return m.Committed(tag=tag, marker=os.path.join(staging.folder, marker_name(tag)),
                            files=[staging.visible(p) for p in files])

@@ -78,18 +78,33 @@ def decide(folder: str, ticket: str, outcome: str) -> str:
 
 LEFT = "left"
 """A name no ticket takes (tickets are decimal): the client's word that it will never talk to this daemon again."""
+LOCAL = "local"
+"""Where ``LEFT`` points when the client went on saving in its own process (``fallback="local"``)."""
 
 
-def leave(folder: str) -> None:
-    """Say, where a stalled daemon finds it on resuming, that this client went on without it (its local fallback)."""
+def leave(folder: str, local: bool = False) -> None:
+    """Say, where a stalled daemon finds it on resuming, that this client went on without it.
+
+    ``local``: it now writes its checkpoints itself, to the same paths. Said before its first
+    local write, so a resumed daemon that sees it never renames a file or writes a marker for
+    this client again: two writers of one path would leave a file that its marker does not name.
+    """
     try:
-        os.symlink(LEFT, os.path.join(folder, LEFT))
+        os.symlink(LOCAL if local else LEFT, os.path.join(folder, LEFT))
     except (FileExistsError, FileNotFoundError):  # said already, or no daemon ever had the folder
         pass
 
 
 def has_left(folder: str) -> bool:
     return os.path.lexists(os.path.join(folder, LEFT))
+
+
+def went_local(folder: str) -> bool:
+    """Whether the client left to save in its own process (see ``leave``)."""
+    try:
+        return os.readlink(os.path.join(folder, LEFT)) == LOCAL
+    except OSError:
+        return False
 
 
 def forget(folder: str, ticket: str) -> None:

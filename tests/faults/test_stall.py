@@ -23,6 +23,7 @@ import torch
 import datastates
 from datastates.client import Client, daemon_status
 from datastates.client.connection import Connection
+from datastates.client.reader import verify
 from datastates.protocol import messages as m
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError
 from datastates.protocol.format import TEMP_SUFFIX
@@ -121,6 +122,46 @@ def test_with_the_local_fallback_the_resumed_daemon_never_replaces_the_trainers_
     assert datastates.latest(d.root / "run") == "step1"
     assert torch.equal(datastates.load(path)["t"], torch.full((ELEMENTS,), 1.0))  # step 1 whole, no element of step 2
     assert t[0].item() == 2.0
+
+
+def test_a_daemon_stalled_before_its_rename_never_writes_over_a_trainer_that_went_local(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """The daemon has copied step 1 and is still writing it when it stalls; the trainer's COMMIT goes unanswered,
+    so it goes local and saves and commits step 2 under the same tag itself. Resumed, the daemon must not rename
+    its step-1 file over the trainer's step 2, nor write its marker: two writers of one path (invariant I2)."""
+    d = start_daemon(host_memory="1536MiB", chunk_size="64MiB")  # the copy outruns the writes: a long "flushing"
+    path = d.root / "run" / "last" / "m.pt"
+    c = Client(d.endpoint, timeout=30, liveness=LIVENESS, fallback="local")
+    t = torch.full((ELEMENTS * 2,), 1.0)  # 1 GiB
+    try:
+        c.snapshot({"t": t}, path, tag="last")
+        first = c.commit("last")
+        for _ in range(2000):  # a hang guard: stop the daemon between its copy and its rename
+            job = next((j for j in daemon_status(d.endpoint)["snapshots"] if j["path"] == str(path)), None)
+            if job is not None and job["state"] != "copying":
+                break
+            time.sleep(0.005)
+        d.proc.send_signal(signal.SIGSTOP)
+        if job is None or job["state"] != "flushing":
+            pytest.skip(f"the daemon was not caught between its copy and its rename: {job}")
+        c.wait()  # the daemon claimed step 1 copied before it stalled: wait() returns, the trainer steps
+        t.fill_(2.0)
+        with pytest.raises(DaemonUnavailable):
+            first.result(timeout=60)
+        c.snapshot({"t": t}, path, tag="last")  # the daemon is gone: saved by the trainer itself
+        c.wait()
+        c.commit("last").result(timeout=60)
+        assert c.local
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    status = settled(d)
+    c.close(timeout=5)
+    assert datastates.latest(d.root / "run") == "last"
+    verify(path)  # its marker names the file that is there
+    assert torch.equal(datastates.load(path)["t"], torch.full((ELEMENTS * 2,), 2.0))  # the trainer's step 2, whole
+    job = next(j for j in status["snapshots"] if j["path"] == str(path))
+    assert job["state"] == "failed" and "fallback='local'" in job["error"], job
+    assert not list(d.root.rglob(f"*{TEMP_SUFFIX}"))
 
 
 @pytest.mark.parametrize("folder", ["/dev/shm/datastates-{uid}-client-1-0badc0de", "/tmp", "/dev/shm/../etc"],
