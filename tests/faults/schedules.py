@@ -403,15 +403,16 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> No
         if marker.tag not in newness or marker.newness > newness[marker.tag]:  # a tag committed in two folders:
             committed[marker.tag], newness[marker.tag] = step, marker.newness  # readers take its newest marker
     confirmed = {s: saved[s].tag for s in saved if told.get((s, "commit")) == "ok"}
-    for step, tag in sorted(confirmed.items()):
+    for tag in sorted(set(confirmed.values())):
+        step = max(s for s, t in confirmed.items() if t == tag)  # its last commit() that resolved
         mine = committed.get(tag)
-        if mine is not None and mine >= max(s for s, t in confirmed.items() if t == tag):
+        if mine is not None and mine >= step:
             continue
         newer = [t for t, s in committed.items() if s > step]
         if mine is None and len(newer) >= KEEP_LAST:
             continue
-        raise Violation(f"I2: commit() of tag {tag} at step {step} resolved, but the tag now holds "
-                        f"{'nothing' if mine is None else f'step {mine}'} (tags there: {committed})")
+        raise Violation(f"I2: commit() of tag {tag} at step {step} resolved (its last that did), but the tag now "
+                        f"holds {'nothing' if mine is None else f'step {mine}'} (tags there: {committed})")
     latest = datastates.latest(run)
     if committed:
         expected = max(committed, key=committed.__getitem__)
