@@ -155,6 +155,7 @@ class Client:
             self._conn.close()
             raise
         self._conn.heartbeat = welcome.heartbeat_s
+        self._conn.registered = True
         self.client_id = welcome.client_id
         self.roots = welcome.roots
         self.tiers = welcome.tiers

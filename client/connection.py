@@ -27,7 +27,7 @@ import zmq
 
 from datastates.protocol import messages as m
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import DaemonUnavailable, DatastatesError, error_from_code
+from datastates.protocol.errors import DaemonUnavailable, DatastatesError, UnknownClientError, error_from_code
 from datastates.protocol.security import secure_client
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ class Connection:
         self.heartbeat = 0.0
         self.lost = False
         """Set once the daemon stayed silent past ``liveness``: a daemon that comes back does not know this client."""
+        self.registered = False
+        """Set once the daemon welcomed this client: from then on, a probe answered ``unknown_client`` means the
+        daemon that holds this client's requests is gone (restarted on the same endpoint, or took it as gone)."""
         self._heard = self._sent = time.monotonic()
         self._probe: int | None = None
         self._ctx = zmq.Context()
@@ -161,20 +164,36 @@ class Connection:
         with self._lock:
             if header.parent is not None and header.parent == self._probe:
                 self._probe = None
-                return
             fut = self._pending.pop(header.parent, None) if header.parent is not None else None
-        if fut is None or fut.cancelled():
-            return
         try:
             m.check_version(header)
             body = m.decode_body(header, frames[1])
         except DatastatesError as exc:
-            fut.set_exception(exc)
+            if fut is not None and not fut.cancelled():
+                fut.set_exception(exc)
+            return
+        if isinstance(body, m.Error) and body.code == UnknownClientError.code and self.registered:
+            self._forgotten()
+        if fut is None or fut.cancelled():
             return
         if isinstance(body, m.Error):
             fut.set_exception(error_from_code(body.code, body.message, body.detail))
         else:
             fut.set_result(body)
+
+    def _forgotten(self) -> None:
+        """The daemon answering does not know this client: fail every other request, as silence would.
+
+        The daemon that holds them is gone (restarted on the same endpoint), or took this
+        client as gone; either way no reply will come. Without this, a restarted daemon
+        answering the client's heartbeats and probes would keep its requests waiting for ever.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self.lost = True
+        _fail(pending, lambda: DaemonUnavailable(
+            f"datastatesd at {self.endpoint} no longer knows this client: it restarted, or took this client as "
+            "gone; what it had not confirmed copied is given up (connect a new Client)", endpoint=self.endpoint))
 
     def close(self) -> None:
         with self._lock:

@@ -247,10 +247,12 @@ class CommitLedger:
                 raise SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({skipped})", tag=tag)
             raise CommitError(f"tag {tag!r} not committed: one of its snapshots was refused: {refused}", tag=tag)
         jobs = self._committing[key] = self._open.pop(key, None) or []
+        self._versions.seal([j.path for j in jobs])  # before any await: a snapshot admitted next gets its own version
         requested_ns = time.time_ns()
         self.pending += 1
         try:
             jobs = self._committing[key] = await self._supersede(client_id, tag, jobs)
+            self._versions.seal([j.path for j in jobs])  # a retry's
             sequence = await self._next_sequence(tag, jobs)
             if ranks.world_size == 1:
                 return await self._commit_alone(client_id, tag, jobs, requested_ns, sequence)
@@ -280,6 +282,7 @@ class CommitLedger:
         stale = [j.path for j in jobs if j.path not in keep]
         if stale:
             await self._engine.flush(_remove_uncommitted, stale)
+            self._versions.abandon(stale)  # a new version never to be committed goes whole
 
     async def _next_sequence(self, tag: str, jobs: list[SnapshotJob]) -> int:
         """The commit's place in its run, in the order COMMITs arrive (0 when it names no file)."""
@@ -290,9 +293,10 @@ class CommitLedger:
         except CommitError:
             return 0  # refused when the marker is placed
         async with self._sequence_lock:  # FIFO: sequences follow the order the requests came in
-            if run not in self._sequences:
-                self._sequences[run] = await self._engine.flush(next_sequence, run) - 1
-            self._sequences[run] += 1
+            # read again each time: another writer of this run (a trainer saving on its own after it lost this
+            # daemon, another daemon after a restart) may have committed since, with a higher sequence
+            on_disk = await self._engine.flush(next_sequence, run)
+            self._sequences[run] = max(self._sequences.get(run, 0) + 1, on_disk)
             return self._sequences[run]
 
     async def _durable(self, tag: str, jobs: list[SnapshotJob]) -> dict[str, int]:

@@ -263,6 +263,7 @@ class Daemon:
         return m.ByeAck()
 
     async def _heartbeat(self, identity: bytes, body: m.Heartbeat) -> m.HeartbeatAck:
+        self.clients.get(identity)  # a client from before a restart must hear it is unknown, not that all is well
         return m.HeartbeatAck()
 
     def _left_behind(self, record: ClientRecord) -> None:

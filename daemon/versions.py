@@ -71,7 +71,9 @@ class Versions:
     def __init__(self, owner: str) -> None:
         self._owner = owner
         self._open: dict[tuple[str, str], Staging] = {}
-        """(tag folder, tag) → the staging folder of its next version."""
+        """(tag folder, tag) → the staging folder of its next version, which new snapshots of the tag join."""
+        self._sealed: list[Staging] = []
+        """Staging folders whose commit has begun: a snapshot admitted meanwhile starts a version of its own."""
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # admission runs on executor threads
 
@@ -105,10 +107,22 @@ class Versions:
                 self._open[(folder, tag)] = staging
         return os.path.join(staging.staging, os.path.relpath(path, folder))
 
+    def seal(self, paths: list[str]) -> None:
+        """A commit of the version holding ``paths`` has begun: later snapshots of its tag go to a new staging folder.
+
+        Without this, a snapshot admitted while the commit is in flight would be written into
+        the folder being switched in, or into the old version once the two are exchanged.
+        """
+        with self._lock:
+            for key, staging in list(self._open.items()):
+                if any(within(p, staging.staging) for p in paths):
+                    self._sealed.append(self._open.pop(key))
+
     def staged(self, tag: str, files: dict[str, int]) -> Staging | None:
         """The staging folder ``files`` were written to, if any; CommitError if only some of them were."""
         with self._lock:
-            found = [s for s in self._open.values() if s.tag == tag and any(within(p, s.staging) for p in files)]
+            found = [s for s in [*self._open.values(), *self._sealed]
+                     if s.tag == tag and any(within(p, s.staging) for p in files)]
         if not found:
             return None
         staging = found[0]
@@ -122,7 +136,9 @@ class Versions:
         with self._lock:
             gone = [key for key, s in self._open.items() if any(within(p, s.staging) for p in paths)]
             stagings = [self._open.pop(key) for key in gone]
-        for staging in stagings:
+            sealed = [s for s in self._sealed if any(within(p, s.staging) for p in paths)]
+            self._sealed = [s for s in self._sealed if s not in sealed]
+        for staging in stagings + sealed:
             shutil.rmtree(staging.staging, ignore_errors=True)
 
     @staticmethod
@@ -147,5 +163,7 @@ class Versions:
             raise CommitError(f"tag {staging.tag!r} not committed again: {why}; its committed version stands",
                               tag=staging.tag) from None
         with self._lock:
-            self._open.pop((staging.folder, staging.tag), None)
+            if self._open.get((staging.folder, staging.tag)) is staging:
+                del self._open[(staging.folder, staging.tag)]
+            self._sealed = [s for s in self._sealed if s is not staging]
         shutil.rmtree(staging.staging, ignore_errors=True)

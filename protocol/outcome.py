@@ -64,7 +64,10 @@ def check_ticket(ticket: str) -> str:
 def decide(folder: str, ticket: str, outcome: str) -> str:
     """Claim ``outcome`` for the snapshot ``ticket``; the outcome that holds (ours, or the one claimed first).
 
-    A folder that no longer exists means the client left with nothing pending: ``outcome`` holds.
+    A folder that no longer exists holds no claim either side can read, so ``abandoned``
+    holds: a daemon that tidied the folder of a client it took as gone while one of its
+    snapshots was still being admitted, or one that cannot see the client's pid, must not
+    take the copy for good when the client may have given up and stepped.
     """
     path = os.path.join(folder, ticket)
     try:
@@ -73,7 +76,7 @@ def decide(folder: str, ticket: str, outcome: str) -> str:
     except FileExistsError:
         return os.readlink(path)
     except FileNotFoundError:
-        return outcome
+        return ABANDONED
 
 
 LEFT = "left"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import signal
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,7 +14,7 @@ import torch
 import datastates
 from datastates.client import Client, daemon_status
 from datastates.client.reader import verify
-from datastates.protocol.errors import DatastatesError
+from datastates.protocol.errors import DaemonUnavailable, DatastatesError
 from datastates.protocol.format import MEGATRON_TRACKER, TEMP_SUFFIX, TRACKER, marker_name
 from datastates.protocol.tags import read_marker
 
@@ -136,3 +136,35 @@ def test_kill9_while_a_file_is_half_written_leaves_nothing_partial_under_its_fin
     assert_final_names_hold_whole_files(d.root, 0)
     assert not path.exists() and leftovers(d.root), "the half-written file should lie under a temporary name"
     assert datastates.latest(d.root) is None
+
+
+def test_a_daemon_restarted_on_the_same_endpoint_never_leaves_an_old_clients_wait_hanging(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """The daemon is stopped before it answers a snapshot, then killed, and a new one starts on the same endpoint
+    well within the client's liveness. The new one answers the old client's probes, but does not know it: wait()
+    must raise DaemonUnavailable (the snapshot is given up), not wait for ever for replies only the dead one owed."""
+    d = start_daemon()
+    c = Client(d.endpoint, timeout=30, liveness=30.0)
+    state = state_for(1)
+    path = d.root / tag_of(1) / "model_states.pt"
+    d.proc.send_signal(signal.SIGSTOP)
+    c.snapshot(state, path)  # never answered: the daemon is stopped, then killed
+    time.sleep(0.5)
+    d.proc.kill()
+    d.proc.wait(30)
+    new = start_daemon(endpoint=d.endpoint)
+    waiting = ThreadPoolExecutor(1).submit(c.wait)
+    try:
+        waiting.result(timeout=120)  # a hang guard: the probe at liveness / 2 (15 s) meets the new daemon
+        raise AssertionError("wait() returned for a snapshot no daemon took")
+    except DaemonUnavailable as exc:
+        assert "no longer knows this client" in str(exc), exc
+    except TimeoutError:
+        raise AssertionError("wait() hung: the restarted daemon's answers to probes kept the old client waiting")
+    c.close(timeout=5)
+    assert not path.exists() and datastates.latest(d.root) is None
+    with Client(new.endpoint, timeout=30) as again:  # a new client is served as usual
+        again.snapshot(state, path)
+        again.wait()
+        again.commit(tag_of(1)).result(timeout=60)
+    assert_state_equal(state, datastates.load(path))

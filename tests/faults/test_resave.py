@@ -120,6 +120,29 @@ def test_a_save_while_the_tags_commit_is_in_flight_never_replaces_the_file_that_
         assert steps_in(folder, "last") == {2.0}
 
 
+def test_a_save_while_a_new_version_is_being_committed_starts_a_version_of_its_own(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """The fault schedules found it (seed 50071): the tag was committed, so its re-save was staged, and the next
+    save, admitted while that staged version's commit was in flight, joined the same staging folder. After the
+    switch, its own commit wrote a marker in a folder no reader looks in: the trainer was told step 3 was
+    committed while the tag held step 2."""
+    d = start_daemon(**SLOW)
+    folder = d.root / "run" / "last"
+    with Client(d.endpoint, timeout=60) as c:
+        for step in (1, 2, 3):
+            for name, state in files(step).items():
+                c.snapshot(state, folder / name, tag="last")
+            if step == 1:
+                c.commit("last").result(timeout=120)
+            elif step == 2:
+                second = c.commit("last")  # in flight while step 3 is admitted: 64 MiB through a 4 MiB pool
+        second.result(timeout=120)
+        c.wait()
+        c.commit("last").result(timeout=120)
+    assert steps_in(folder, "last") == {3.0}
+    assert sorted(p.name for p in (d.root / "run").iterdir()) == ["last", "latest"]  # no version left beside it
+
+
 def test_another_tags_file_and_another_clients_open_file_are_refused(start_daemon: Callable[..., DaemonProc]) -> None:
     d = start_daemon()
     shared = d.root / "k" / "m.pt"
