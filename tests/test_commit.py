@@ -251,3 +251,21 @@ def test_commit_fails_when_a_file_cannot_become_durable_though_its_marker_could(
     assert not (root / "step2" / marker_name("step2")).exists()
     assert datastates.latest(root) == "step1"
     assert (root / TRACKER).read_text() == "step1"
+
+
+def test_a_commit_after_a_trainers_local_commits_in_the_same_run_is_the_latest(
+        client: Client, daemon: DaemonProc, tmp_path: Path) -> None:
+    """The fault schedules found it (seed 40161): a trainer that lost the daemon commits on its own in the same run
+    folder; a later commit through the daemon must still be the newest there. The daemon read the run's sequence
+    once and counted on from it, so its commit ranked below the trainer's and ``latest()`` named an older tag."""
+    run = daemon.root / "mixed"
+    save(client, shard(1), run / "t0" / "m.pt", tag="t0")
+    nowhere = f"ipc://{tmp_path}/no-daemon.sock"
+    with Client(nowhere, timeout=2, fallback="local") as local:  # no daemon answers: it saves in this process
+        assert local.local
+        for step in (2, 3):
+            save(local, shard(step), run / f"l{step}" / "m.pt", tag=f"l{step}")
+    assert datastates.latest(run) == "l3"
+    save(client, shard(4), run / "t4" / "m.pt", tag="t4")
+    assert datastates.latest(run) == "t4"
+    assert_state_equal(shard(4), datastates.load(run / "t4" / "m.pt"))
