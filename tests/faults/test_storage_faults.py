@@ -28,7 +28,7 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.protocol.errors import CommitError, SnapshotFailedError
+from datastates.protocol.errors import CommitError, DatastatesError, SnapshotFailedError
 
 from conftest import DATASTATESCTL, DaemonFactory, DaemonProc, assert_state_equal, read_only, save, sh, temp_files
 
@@ -296,4 +296,27 @@ def test_disk_full_during_a_resave_keeps_the_committed_version_whole(
         for name, state in new.items():
             assert_state_equal(copy_of(state), datastates.load(folder / name))
     assert sorted(p.name for p in (root / "run").iterdir()) == ["last", "latest"]
+    assert temp_files(root) == []
+
+
+def test_the_local_fallback_removes_its_staging_folder_when_a_resave_meets_a_full_disk(
+        small_fs: Path, tmp_path: Path) -> None:
+    """I5 (the fault schedules, seed 20069): the trainer lives on, so no daemon would remove a staging folder of
+    its local saver; a re-save of a committed tag that runs out of space must remove its own, at once."""
+    root = small_fs
+    folder = root / "run" / "last"
+    with Client(f"ipc://{tmp_path}/no-daemon.sock", timeout=2, fallback="local") as c:  # no daemon: saves itself
+        assert c.local
+        first = state_of(1, 4 * MiB)
+        save(c, first, folder / "a.pt", tag="last")
+        too_big = state_of(2, (free_bytes(root) // MiB + 16) * MiB)
+        with pytest.raises(DatastatesError, match="disk full"):
+            c.snapshot(too_big, folder / "a.pt", tag="last")  # a local save is written before snapshot() returns
+        assert [p.name for p in (root / "run").iterdir() if p.name.startswith(".")] == []
+        assert datastates.latest(root / "run") == "last"
+        assert_state_equal(copy_of(first), datastates.load(folder / "a.pt"))
+        again = state_of(3, 4 * MiB)
+        save(c, again, folder / "a.pt", tag="last")  # once it fits, the re-save commits
+    assert_state_equal(copy_of(again), datastates.load(folder / "a.pt"))
+    assert sorted(p.name for p in (root / "run").iterdir()) == ["last"]  # no version left beside it
     assert temp_files(root) == []
