@@ -89,9 +89,9 @@ class SnapshotJob:
         tensors, so bytes copied after that point may mix two steps and must never be written.
 
         A trainer that died before its GPU state was copied fails it too, even when the copy
-        ran: its death aborted the kernels it had queued, which completes the snapshot's
-        event without their results, so the bytes may predate the snapshot. Asked after the
-        last copy, a trainer still alive cannot have died during any of them.
+        ran: where the driver aborts a dead process's kernels, the snapshot's event may
+        complete without their results, so the bytes may predate the snapshot. Asked after
+        the last copy, a trainer still alive cannot have died during any of them.
         """
         if (self.owner_alive is not None and any(r.device_memory for r in self.regions)
                 and not self.owner_alive()):
