@@ -126,12 +126,8 @@ class Connection:
         try:
             self._dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
-            with self._lock:
-                pending, self._pending = self._pending, {}
-                self.lost = True
-            _fail(pending, lambda: DaemonUnavailable(
-                f"datastatesd at {self.endpoint} dropped this connection (for tcp: is this client's CURVE key "
-                "authorized, and the server key right?)", endpoint=self.endpoint))
+            self._lose("dropped this connection (for tcp: is this client's CURVE key authorized, and the server "
+                       "key right?)")
             return
         self._sent = time.monotonic()
 
@@ -142,18 +138,13 @@ class Connection:
                 self._heard = time.monotonic()
                 return
             silent = time.monotonic() - self._heard
-            if silent > self.liveness:
-                pending, self._pending = self._pending, {}
-                self.lost = True
-            else:
-                pending = {}
+            if silent <= self.liveness:
                 if silent > self.liveness / 2 and self._probe is None:
                     self._probe = next(self._ids)
                     self._send(m.encode(m.Heartbeat(), self._probe))
-        if pending:
-            _fail(pending, lambda: DaemonUnavailable(
-                f"datastatesd at {self.endpoint} gave no sign of life for {self.liveness:.0f} s; it may have died "
-                "(what it had copied before may still be on disk: check datastates.latest)", endpoint=self.endpoint))
+                return
+        self._lose(f"gave no sign of life for {self.liveness:.0f} s; it may have died (what it had copied before "
+                   "may still be on disk: check datastates.latest)")
 
     def _deliver(self, frames: list[bytes]) -> None:
         try:
@@ -188,12 +179,15 @@ class Connection:
         client as gone; either way no reply will come. Without this, a restarted daemon
         answering the client's heartbeats and probes would keep its requests waiting for ever.
         """
+        self._lose("no longer knows this client: it restarted, or took this client as gone; what it had not "
+                   "confirmed copied is given up (connect a new Client)")
+
+    def _lose(self, why: str) -> None:
+        """This connection's daemon is gone for good: every waiting request fails with DaemonUnavailable(``why``)."""
         with self._lock:
             pending, self._pending = self._pending, {}
             self.lost = True
-        _fail(pending, lambda: DaemonUnavailable(
-            f"datastatesd at {self.endpoint} no longer knows this client: it restarted, or took this client as "
-            "gone; what it had not confirmed copied is given up (connect a new Client)", endpoint=self.endpoint))
+        _fail(pending, lambda: DaemonUnavailable(f"datastatesd at {self.endpoint} {why}", endpoint=self.endpoint))
 
     def close(self) -> None:
         with self._lock:
