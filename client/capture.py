@@ -124,7 +124,8 @@ class TensorCapturer(LeafCapturer):
     def capture(self, obj: torch.Tensor, name: str, cap: Capture) -> EntryDesc | None:
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             return None  # subclasses carry state of their own: let pickle keep it
-        if obj.device.type not in ("cpu", "cuda") or obj.layout != torch.strided or obj.is_quantized:
+        if (obj.device.type not in ("cpu", "cuda") or obj.layout != torch.strided or obj.is_quantized
+                or obj.is_nested):  # nested tensors have no single strided storage: pickled as torch.save does
             return None
         t = obj
         if t.is_conj() or t.is_neg():

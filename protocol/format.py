@@ -40,10 +40,20 @@ STORAGE_ALIGN = 64
 CHECKSUM_BYTES = 8
 
 TEMP_SUFFIX = ".dstmp"
+NAME_MAX = 255
+"""The longest file name (bytes) of the file systems datastates writes to."""
+TEMP_TOKEN_MAX = 32
+"""The longest token a temporary name carries; writers hash a longer one down to this."""
+TEMP_RESERVE = len(".") + len(".") + 16 + len("-") + TEMP_TOKEN_MAX + len(TEMP_SUFFIX)
+"""What a temporary name ``.<name>.<owner>-<token>.dstmp`` adds to the name of the file it becomes."""
+FILE_NAME_MAX = NAME_MAX - TEMP_RESERVE
+"""The longest name of a file datastates writes (checkpoint files, markers, trackers): its temporary name must fit."""
 MARKER_PREFIX = "datastates-commit."
 MARKER_SUFFIX = ".json"
 
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}$")
+TAG_MAX = 160
+"""Characters of a tag: its markers (``datastates-done.<tag>.node<rank>.json`` the longest) are files too."""
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=-]{0,%d}$" % (TAG_MAX - 1))
 
 
 def align_up(n: int, a: int) -> int:
@@ -127,7 +137,7 @@ def check_tag(tag: str) -> str:
     """Tags name files and markers, so they must be one safe path component."""
     if not isinstance(tag, str) or not _TAG_RE.match(tag):
         raise InvalidRequestError(
-            f"invalid tag {tag!r}: use 1-200 characters of letters, digits and ._+=- , not starting with '.' or '-'",
+            f"invalid tag {tag!r}: use 1-{TAG_MAX} characters of letters, digits and ._+=- , not starting with '.' or '-'",
             tag=str(tag)[:256],
         )
     return tag

@@ -8,11 +8,10 @@ from typing import Iterator
 
 from .descriptors import Tier
 from .errors import PathNotAllowedError
-from .format import DONE_PREFIX, MARKER_PREFIX, TEMP_SUFFIX
+from .format import DONE_PREFIX, FILE_NAME_MAX, MARKER_PREFIX, NAME_MAX, TEMP_RESERVE, TEMP_SUFFIX
 
 SHM_DIR = "/dev/shm"
 """Where trainers share CPU tensors with the daemon, and the daemon keeps its replicas."""
-NAME_MAX = 255
 PATH_MAX = 4096
 
 
@@ -60,6 +59,9 @@ def check_path(path: str, roots: list[str]) -> str:
     name = os.path.basename(path)
     if not name or name.endswith(TEMP_SUFFIX) or name.startswith((MARKER_PREFIX, DONE_PREFIX)):
         raise refuse("the file name is empty or reserved for datastates' own files")
+    if len(name.encode()) > FILE_NAME_MAX:
+        raise refuse(f"its file name is {len(name.encode())} bytes, longer than {FILE_NAME_MAX}: each file is written "
+                     f"under a temporary name first, which adds up to {TEMP_RESERVE} bytes to it")
     if os.path.islink(path):
         raise refuse("it is a symbolic link")
     if os.path.isdir(path):

@@ -9,6 +9,7 @@ little CPU, and leave the cache to the trainer. A file system that refuses O_DIR
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from datastates.protocol.errors import StorageError
 from datastates.protocol.fileio import PAGE, fsync_dir, makedirs_durable
-from datastates.protocol.format import TEMP_SUFFIX
+from datastates.protocol.format import TEMP_SUFFIX, TEMP_TOKEN_MAX
 from datastates.protocol.paths import shallow_walk
 
 from ..instances import Gone
@@ -74,6 +75,8 @@ class PosixWriter(StorageWriter):
     scheme = "file"
 
     def create(self, path: str, token: str, direct: bool | None = None) -> _Handle:
+        if len(token) > TEMP_TOKEN_MAX:  # the name's limit counts on it (protocol/format.py TEMP_RESERVE)
+            token = hashlib.blake2b(token.encode(), digest_size=TEMP_TOKEN_MAX // 2).hexdigest()
         temp = temp_path(path, f"{self.owner}-{token}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         want_direct = self.direct_io if direct is None else direct
