@@ -60,6 +60,10 @@ def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+CHECKSUM_SIZE = 8
+"""Bytes of one piece's checksum (xxh3-64)."""
+
+
 def checksum(data: memoryview | bytes) -> bytes:
     """xxh3-64 of ``data``, big-endian: the per-piece checksum of the format."""
     return xxhash.xxh3_64_digest(data)
@@ -92,6 +96,32 @@ class FileHeader:
 
     def file_size(self, data_offset: int) -> int:
         return data_offset + align_up(self.data_len, DATA_ALIGN)
+
+    def check(self, path: str) -> None:
+        """Every size, offset and count against the others, before a reader allocates or loops on any of them.
+
+        The header's own checksum proves nothing against a crafted file (its author computes
+        it), so a piece size of 0 or 1, a storage beyond the data region or a checksum count
+        that does not match must be refused here, not met as a ZeroDivisionError or a list
+        of a billion segments.
+        """
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{path}: header {why}", path=path)
+
+        if self.piece_size < DATA_ALIGN or self.piece_size % DATA_ALIGN:
+            raise bad(f"piece_size {self.piece_size} is not a positive multiple of {DATA_ALIGN}")
+        if self.data_len < 0:
+            raise bad(f"data_len {self.data_len} is negative")
+        for i, rec in enumerate(self.storages):
+            if rec.offset < 0 or rec.nbytes < 0 or rec.offset + rec.nbytes > self.data_len:
+                raise bad(f"storage {i} (bytes {rec.offset}..{rec.offset + rec.nbytes}) lies outside the data "
+                          f"region ({self.data_len} bytes)")
+            first, last = rec.offset // self.piece_size, (rec.offset + rec.nbytes - 1) // self.piece_size
+            pieces = last - first + 1 if rec.nbytes else 0
+            if len(rec.checksums) != pieces or any(len(c) != CHECKSUM_SIZE for c in rec.checksums):
+                raise bad(f"storage {i} has {len(rec.checksums)} checksums for the {pieces} pieces it touches")
+        if not 0 <= self.root < len(self.entries):
+            raise bad(f"names root entry {self.root}, but it has {len(self.entries)} entries")
 
 
 def data_offset(header_len: int) -> int:
@@ -128,9 +158,11 @@ def parse_header(body: bytes, expected_hash: int, path: str) -> FileHeader:
     if xxhash.xxh64_intdigest(body) != expected_hash:
         raise CorruptCheckpointError(f"{path}: header checksum mismatch (the header is corrupt)", path=path)
     try:
-        return from_dict(FileHeader, msgpack.unpackb(body, raw=False), "header")
+        header = from_dict(FileHeader, msgpack.unpackb(body, raw=False), "header")
     except Exception as exc:
         raise CorruptCheckpointError(f"{path}: header does not decode: {exc}", path=path) from None
+    header.check(path)
+    return header
 
 
 def check_tag(tag: str) -> str:
