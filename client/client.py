@@ -322,12 +322,13 @@ class Client:
                     self._commits.append((tag, caller, reply))
 
     def restore(self, root: str | os.PathLike, name: str, tag: str | None = None,
-                map_location: MapLocation = None) -> Restored | None:
+                map_location: MapLocation = None, *, weights_only: bool = True) -> Restored | None:
         """Load this rank's file ``name`` of ``tag`` (default: the newest committed under ``root``).
 
         From the daemon's memory when it holds a replica of that very tag, else from storage,
         and ``source`` says which. The tag comes from the commit markers on storage, so
         every rank of a job picks the same one and never mixes steps; None if none is committed.
+        ``weights_only`` as in ``datastates.load``: safe by default.
         """
         root = os.path.abspath(os.fspath(root))
         found = locate(root, self.tiers, check_tag(tag) if tag is not None else None, self.ranks.num_nodes > 1)
@@ -345,15 +346,15 @@ class Client:
             try:
                 reply = self._conn.call(m.Restore(path=written, tag=tag, size=size), self.timeout)
                 if reply.replica:
-                    state = load(reply.replica, map_location)
+                    state = load(reply.replica, map_location, weights_only=weights_only)
                     log.info("restored %s (tag %s) from the daemon's memory", written, tag)
                     return Restored(tag=tag, path=written, source="memory", state=state)
                 why_not = reply.why_not
             except DatastatesError as exc:  # the replica went, or the daemon: storage still has it
                 why_not = f"{exc.code}: {exc}"
         log.info("restored %s (tag %s) from storage%s: %s", path, tag, f" tier {found.tier}" * bool(found.tier), why_not)
-        return Restored(tag=tag, path=path, source="storage", state=load(path, map_location), why_not_memory=why_not,
-                        tier=found.tier)
+        return Restored(tag=tag, path=path, source="storage", state=load(path, map_location, weights_only=weights_only),
+                        why_not_memory=why_not, tier=found.tier)
 
     def status(self) -> dict[str, Any]:
         return self._conn.call(m.Status(), self.timeout).status

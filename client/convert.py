@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from datastates.protocol.errors import CommitError, InvalidRequestError
+from datastates.protocol.errors import CommitError, CorruptCheckpointError, InvalidRequestError
 from datastates.protocol.format import marker_name
+from datastates.protocol.paths import within
 from datastates.protocol.tags import read_marker
 
 from .reader import load
@@ -25,8 +26,13 @@ from .reader import load
 FORMATS = ("torch", "safetensors")
 
 
-def convert_tag(folder: str, to: str, out: str) -> list[str]:
-    """Write every file of the tag committed in ``folder`` under ``out`` in format ``to``; the files written."""
+def convert_tag(folder: str, to: str, out: str, weights_only: bool = True) -> list[str]:
+    """Write every file of the tag committed in ``folder`` under ``out`` in format ``to``; the files written.
+
+    Files are read safely by default (``weights_only``, as ``datastates.load``). A marker
+    entry whose path is absolute or climbs out with ``..`` is refused: nothing is written
+    outside ``out``.
+    """
     if to not in FORMATS:
         raise InvalidRequestError(f"--to {to!r}: the formats are {', '.join(FORMATS)}")
     folder = os.path.abspath(folder)
@@ -37,9 +43,14 @@ def convert_tag(folder: str, to: str, out: str) -> list[str]:
                           tag=tag)
     if os.path.abspath(out) == folder:
         raise InvalidRequestError("the output folder must not be the tag's own folder")
+    out = os.path.abspath(out)
+    for rec in marker.files:
+        if os.path.isabs(rec.path) or ".." in rec.path.split("/") or not within(os.path.normpath(os.path.join(out, rec.path)), out):
+            raise CorruptCheckpointError(f"{folder}: marker lists {rec.path[:256]!r}, which is not a file inside the "
+                                         "tag's folder: nothing converted", path=folder)
     written = []
     for rec in marker.files:
-        state = load(os.path.join(folder, rec.path))
+        state = load(os.path.join(folder, rec.path), weights_only=weights_only)
         base = os.path.join(out, rec.path)
         os.makedirs(os.path.dirname(base), exist_ok=True)
         written += _write_torch(state, base) if to == "torch" else _write_safetensors(state, os.path.splitext(base)[0])

@@ -161,10 +161,10 @@ def _prune(root: str, keep_last: int, dry_run: bool) -> int:
     return 0
 
 
-def _convert(folder: str, to: str, out: str) -> int:
+def _convert(folder: str, to: str, out: str, weights_only: bool) -> int:
     from .convert import convert_tag  # torch: only the commands that read checkpoints pay for it
 
-    for path in convert_tag(folder, to, out):
+    for path in convert_tag(folder, to, out, weights_only):
         print(f"wrote {path}")
     return 0
 
@@ -196,13 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("tag", help="the tag's folder")
     p_convert.add_argument("--to", required=True, help="torch or safetensors (an unknown format is refused)")
     p_convert.add_argument("--out", required=True, help="the folder to write into")
+    p_convert.add_argument("--no-weights-only", dest="weights_only", action="store_false",
+                           help="unpickle any object (runs code the file's author chose): only for files you trust")
     args = parser.parse_args(argv)
 
     offline = {
         "verify": lambda: _verify(args.target, args.root),
         "ls": lambda: _ls(args.root, args.endpoint, args.connect_timeout),
         "prune": lambda: _prune(args.root, args.keep_last, args.dry_run),
-        "convert": lambda: _convert(args.tag, args.to, args.out),
+        "convert": lambda: _convert(args.tag, args.to, args.out, args.weights_only),
     }
     if args.command in offline:
         try:

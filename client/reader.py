@@ -156,7 +156,7 @@ class _Restore:
         return tensor if self._device is None or self._device.type == "cpu" else tensor.to(self._device)
 
 
-def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: bool = True, weights_only: bool = False) -> Any:
+def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: bool = True, weights_only: bool = True) -> Any:
     """The state saved at ``path``, bitwise as it was snapshotted.
 
     The data region is read in one pass of large parallel reads into one buffer, and
@@ -166,8 +166,12 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: b
 
     Refuses, with CorruptCheckpointError naming the file and the tensor, a file of the
     wrong size, a truncated one, or one whose header or data checksums do not match.
-    ``weights_only=True`` unpickles the skeleton through torch's safe unpickler, as
-    ``torch.load(weights_only=True)`` does, and raises WeightsOnlyError for anything else.
+    By default (``weights_only=True``, as ``torch.load`` since torch 2.6) the skeleton goes
+    through torch's safe unpickler, which builds tensors, containers, plain values and the
+    objects training states commonly hold (numpy arrays and dtypes, RNG states,
+    ``torch.Size``, ``argparse.Namespace``; more with ``torch.serialization.add_safe_globals``),
+    and raises WeightsOnlyError for anything else. ``weights_only=False`` unpickles anything,
+    which runs code the file's author chose: only for files you trust.
     """
     path = os.fspath(path)
     device = torch.device(map_location) if map_location is not None else None

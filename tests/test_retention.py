@@ -110,3 +110,36 @@ def test_convert_refuses_an_uncommitted_tag(daemon: DaemonProc, tmp_path: Path, 
     out = d.ctl("convert", str(d.root / "step1"), "--to", to, "--out", str(tmp_path / "x"))
     assert out.returncode == 2 and "no committed tag 'step1'" in out.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_convert_writes_only_inside_out_and_loads_safely_unless_told(daemon: DaemonProc, tmp_path: Path) -> None:
+    """A marker entry that climbs out of the tag's folder is refused before anything is written; a file holding an
+    arbitrary object is refused by the safe default, and converted with --no-weights-only."""
+    import fractions
+
+    d = daemon
+    checkpoint(d, range(1, 2))
+    folder = d.root / "step1"
+    marker_path = folder / "datastates-commit.step1.json"
+    marker = json.loads(marker_path.read_text())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    evil = outside / "rank0.pt"
+    evil.write_bytes((folder / "rank0.pt").read_bytes())  # so the marker's sizes still hold
+    crafted = tmp_path / "crafted" / "step1"
+    crafted.mkdir(parents=True)
+    for entry in marker["files"]:  # up to / from the crafted tag's folder, then down to the file outside
+        entry["path"] = "../" * (len(crafted.parts) - 1) + str(evil).lstrip("/")
+    (crafted / marker_path.name).write_text(json.dumps(marker))
+    out = d.ctl("convert", str(crafted), "--to", "torch", "--out", str(tmp_path / "o"))
+    assert out.returncode != 0 and "not a file inside" in out.stderr, out.stderr
+    assert not (tmp_path / "o").exists() and sorted(p.name for p in outside.iterdir()) == ["rank0.pt"]
+
+    risky = {"w": torch.ones(3), "ratio": fractions.Fraction(1, 3)}
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, risky, d.root / "risky" / "rank0.pt")
+    out = d.ctl("convert", str(d.root / "risky"), "--to", "torch", "--out", str(tmp_path / "r"))
+    assert out.returncode != 0 and "safe loader" in out.stderr, out.stderr
+    out = d.ctl("convert", str(d.root / "risky"), "--to", "torch", "--out", str(tmp_path / "r"), "--no-weights-only")
+    assert out.returncode == 0, out.stderr
+    assert torch.load(tmp_path / "r" / "rank0.pt", weights_only=False)["ratio"] == risky["ratio"]

@@ -129,7 +129,9 @@ class DatastatesCheckpointEngine(CheckpointEngine):
         if callable(map_location):
             device = map_location(torch.UntypedStorage(0), "cpu").device
             map_location = None if device.type == "cpu" else device
-        return load(path, map_location)
+        # DeepSpeed's states hold its own objects (LossScaler, ZeroStageEnum), and DeepSpeed trusts its checkpoint
+        # folder as its TorchCheckpointEngine does (weights_only=False): so does this engine, as DeepSpeed's.
+        return load(path, map_location, weights_only=False)
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
         """What DeepSpeed's next step commits, when decoupled."""

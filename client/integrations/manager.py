@@ -130,14 +130,17 @@ class CheckpointManager:
         self._pending.append((tag, fut))
         return fut
 
-    def restore(self) -> int | None:
-        """Load the newest committed tag under ``root`` into the objects; its step, or None if there is none."""
+    def restore(self, *, weights_only: bool = True) -> int | None:
+        """Load the newest committed tag under ``root`` into the objects; its step, or None if there is none.
+
+        ``weights_only`` as in ``datastates.load``: safe by default; False only for files you trust.
+        """
         self.client.wait()  # model.load_state_dict copies into tensors a pending snapshot may still be reading
         tag = latest(self.root)
         if tag is None:
             return None
         path = self.path(tag)
-        state = load(path)
+        state = load(path, weights_only=weights_only)
 
         def part(key: str) -> Any:
             if key not in state:

@@ -64,9 +64,13 @@ def test_verify_reports_a_missing_file_and_an_unknown_tag(daemon: DaemonProc) ->
     assert unknown.returncode == 2 and "no commit marker" in unknown.stderr
 
 
-def test_weights_only_load_refuses_arbitrary_objects(daemon: DaemonProc) -> None:
-    """weights_only=True loads tensors and plain containers, and refuses any other object."""
+def test_the_safe_default_loads_training_objects_and_refuses_arbitrary_ones(daemon: DaemonProc) -> None:
+    """Safe by default (weights_only=True, as torch.load): tensors, containers and the objects training states
+    commonly hold load; any other object is refused unless the caller opts in with weights_only=False."""
+    import argparse
     import collections
+    import fractions
+    import random
 
     import numpy as np
     import pytest
@@ -77,11 +81,21 @@ def test_weights_only_load_refuses_arbitrary_objects(daemon: DaemonProc) -> None
     from conftest import assert_state_equal
 
     plain = {"model": collections.OrderedDict(w=torch.randn(8, 8)), "step": 7, "lr": [0.1, 0.01], "name": "gpt"}
-    risky = {"w": torch.randn(3), "rng": np.random.get_state()}
+    training = {"np_rng": np.random.get_state(), "py_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+                "schedule": np.linspace(0, 1, 5), "dtype": np.dtype("float16"), "scale": np.float32(2.0),
+                "shape": torch.Size([2, 3]), "args": argparse.Namespace(lr=0.1, layers=2), "half": torch.float16}
+    risky = {"w": torch.randn(3), "ratio": fractions.Fraction(1, 3)}  # any class: its reduce can run code
     with Client(daemon.endpoint, timeout=60) as c:
         save(c, plain, daemon.root / "t_plain" / "model_states.pt")
+        save(c, training, daemon.root / "t_training" / "model_states.pt")
         save(c, risky, daemon.root / "t_risky" / "model_states.pt")
-    assert_state_equal(plain, datastates.load(daemon.root / "t_plain" / "model_states.pt", weights_only=True))
-    with pytest.raises(WeightsOnlyError, match="weights_only"):
-        datastates.load(daemon.root / "t_risky" / "model_states.pt", weights_only=True)
-    assert_state_equal(risky["w"], datastates.load(daemon.root / "t_risky" / "model_states.pt")["w"])
+    assert_state_equal(plain, datastates.load(daemon.root / "t_plain" / "model_states.pt"))
+    loaded = datastates.load(daemon.root / "t_training" / "model_states.pt")
+    assert loaded["np_rng"][0] == "MT19937" and np.array_equal(loaded["np_rng"][1], training["np_rng"][1])
+    assert loaded["py_rng"] == training["py_rng"] and torch.equal(loaded["torch_rng"], training["torch_rng"])
+    assert np.array_equal(loaded["schedule"], training["schedule"]) and loaded["dtype"] == np.float16
+    assert loaded["scale"] == np.float32(2.0) and loaded["shape"] == torch.Size([2, 3])
+    assert loaded["args"] == training["args"] and loaded["half"] is torch.float16
+    with pytest.raises(WeightsOnlyError, match="safe loader"):
+        datastates.load(daemon.root / "t_risky" / "model_states.pt")
+    assert datastates.load(daemon.root / "t_risky" / "model_states.pt", weights_only=False)["ratio"] == risky["ratio"]
