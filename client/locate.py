@@ -17,7 +17,7 @@ from datastates.protocol.paths import home_tier
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import CommitMarker, marker_name
-from datastates.protocol.tags import newest, read_marker
+from datastates.protocol.tags import newest, trusted_marker
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: boo
         tag = max(found, key=lambda mk: mk.newness).tag
     for tier, place in places:
         folder = os.path.join(place, tag)
-        marker = read_marker(os.path.join(folder, marker_name(tag)))
+        marker = trusted_marker(os.path.join(folder, marker_name(tag)))
         if marker is not None:
             return Located(tag, folder, marker, tier.name if tier else "", os.path.join(places[0][1], tag))
     where = ", ".join(r for _, r in places)

@@ -9,11 +9,15 @@ lists; anything else (a save in flight, a folder a crash left) is invisible to r
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from .format import MARKER_PREFIX, MARKER_SUFFIX, CommitMarker, MarkerFile, marker_name
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,36 @@ def marker_paths(root: str, depth: int = 1) -> list[str]:
     return found
 
 
+def distrust(marker: str) -> str:
+    """Why the commit marker at ``marker`` must not be trusted ("" if it may), as ssh's StrictModes judges a key file.
+
+    A marker names the files a restore loads, so a marker, or a tag folder, that another
+    user owns or can write could point this user's trainer at that user's files.
+    """
+    me = os.geteuid()
+    for path in (marker, os.path.dirname(marker)):
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            return f"{path}: {exc.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{path} is a symbolic link"
+        if st.st_uid not in (me, 0):
+            return f"{path} belongs to uid {st.st_uid}, not to this user (uid {me}) or root"
+        if st.st_mode & 0o022:
+            return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def trusted_marker(path: str) -> CommitMarker | None:
+    """``read_marker(path)`` for a marker this user may trust (``distrust``); an untrusted one is logged and skipped."""
+    why = distrust(path)
+    if why:
+        log.warning("skipping the commit marker %s: %s", path, why)
+        return None
+    return read_marker(path)
+
+
 def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
                    accept: Callable[[str], bool] = lambda tag: True) -> list[CommittedTag]:
     """The committed tags in ``root`` and ``depth`` folders down, newest first (``CommitMarker.newness``).
@@ -91,7 +125,7 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
     """
     found = []
     for path in marker_paths(root, depth):
-        marker = read_marker(path)
+        marker = trusted_marker(path)
         if marker is None or os.path.basename(path) != marker_name(marker.tag) or not accept(marker.tag):
             continue
         tag = CommittedTag(marker.tag, os.path.dirname(path), marker)
