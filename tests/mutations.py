@@ -128,6 +128,35 @@ MUTATIONS: tuple[Mutation, ...] = (
               "  # MUTATION\n"),),
         ("tests/test_multirank.py::test_a_node_other_than_0_confirms_a_commit_only_once_node_0s_marker_exists",),
     ),
+    Mutation(
+        "staging-not-sealed",
+        "a save admitted while a re-save's commit is in flight joins the staging folder being switched in",
+        (Edit("daemon/versions.py",
+              "                if any(within(p, staging.staging) for p in paths):\n"
+              "                    self._sealed.append(self._open.pop(key))\n",
+              "                if False:  # MUTATION: never sealed\n"
+              "                    self._sealed.append(self._open.pop(key))\n"),),
+        ("tests/faults/test_resave.py::test_a_save_while_a_new_version_is_being_committed_starts_a_version_of_its_own",),
+    ),
+    Mutation(
+        "resumed-daemon-ignores-local",
+        "a resumed daemon renames and commits for a client that went local",
+        (Edit("protocol/outcome.py",
+              "        return os.readlink(os.path.join(folder, LEFT)) == LOCAL\n",
+              "        return False  # MUTATION: never seen\n"),),
+        ("tests/faults/test_stall.py::test_a_daemon_stalled_before_its_rename_never_writes_over_a_trainer_that_went_local",),
+    ),
+    Mutation(
+        "sequence-read-once",
+        "a run's commit sequence is read from disk once and counted on from there",
+        (Edit("daemon/commit.py",
+              "            on_disk = await self._engine.flush(next_sequence, run)\n"
+              "            self._sequences[run] = max(self._sequences.get(run, 0) + 1, on_disk)\n",
+              "            if run not in self._sequences:  # MUTATION: read once\n"
+              "                self._sequences[run] = await self._engine.flush(next_sequence, run) - 1\n"
+              "            self._sequences[run] += 1\n"),),
+        ("tests/test_commit.py::test_a_commit_after_a_trainers_local_commits_in_the_same_run_is_the_latest",),
+    ),
 )
 
 
