@@ -463,6 +463,7 @@ class CommitLedger:
         """
         path = os.path.join(folder, marker_name(tag))
         if staging is None:
+            await self._engine.flush(_check_listed, folder, marker)
             await self._write(path, marker.encode(), tag)
         else:
             await self._write(os.path.join(staging.staging, marker_name(tag)), marker.encode(), tag)
@@ -501,6 +502,20 @@ class CommitLedger:
             await self._engine.flush(self._engine.writer(path).publish, path, data)
         except StorageError as exc:
             raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None
+
+
+def _check_listed(folder: str, marker: CommitMarker) -> None:
+    """Every file ``marker`` lists is in ``folder`` with its size, right before the marker is written: a file
+    moved away meanwhile (another tag's new version switched in over a shared folder) fails the commit instead."""
+    for f in marker.files:
+        try:
+            size = os.stat(os.path.join(folder, f.path)).st_size
+        except OSError as exc:
+            raise CommitError(f"tag {marker.tag!r} not committed: its file {f.path} is gone from {folder} "
+                              f"({exc.strerror})", tag=marker.tag) from None
+        if size != f.size:
+            raise CommitError(f"tag {marker.tag!r} not committed: its file {f.path} in {folder} is {size} bytes, "
+                              f"not {f.size}", tag=marker.tag)
 
 
 def _remember(table: collections.OrderedDict[tuple[str, str], str], key: tuple[str, str], reason: str) -> None:

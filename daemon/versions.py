@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.fileio import fsync_dir, makedirs_durable
-from datastates.protocol.format import marker_name
+from datastates.protocol.format import CommitMarker, marker_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.tags import listing
 
@@ -154,7 +154,17 @@ class Versions:
         return removed
 
     def switch(self, staging: Staging) -> None:
-        """Put the new version (its marker written) in place of the old in one step, then delete the old."""
+        """Put the new version (its marker written) in place of the old in one step, then delete the old.
+
+        The swap moves the whole folder, so it is refused (the old version stands) while the
+        folder holds anything its tag's committed version does not: another tag's marker or
+        files, a save in progress. Those would be deleted with the old version.
+        """
+        strangers = _strangers(staging)
+        if strangers:
+            raise CommitError(f"tag {staging.tag!r} not committed again: its folder {staging.folder} also holds "
+                              f"{strangers[:3]}, which are not its files and would go with its old version; save "
+                              "each tag in a folder of its own. Its committed version stands", tag=staging.tag)
         try:
             exchange(staging.folder, staging.staging)
         except OSError as exc:
@@ -167,3 +177,13 @@ class Versions:
                 del self._open[(staging.folder, staging.tag)]
             self._sealed = [s for s in self._sealed if s is not staging]
         shutil.rmtree(staging.staging, ignore_errors=True)
+
+
+def _strangers(staging: Staging) -> list[str]:
+    """What the tag folder holds besides its tag's committed version: the entries the swap would delete."""
+    marker = CommitMarker.read(os.path.join(staging.folder, marker_name(staging.tag)))
+    mine = {marker_name(staging.tag)} | {f.path.split("/")[0] for f in (marker.files if marker else [])}
+    try:
+        return sorted(set(os.listdir(staging.folder)) - mine)
+    except FileNotFoundError:
+        return []

@@ -22,7 +22,7 @@ import torch
 import datastates
 from datastates.client import Client
 from datastates.client.reader import verify
-from datastates.protocol.errors import DatastatesError, PathNotAllowedError
+from datastates.protocol.errors import CommitError, DatastatesError, PathNotAllowedError
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker
 
@@ -141,6 +141,22 @@ def test_a_save_while_a_new_version_is_being_committed_starts_a_version_of_its_o
         c.commit("last").result(timeout=120)
     assert steps_in(folder, "last") == {3.0}
     assert sorted(p.name for p in (d.root / "run").iterdir()) == ["last", "latest"]  # no version left beside it
+
+
+def test_a_resave_never_deletes_another_tag_committed_in_the_same_folder(shared_daemon: DaemonProc,
+                                                                        shared_client: Client) -> None:
+    """The long schedule run found it (seed 60956): tag t2 saved into t0's folder, then t0 saved there twice. The
+    second save switched t0's whole folder for its new version and deleted t2's committed file and marker."""
+    folder = shared_daemon.root / "shared_folder" / "t0"
+    save(shared_client, {"t": torch.full((100,), 2.0)}, folder / "model.pt", tag="t2")
+    save(shared_client, {"t": torch.full((100,), 1.0)}, folder / "optim.pt", tag="t0")
+    shared_client.snapshot({"t": torch.full((100,), 3.0)}, folder / "optim.pt", tag="t0")
+    shared_client.wait()
+    with pytest.raises(CommitError, match="also holds"):
+        shared_client.commit("t0").result(timeout=60)
+    assert torch.equal(datastates.load(folder / "model.pt")["t"], torch.full((100,), 2.0))  # t2, whole
+    assert torch.equal(datastates.load(folder / "optim.pt")["t"], torch.full((100,), 1.0))  # t0's committed version
+    assert (folder / "datastates-commit.t2.json").exists() and (folder / "datastates-commit.t0.json").exists()
 
 
 def test_another_tags_file_and_another_clients_open_file_are_refused(start_daemon: Callable[..., DaemonProc]) -> None:
