@@ -26,13 +26,16 @@ class ShmRegion(Region):
     def __init__(self, name: str, nbytes: int) -> None:
         path = os.path.join(SHM_DIR, name.lstrip("/"))
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO named as a segment opens at once (then fails the check below) instead of
+            # blocking an admission thread until some writer opens it
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise SharedMemoryError(f"cannot open shared-memory segment {name!r}: {exc.strerror}", handle=name) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise SharedMemoryError(f"segment {name!r} is not a regular file owned by the daemon's user", handle=name)
+                raise SharedMemoryError(f"segment {name!r} is not a regular file owned by the daemon's user "
+                                        f"({stat.filemode(st.st_mode)}, uid {st.st_uid})", handle=name)
             prefix = st.st_size - nbytes
             if not 0 <= prefix <= MAX_PREFIX:
                 raise InvalidRequestError(
