@@ -35,6 +35,14 @@ def replica_folders() -> set[str]:
             and p[-17] == "-"}
 
 
+def replica_folder(d: DaemonProc) -> str:
+    """The replica folder of daemon ``d``, named by the owner tag its log announces at start: other daemons of
+    this user (a test session or a job beside this one) have folders of their own, which these tests leave be."""
+    owner = re.search(r"owner ([0-9a-f]{16})", d.log_text())
+    assert owner is not None, d.log_text()[-2000:]
+    return f"/dev/shm/datastates-{os.geteuid()}-{owner.group(1)}"
+
+
 def temps(root: Path) -> list[Path]:
     return list(root.rglob(f"*{TEMP_SUFFIX}"))
 
@@ -53,10 +61,11 @@ def test_a_daemon_on_another_endpoint_removes_a_killed_daemons_leftovers_and_spa
     live = start_daemon()  # another job's daemon on this node: its replica folder must survive
     with Client(live.endpoint, timeout=60) as c:
         save(c, {"w": torch.ones(1000)}, live.root / "live" / "step1" / "m.pt")
-    before = replica_folders()
+    mine = replica_folder(live)
+    assert mine in replica_folders()
 
     doomed = start_daemon(**SLOW)
-    assert len(replica_folders() - before) == 1
+    assert replica_folder(doomed) in replica_folders()
     with Client(doomed.endpoint, timeout=60) as c:
         save(c, {"w": torch.zeros(1000)}, doomed.root / "run" / "step1" / "m.pt")  # its replica now holds a file
         c.snapshot({"w": torch.randn(32 << 20)}, doomed.root / "run" / "step2" / "m.pt")  # 128 MiB through 2 MiB
@@ -67,14 +76,14 @@ def test_a_daemon_on_another_endpoint_removes_a_killed_daemons_leftovers_and_spa
             time.sleep(0.01)
         doomed.proc.send_signal(signal.SIGKILL)
         doomed.proc.wait(30)
-    left = {str(p) for p in temps(doomed.root)} | (replica_folders() - before)
+    left = {str(p) for p in temps(doomed.root)} | (replica_folders() & {replica_folder(doomed)})
     assert any(p.endswith(TEMP_SUFFIX) for p in left) and any(p.startswith("/dev/shm/") for p in left), left
 
     fresh = start_daemon()  # a new job, a new endpoint
     report = removed_at_start(fresh)
     assert set(report["paths"]) >= left and report["count"] >= len(left), (report, left)
     assert not temps(doomed.root) and not (replica_folders() & left)
-    assert before <= replica_folders()  # the live daemon's replica folder is untouched...
+    assert mine in replica_folders()  # the live daemon's replica folder is untouched...
     restored = Client(live.endpoint, timeout=60)
     try:  # ...and still serves a restore from memory
         got = restored.restore(live.root / "live", "m.pt")
