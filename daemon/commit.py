@@ -308,7 +308,8 @@ class CommitLedger:
                 job.check_still_wanted()
             except SnapshotFailedError as exc:
                 failed.append((job, exc))
-        if failed:
+        if failed:  # such a commit is never retried: a new version staged for it is removed whole now
+            self._versions.abandon([j.path for j in jobs])
             job, exc = failed[0]
             raise CommitError(
                 f"tag {tag!r} not committed: {len(failed)} of its {len(jobs)} snapshot(s) failed; first: {job.path}: {exc}",
