@@ -94,8 +94,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tracker-before-marker",
         "the `latest` trackers written before the commit marker",
         (Edit("daemon/commit.py",
-              "        if staging is None:\n            await self._write(path, marker.encode(), tag)\n",
+              "        if staging is None:\n            await self._engine.flush(_check_listed, folder, marker)\n"
+              "            await self._write(path, marker.encode(), tag)\n",
               "        if staging is None:\n"
+              "            await self._engine.flush(_check_listed, folder, marker)\n"
               "            if os.path.basename(folder) == tag and any(within(os.path.dirname(folder), r) for r in self._roots):\n"
               "                for tracker, data in trackers(tag, folder).items():  # MUTATION: trackers first\n"
               "                    await self._write(tracker, data, tag)\n"
