@@ -37,7 +37,7 @@ from datastates.protocol.version import COMMIT_VERSION
 
 from datastates.protocol.paths import within
 from datastates.protocol.retention import prune
-from datastates.protocol.tags import listing, next_sequence
+from datastates.protocol.tags import listing, next_sequence, unlisted
 
 from .config import HISTORY, StorageConfig
 from .engine import Engine
@@ -508,15 +508,9 @@ class CommitLedger:
 def _check_listed(folder: str, marker: CommitMarker) -> None:
     """Every file ``marker`` lists is in ``folder`` with its size, right before the marker is written: a file
     moved away meanwhile (another tag's new version switched in over a shared folder) fails the commit instead."""
-    for f in marker.files:
-        try:
-            size = os.stat(os.path.join(folder, f.path)).st_size
-        except OSError as exc:
-            raise CommitError(f"tag {marker.tag!r} not committed: its file {f.path} is gone from {folder} "
-                              f"({exc.strerror})", tag=marker.tag) from None
-        if size != f.size:
-            raise CommitError(f"tag {marker.tag!r} not committed: its file {f.path} in {folder} is {size} bytes, "
-                              f"not {f.size}", tag=marker.tag)
+    why = unlisted(folder, marker)
+    if why:
+        raise CommitError(f"tag {marker.tag!r} not committed: {why}", tag=marker.tag)
 
 
 def _remember(table: collections.OrderedDict[tuple[str, str], str], key: tuple[str, str], reason: str) -> None:

@@ -45,16 +45,21 @@ class CommittedTag:
 def read_marker(path: str) -> CommitMarker | None:
     """The marker at ``path`` if it is whole and every file it lists has the size it lists."""
     marker = CommitMarker.read(path)
-    if marker is None:
+    if marker is None or unlisted(os.path.dirname(path), marker):
         return None
-    folder = os.path.dirname(path)
+    return marker
+
+
+def unlisted(folder: str, marker: CommitMarker) -> str:
+    """Why a file ``marker`` lists is not in ``folder`` with its listed size ("" if every one is)."""
     for rec in marker.files:
         try:
-            if os.stat(os.path.join(folder, rec.path)).st_size != rec.size:
-                return None
-        except OSError:
-            return None
-    return marker
+            size = os.stat(os.path.join(folder, rec.path)).st_size
+        except OSError as exc:
+            return f"its file {rec.path} is gone from {folder} ({exc.strerror})"
+        if size != rec.size:
+            return f"its file {rec.path} in {folder} is {size} bytes, not {rec.size}"
+    return ""
 
 
 def _folders(root: str, depth: int) -> Iterator[str]:
