@@ -16,11 +16,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from datastates.protocol.descriptors import CUDA_IPC, EMPTY, SHM, EntryDesc, SourceDesc
+from datastates.protocol.descriptors import CUDA_IPC, EMPTY, SHM, VM, EntryDesc, SourceDesc
 from datastates.protocol.errors import InvalidRequestError
 
 from .cuda import describe_cuda_storage, encode_handle, snapshot_event
-from .shm import share
+from .shm import Staging
 
 PICKLE_PROTOCOL = 2
 """As torch.save: the highest protocol torch's weights-only unpickler reads."""
@@ -30,13 +30,18 @@ PICKLE_PROTOCOL = 2
 class Capture:
     """What one ``snapshot()`` sends: byte sources, entries, and the root entry's index."""
 
+    staging: Staging | None = None
+    """Where CPU storages are copied for the daemon to map; None: it reads them in place, by address."""
+    staged: list[torch.UntypedStorage] = field(default_factory=list)
+    """The segments this capture took from ``staging``: given back once the daemon has copied them."""
     sources: list[SourceDesc] = field(default_factory=list)
     entries: list[EntryDesc] = field(default_factory=list)
     root: int = -1
     keepalive: list[Any] = field(default_factory=list)
     """Held until the daemon has copied: the tensors, and the CUDA event it waits on."""
     storages: list[torch.UntypedStorage | None] = field(default_factory=list)
-    """Each source's storage, for a local save that cannot open its own CUDA IPC handles."""
+    """Each source's storage: held with the tensors (the daemon reads in-place sources at their address), and
+    read directly by a local save, which cannot open its own CUDA IPC handles."""
     _source_index: dict[tuple[int, int], int] = field(default_factory=dict)
     _cuda: list[int] = field(default_factory=list)
     """Sources whose CUDA handle ``seal()`` fills in."""
@@ -53,7 +58,11 @@ class Capture:
 
     def _describe(self, storage: torch.UntypedStorage) -> SourceDesc:
         if storage.device.type != "cuda":
-            return SourceDesc(kind=SHM, handle=share(storage), nbytes=storage.nbytes())
+            if self.staging is None:
+                return SourceDesc(kind=VM, handle=f"{storage.data_ptr():x}", nbytes=storage.nbytes())
+            segment, name = self.staging.stage(storage)
+            self.staged.append(segment)
+            return SourceDesc(kind=SHM, handle=name, nbytes=storage.nbytes())
         self._cuda.append(len(self.sources))
         return SourceDesc(kind=CUDA_IPC, handle="", nbytes=storage.nbytes())
 
@@ -188,14 +197,20 @@ class _CapturingPickler(pickle.Pickler):
         return self._seen[key]
 
 
-def capture(state: Any) -> Capture:
-    """Describe ``state`` as shared sources, leaf entries and a pickled root entry."""
-    cap = Capture()
+def capture(state: Any, staging: Staging | None = None) -> Capture:
+    """Describe ``state`` as sources, leaf entries and a pickled root entry; ``staging``: see ``Capture``."""
+    cap = Capture(staging=staging)
     buf = io.BytesIO()
     try:
         _CapturingPickler(buf, cap, _leaf_names(state)).dump(state)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        if staging is not None:
+            staging.give_back(cap.staged)
         raise InvalidRequestError(f"state cannot be serialized: {exc}") from None
+    except BaseException:
+        if staging is not None:  # a segment that did not fit: the ones taken so far are free again
+            staging.give_back(cap.staged)
+        raise
     cap.root = cap.add_entry(EntryDesc(provider="pickle", name="<skeleton>", meta={"data": buf.getvalue()}))
     cap.seal()
     return cap

@@ -18,7 +18,7 @@ import torch
 
 from datastates.protocol import messages as m
 from datastates.protocol import outcome
-from datastates.protocol.descriptors import CUDA_IPC, Ranks, Tier
+from datastates.protocol.descriptors import CUDA_IPC, VM, Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import check_tag
@@ -27,6 +27,8 @@ from datastates.protocol.paths import check_path
 
 from .capture import Capture, capture
 from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
+from .inplace import Probe, allow_reader, yama_scope
+from .shm import Staging
 from .locate import locate
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
@@ -107,15 +109,25 @@ class Client:
     memory; ``"skip"`` drops the whole tag with a warning, so the trainer never waits on
     storage. ``fallback="local"`` saves synchronously in this process whenever the daemon
     cannot be reached, instead of raising DaemonUnavailable.
+
+    ``cpu_capture`` is how the daemon gets CPU tensors. ``"auto"``: it reads them in place
+    in this process (process_vm_readv) where it can, so a snapshot moves, maps and changes
+    nothing here, and falls back to ``"shm"`` where it cannot (another pid namespace,
+    ptrace forbidden). ``"shm"``: each snapshot copies the CPU storages into /dev/shm
+    segments this client owns and reuses (a memcpy in ``snapshot()``), and the daemon maps
+    them, so a snapshot survives this process's crash even before ``wait()``. ``in_place``
+    says which one this client uses.
     """
 
     def __init__(
         self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, name: str | None = None,
         liveness: float = DEFAULT_LIVENESS, on_busy: str = "block", fallback: str | None = None,
-        ranks: Ranks | None = None,
+        ranks: Ranks | None = None, cpu_capture: str = "auto",
     ) -> None:
         if on_busy not in m.ON_BUSY:
             raise InvalidRequestError(f"on_busy: {on_busy!r} is not one of {list(m.ON_BUSY)}")
+        if cpu_capture not in ("auto", "shm"):
+            raise InvalidRequestError(f"cpu_capture: {cpu_capture!r} is not 'auto' or 'shm'")
         if fallback not in (None, "local"):
             raise InvalidRequestError(f"fallback: {fallback!r} is not None or 'local'")
         self.endpoint = resolve_endpoint(endpoint)
@@ -128,6 +140,10 @@ class Client:
         self.client_id = ""
         self.roots: list[str] = []
         self.tiers: list[Tier] = []
+        self.in_place = False
+        """Whether the daemon reads this process's CPU tensors in place (else through /dev/shm)."""
+        self._probe = Probe() if cpu_capture == "auto" else None
+        self._staging = Staging()
         self._local: Any = None
         """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
@@ -144,8 +160,10 @@ class Client:
         self._conn = Connection(self.endpoint, liveness)
         hello = m.Hello(pid=os.getpid(), name=name or f"pid{os.getpid()}", host=socket.gethostname(), on_busy=on_busy,
                         pidns=pid_namespace(), started=process_start(os.getpid()) or "", ranks=self.ranks,
-                        decisions=self._decisions)
+                        decisions=self._decisions, probe=str(self._probe or ""))
         try:
+            if self._probe is not None and yama_scope() == 1:  # the daemon is no ancestor: name it our reader first
+                allow_reader(self._conn.call(m.Status(), timeout).status["daemon"]["pid"])
             welcome = self._conn.call(hello, timeout)
         except BaseException as exc:
             shutil.rmtree(self._decisions, ignore_errors=True)  # no daemon knows of it
@@ -159,6 +177,10 @@ class Client:
         self.client_id = welcome.client_id
         self.roots = welcome.roots
         self.tiers = welcome.tiers
+        self.in_place = self._probe is not None and not welcome.vm_refused
+        if self._probe is not None and welcome.vm_refused:
+            log.info("datastatesd cannot read this process's memory in place (%s): CPU tensors go through %s",
+                     welcome.vm_refused, "/dev/shm")
 
     @property
     def local(self) -> bool:
@@ -193,13 +215,14 @@ class Client:
                                              "once it is back", endpoint=self.endpoint))
         if self._local is None:
             check_path(path, self.roots)  # the daemon checks again; this makes the error immediate
-        cap = capture(state)
+        cap = capture(state, None if self.in_place else self._staging)
         msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
                          ticket="" if self._local is not None else str(next(self._tickets)))
         if self._local is not None:
             return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg, cap.storages)))
         ack = self._conn.request(msg)
-        self._uncopied.append((ack, msg, cap))
+        with self._commits_lock:
+            self._uncopied.append((ack, msg, cap))
         return SnapshotHandle(path=path, tag=tag, ack=ack)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -221,12 +244,19 @@ class Client:
                 for _ack, msg, cap in pending:  # unchanged since snapshot(): this is the fence
                     local.save(msg, cap.storages)
                 saved = {msg.tag for _, msg, _ in pending}
-            if self._uncopied and self._uncopied[0] is pending[0]:
-                del self._uncopied[: len(pending)]
+            self._drop(pending)
         finally:
             self._waiting = False
             if self._commits:
                 self._commit_locally(saved)
+
+    def _drop(self, done: list[tuple[Future, m.Snapshot, Capture]]) -> None:
+        """Forget snapshots known copied (or failed): their captured tensors may go now."""
+        gone = {id(x) for x in done}
+        with self._commits_lock:  # only those still listed: ``covered`` and ``pending`` may both hold one
+            for _ack, _msg, cap in (x for x in self._uncopied if id(x) in gone):
+                self._staging.give_back(cap.staged)
+            self._uncopied = [x for x in self._uncopied if id(x) not in gone]
 
     def _give_up(self, pending: list[tuple[Future, m.Snapshot, Capture]], exc: DaemonUnavailable) -> list[str]:
         """Claim every snapshot in ``pending`` abandoned; the paths of those the daemon had not claimed copied first.
@@ -262,9 +292,9 @@ class Client:
                 raise WaitTimeout(f"{len(ids)} snapshot(s) not copied by the daemon within {timeout} s") from None
             finally:
                 if fut.done():  # copied or failed: either way reported once, by this wait
-                    del self._uncopied[: len(pending)]
+                    self._drop(pending)
         else:
-            del self._uncopied[: len(pending)]
+            self._drop(pending)
         refused = next((a.exception() for a in acks if a.exception() is not None), None)
         if refused is not None:
             raise refused
@@ -286,16 +316,29 @@ class Client:
         check_tag(tag)
         if self._local is not None:
             return _done(self._local.commit(tag))
+        with self._commits_lock:
+            covered = [x for x in self._uncopied if x[1].tag == tag]
         reply, caller = self._conn.request(m.Commit(tag=tag)), Future()
         with self._commits_lock:
             self._commits.append((tag, caller, reply))
-        reply.add_done_callback(lambda _: self._answer(tag, caller, reply))
+        # the reply comes as the argument: a closure over ``reply`` would make a cycle that keeps ``covered``'s
+        # tensors alive until the garbage collector runs
+        reply.add_done_callback(lambda done: self._answer(tag, caller, done, covered))
         return caller
 
-    def _answer(self, tag: str, caller: Future, reply: Future) -> None:
+    def _answer(self, tag: str, caller: Future, reply: Future, covered: list[tuple[Future, m.Snapshot, Capture]]) -> None:
         """Pass the daemon's reply on, unless the daemon went away while snapshots of ``tag`` were not yet
-        copied and the local fallback is on: then ``wait()`` saves them again and commits ``tag`` locally."""
+        copied and the local fallback is on: then ``wait()`` saves them again and commits ``tag`` locally.
+
+        A tag committed was copied whole: its snapshots' captured tensors go now, even if the
+        trainer never calls ``wait()``, so a loop of ``snapshot()`` and ``commit()`` holds no
+        more than the snapshots still in flight.
+        """
         exc = reply.exception()
+        if exc is None:
+            for _ack, msg, _cap in covered:
+                outcome.forget(self._decisions, msg.ticket)
+            self._drop(covered)
         if isinstance(exc, DaemonUnavailable) and self.fallback == "local" and (
                 self._waiting or any(msg.tag == tag for _, msg, _ in list(self._uncopied))):
             return
@@ -362,17 +405,17 @@ class Client:
     def close(self, timeout: float | None = None) -> None:
         """Leave the daemon once outstanding requests (commits) are answered, or ``timeout`` passes.
 
-        What the daemon has already taken is flushed whether or not the client stays. GPU
-        snapshots are waited for first: the daemon reads them from this process's device
-        memory, which goes when the process does.
+        What the daemon has already taken is flushed whether or not the client stays.
+        Snapshots the daemon reads from this process's own memory (GPU, and CPU read in
+        place) are waited for first: that memory goes when the process does.
         """
         if self._local is not None:
             return
-        if any(any(d.kind == CUDA_IPC for d in msg.sources) for _, msg, _ in self._uncopied):
+        if any(any(d.kind in (CUDA_IPC, VM) for d in msg.sources) for _, msg, _ in self._uncopied):
             try:
                 self.wait(timeout)
             except DatastatesError as exc:
-                log.warning("a GPU snapshot was not copied before close: %s", exc)
+                log.warning("a snapshot was not copied before close: %s", exc)
         concurrent.futures.wait(self._conn.outstanding(), timeout)
         try:
             self._conn.call(m.Bye(), min(self.timeout, 5.0))
@@ -380,6 +423,9 @@ class Client:
             log.info("datastatesd did not acknowledge BYE: %s", exc)
         finally:
             self._conn.close()
+            with self._commits_lock:  # what the daemon has not copied yet it maps itself: our segments may go
+                self._uncopied = []
+            self._staging.clear()
 
     def __enter__(self) -> Client:
         return self

@@ -47,7 +47,7 @@ def render(status: dict[str, Any]) -> str:
     lines += [f"  {c['id']:<14} {c['name']:<20} pid {c['pid']:<8} rank {c['rank']}/{c['world_size']} node {c['node_rank']}"
               f"  {c['host']}  regions {c['regions']}" for c in status["clients"]]
     lines += [f"  lost: {c['id']} {c['name']} pid {c['pid']} ({c['how']}, {c['pending_snapshots']} snapshot(s) were pending"
-              + (f", {c['abandoned_gpu_snapshots']} GPU snapshot(s) failed uncopied" if c["abandoned_gpu_snapshots"] else "")
+              + (f", {c['abandoned_snapshots']} snapshot(s) failed uncopied" if c["abandoned_snapshots"] else "")
               + ")" for c in status["clients_lost"]]
     lines += [f"  gathering: tag {g['tag']} ranks {g['committed_ranks']} of {g['local_ranks']} local, {g['nodes']} node(s)"
               for g in status["tags_gathering"]]

@@ -1,14 +1,18 @@
-"""Moving a trainer's CPU storages into POSIX shared memory, once.
+"""Client-owned /dev/shm segments that CPU storages are copied into (``cpu_capture="shm"``).
 
-torch's file_system sharing (``UntypedStorage._share_filename_cpu_``) swaps a storage's
-memory for a named /dev/shm segment in place, for every view of it, as
-``Tensor.share_memory_()`` does; it is a no-op for a storage already shared that way. So
-the first snapshot of a tensor pays one copy in the trainer and every later one none.
+Where the daemon cannot read the trainer in place, it maps POSIX shared memory instead.
+The trainer's own storages stay where they are (moving them into /dev/shm would change
+them under the user: a resize crashes, numpy views dangle, ``from_numpy`` tensors stop
+following their array); each snapshot copies them into segments this client owns. A
+segment is reused once the daemon has copied the snapshot that used it, so a steady loop
+allocates its segments once, and the daemon's mappings of them (its region cache) are
+reused too. The copy costs the trainer one memcpy per snapshot, as DCP's staging does.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -45,27 +49,54 @@ def _does_not_fit(nbytes: int, free: int, total: int) -> SharedMemoryError:
     )
 
 
-def share(storage: torch.UntypedStorage) -> str:
-    """The /dev/shm name of ``storage``, moving it into shared memory if it is not there yet.
+class Staging:
+    """Segments by size: those free for the next snapshot, and the trainer-facing copy into one."""
 
-    A storage that does not fit raises SharedMemoryError before any byte is moved. torch
-    reserves the segment's blocks (posix_fallocate) before it copies, so a segment that a
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self._lock = threading.Lock()  # snapshot() takes, the connection's thread gives back
+
+    def stage(self, storage: torch.UntypedStorage) -> tuple[torch.UntypedStorage, str]:
+        """A segment holding a copy of ``storage`` now, and its /dev/shm name; SharedMemoryError if none fits."""
+        nbytes = storage.nbytes()
+        with self._lock:
+            free = self._free.get(nbytes)
+            segment = free.pop() if free else None
+        if segment is None:
+            segment = _new_segment(nbytes)
+        torch.empty(0, dtype=torch.uint8).set_(segment).copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        return segment, segment._share_filename_cpu_()[1].decode()
+
+    def give_back(self, segments: list[torch.UntypedStorage]) -> None:
+        """Segments whose snapshot the daemon has copied (or will never read again): free for reuse."""
+        with self._lock:
+            for segment in segments:
+                self._free.setdefault(segment.nbytes(), []).append(segment)
+
+    def clear(self) -> None:
+        """Drop every free segment: torch unlinks each once nothing maps it."""
+        with self._lock:
+            self._free.clear()
+
+
+def _new_segment(nbytes: int) -> torch.UntypedStorage:
+    """A fresh ``nbytes`` segment in /dev/shm.
+
+    A segment that does not fit raises SharedMemoryError before any byte is written. torch
+    reserves the segment's blocks (posix_fallocate) when it creates it, so a segment that a
     concurrent process fills first fails here too, as the same error, never as a SIGBUS.
     """
-    nbytes = storage.nbytes()
-    moving = not storage.is_shared()
-    if moving:
-        free, total, block = _shm_space()
-        if _segment_bytes(nbytes, block) > free:
-            raise _does_not_fit(nbytes, free, total)
+    free, total, block = _shm_space()
+    if _segment_bytes(nbytes, block) > free:
+        raise _does_not_fit(nbytes, free, total)
     try:
-        _manager, name, _size = storage._share_filename_cpu_()
+        segment = torch.UntypedStorage._new_using_filename_cpu(nbytes)
     except RuntimeError as exc:
         if "No space left on device" in str(exc):
             free, total, _block = _shm_space()
             raise _does_not_fit(nbytes, free, total) from None
-        raise SharedMemoryError(f"cannot move a {nbytes}-byte storage into shared memory: {exc}") from None
-    name = name.decode()
-    if moving and not os.path.exists(segment_path(name)):  # later snapshots skip the stat: the hot path
-        raise SharedMemoryError(f"storage is shared, but not through a named segment ({name!r})")
-    return name
+        raise SharedMemoryError(f"cannot make a {nbytes}-byte segment in {SHM_DIR}: {exc}") from None
+    name = segment._share_filename_cpu_()[1].decode()
+    if not os.path.exists(segment_path(name)):
+        raise SharedMemoryError(f"torch made a shared storage, but not as a named segment ({name!r})")
+    return segment

@@ -27,12 +27,15 @@ from datastates.protocol.errors import InvalidRequestError, UnknownClientError
 from datastates.protocol.liveness import process_start, shares_pids
 
 from .config import LOST_HISTORY
-from .sources import Region, open_region
+from .sources import Owner, Region, open_region
+from .sources.vm import probe
 
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, str]
 HEARTBEATS_PER_TIMEOUT = 6
+NAMES_CACHED = 16
+"""File names whose latest snapshot's shared-memory mappings a client's region cache keeps."""
 
 
 @dataclass
@@ -51,31 +54,48 @@ class ClientRecord:
     """The client's decision folder (protocol/outcome.py), checked at HELLO; "" if it sent none."""
     started: str | None = None
     """The client process's start time, when the daemon can watch its pid (same host and pid namespace)."""
+    vm_refused: str = "not probed"
+    """Why the daemon cannot read this client's CPU memory in place; "" when it can (daemon/sources/vm.py)."""
     _regions: dict[_Key, Region] = field(default_factory=dict)
-    _by_name: dict[str, set[_Key]] = field(default_factory=dict)
+    _by_name: collections.OrderedDict[str, set[_Key]] = field(default_factory=collections.OrderedDict)
+    """The handles of the latest snapshot of each file name, for the ``NAMES_CACHED`` names used last."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def regions_for(self, path: str, sources: list[SourceDesc]) -> list[Region]:
-        """The mapped region of each source, opening only those not mapped yet."""
+        """The mapped region of each source, opening only those not mapped yet.
+
+        Shared-memory mappings are kept for the next snapshot of the same file name (its
+        storages are the same segments), for the last ``NAMES_CACHED`` names only: a trainer
+        that names each file anew (``epoch_{i}.pt``) with fresh tensors would otherwise keep
+        every segment it ever freed mapped in the daemon.
+        """
         with self._lock:
             out = []
             for desc in sources:
                 key = (desc.kind, desc.handle)
                 region = self._regions.get(key)
                 if region is None:
-                    region = open_region(desc)
-                    if desc.handle and not region.device_memory:
+                    region = open_region(desc, self.owner)
+                    if desc.handle and not region.in_trainer:
                         self._regions[key] = region
                 elif region.nbytes != desc.nbytes:
                     raise InvalidRequestError(
                         f"source {desc.handle!r} was {region.nbytes} bytes and is now declared {desc.nbytes}"
                     )
                 out.append(region)
-            self._by_name[os.path.basename(path)] = {(d.kind, d.handle) for d in sources if d.handle}
+            name = os.path.basename(path)
+            self._by_name.pop(name, None)
+            self._by_name[name] = {(d.kind, d.handle) for d in sources if d.handle}
+            while len(self._by_name) > NAMES_CACHED:
+                self._by_name.popitem(last=False)
             live = set().union(*self._by_name.values())
             for key in [k for k in self._regions if k not in live]:
                 del self._regions[key]
             return out
+
+    @property
+    def owner(self) -> Owner:
+        return Owner(pid=self.pid, started=self.started, readable=self.vm_refused)
 
     def release(self) -> None:
         with self._lock:
@@ -100,6 +120,7 @@ class ClientRecord:
             "connected_s": round(time.monotonic() - self.connected, 1),
             "silent_s": round(time.monotonic() - self.seen, 1),
             "watched_by": "heartbeat" if self.started is None else "pid",
+            "capture": "shm: " + self.vm_refused if self.vm_refused else "vm",
             "on_busy": self.on_busy,
             "rank": self.ranks.rank,
             "local_rank": self.ranks.local_rank,
@@ -122,7 +143,9 @@ class ClientRegistry:
         self._ids = itertools.count(1)
         self._host = socket.gethostname()
 
-    def add(self, identity: bytes, hello: m.Hello) -> ClientRecord:
+    def add(self, identity: bytes, hello: m.Hello, ipc: bool) -> ClientRecord:
+        """Register ``hello``'s client. ``ipc``: the daemon listens on a 0700 ipc socket, so every client is this
+        user's, and only such a client's memory is read in place (a TCP client could name any pid of this user)."""
         if hello.on_busy not in m.ON_BUSY:
             raise InvalidRequestError(f"on_busy: {hello.on_busy[:32]!r} is not one of {list(m.ON_BUSY)}")
         old = self._by_identity.pop(identity, None)
@@ -135,8 +158,14 @@ class ClientRegistry:
         )
         if hello.host == self._host and shares_pids(hello.pidns, hello.started, hello.pid):
             record.started = process_start(hello.pid)
+            record.vm_refused = probe(hello.pid, hello.probe) if ipc else "the daemon listens on TCP"
+        else:
+            record.vm_refused = "the client is on another host or in another pid namespace"
         self._by_identity[identity] = record
         return record
+
+    def known(self, identity: bytes) -> bool:
+        return identity in self._by_identity
 
     def get(self, identity: bytes) -> ClientRecord:
         record = self._by_identity.get(identity)

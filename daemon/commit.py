@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -32,6 +33,7 @@ from datastates.protocol.errors import (
     SnapshotSkippedError,
     StorageError,
 )
+from datastates.protocol.fileio import remove_file
 from datastates.protocol.format import MEGATRON_TRACKER, TRACKER, CommitMarker, MarkerFile, done_name, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
@@ -464,8 +466,7 @@ class CommitLedger:
         """
         path = os.path.join(folder, marker_name(tag))
         if staging is None:
-            await self._engine.flush(_check_listed, folder, marker)
-            await self._write(path, marker.encode(), tag)
+            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker))
         else:
             await self._write(os.path.join(staging.staging, marker_name(tag)), marker.encode(), tag)
             await self._engine.flush(self._versions.switch, staging)
@@ -498,17 +499,21 @@ class CommitLedger:
         held = {tag for _, tag in self._open} | {tag for _, _, tag in self._groups}
         return held.union(*(listener.holds() for listener in self._listeners))
 
-    async def _write(self, path: str, data: bytes, tag: str) -> None:
+    async def _write(self, path: str, data: bytes, tag: str, check: Callable[[int], None] | None = None) -> None:
         try:
-            await self._engine.flush(self._engine.writer(path).publish, path, data)
+            await self._engine.flush(self._engine.writer(path).publish, path, data, check)
         except StorageError as exc:
             raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None
 
 
-def _check_listed(folder: str, marker: CommitMarker) -> None:
-    """Every file ``marker`` lists is in ``folder`` with its size, right before the marker is written: a file
-    moved away meanwhile (another tag's new version switched in over a shared folder) fails the commit instead."""
-    why = unlisted(folder, marker)
+def _check_listed(folder: str, marker: CommitMarker, folder_fd: int) -> None:
+    """Every file ``marker`` lists is in ``folder`` with its size, right before the marker is renamed in: a file
+    moved away meanwhile (another tag's new version switched in over a shared folder) fails the commit instead.
+
+    Asked through the descriptor the marker is renamed into (``folder_fd``), so a folder
+    renamed meanwhile (by another user, in a folder they may write) takes the files and the
+    marker along together, never one without the other."""
+    why = unlisted(folder, marker, folder_fd)
     if why:
         raise CommitError(f"tag {marker.tag!r} not committed: {why}", tag=marker.tag)
 
@@ -527,7 +532,8 @@ def _remove_uncommitted(paths: list[str]) -> None:
 
 
 def _unlink(path: str) -> None:
+    """Remove ``path`` through its folder's descriptor, reached without following a link (protocol/fileio.py)."""
     try:
-        os.unlink(path)
+        remove_file(path)
     except FileNotFoundError:
         pass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,7 @@ from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import ConfigError
 from datastates.protocol.fileio import PAGE
 
-from datastates.protocol.paths import home_tier, within
+from datastates.protocol.paths import default_root, home_tier, within, writable_by_others
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
@@ -62,7 +61,9 @@ def default_flush_threads() -> int:
 
 
 def _default_roots() -> list[str]:
-    return [os.path.realpath(os.getcwd()), os.path.realpath(tempfile.gettempdir())]
+    """This user's own folder in the temp dir (made 0700), and the working folder unless others may write in it."""
+    cwd = os.path.realpath(os.getcwd())
+    return [os.path.realpath(default_root()), *([cwd] if not writable_by_others(cwd) else [])]
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,14 @@ class NodeConfig:
     """In a multi-rank job, how long a commit waits for the node's other ranks, and across nodes for the others' done markers."""
     client_timeout: float = 30.0
     """A client silent this long (clients heartbeat every sixth of it) is taken as gone, and its memory released."""
+    max_clients: int = 512
+    """Clients registered at once; a HELLO beyond it is refused (``too_many_clients``), so no trainer can make
+    the daemon run out of descriptors for everyone else."""
     allow_tcp: bool = False
     """A tcp:// endpoint is reachable from other hosts, so it must be asked for, and needs curve keys."""
+    allow_shared_root: bool = False
+    """A root other users may write in (``/tmp``, a group folder) lets them swap a tag folder for a link or plant
+    a tag, so it must be asked for."""
     curve: CurveConfig = field(default_factory=CurveConfig)
     log_level: str = "info"
 
@@ -158,11 +165,11 @@ def from_mapping(data: dict | None) -> NodeConfig:
     for key, value in data.items():
         if key in _SIZES:
             kwargs[key] = parse_size(value, key)
-        elif key in ("copy_threads", "flush_threads"):
+        elif key in ("copy_threads", "flush_threads", "max_clients"):
             kwargs[key] = _positive_int(value, key)
         elif key == "endpoint":
             kwargs[key] = value
-        elif key in ("direct_io", "prefault", "pin_host_memory", "allow_tcp"):
+        elif key in ("direct_io", "prefault", "pin_host_memory", "allow_tcp", "allow_shared_root"):
             if not isinstance(value, bool):
                 raise ConfigError(f"{key}: {value!r} is not true or false", key=key)
             kwargs[key] = value
@@ -184,6 +191,7 @@ def from_mapping(data: dict | None) -> NodeConfig:
             kwargs[key] = _curve(value)
     cfg = NodeConfig(**kwargs)
     _check_endpoint(cfg)
+    _check_roots(cfg)
     if cfg.chunk_size < PAGE or cfg.chunk_size % PAGE:
         raise ConfigError(f"chunk_size: {cfg.chunk_size} must be a positive multiple of {PAGE}", key="chunk_size")
     if cfg.host_memory < cfg.chunk_size:
@@ -192,6 +200,32 @@ def from_mapping(data: dict | None) -> NodeConfig:
             key="host_memory",
         )
     return cfg
+
+
+def make_roots(cfg: NodeConfig) -> None:
+    """Make each missing root, mode 0700 (at start, not when a config is only checked), and check it again."""
+    for root in cfg.storage.roots:
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"storage.roots: cannot make {root}: {exc.strerror}", key="storage.roots") from None
+    _check_roots(cfg)
+
+
+def _check_roots(cfg: NodeConfig) -> None:
+    """Refuse a root other users may write in, unless ``allow_shared_root``; a missing one is made later (0700)."""
+    for root in cfg.storage.roots:
+        try:
+            shared = writable_by_others(root)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise ConfigError(f"storage.roots: cannot read {root}: {exc.strerror}", key="storage.roots") from None
+        if shared and not cfg.allow_shared_root:
+            raise ConfigError(
+                f"storage.roots: {root} is shared: {shared}. Other users could then swap a tag folder for a link "
+                "or plant a tag there; use a folder of your own (made 0700), or set allow_shared_root: true",
+                key="allow_shared_root")
 
 
 def _storage(value: Any) -> StorageConfig:

@@ -50,7 +50,7 @@ class SnapshotJob:
         self.decision = decision
         """(the client's decision folder, this snapshot's ticket): where the copy's outcome is agreed (protocol/outcome.py)."""
         self.owner_alive = owner_alive
-        """Whether the trainer still lives, asked once its GPU state is copied (see ``mark_copied``)."""
+        """Whether the trainer still lives, asked once its state in the trainer is copied (see ``mark_copied``)."""
         self.copied_bytes = 0
         self.flushed_bytes = 0
         self.state = JobState.COPYING
@@ -70,16 +70,17 @@ class SnapshotJob:
     def pending(self) -> bool:
         return self.state in (JobState.COPYING, JobState.FLUSHING)
 
-    def abandon_device_copy(self, why: str) -> bool:
-        """Stop copying from trainer GPU memory that is gone; whether this job had any left to copy.
+    def abandon_trainer_copy(self, why: str) -> bool:
+        """Stop copying from trainer memory that is gone; whether this job had any left to copy.
 
-        Shared memory outlives the trainer (the daemon maps it), so a host-only snapshot
-        still finishes; device memory does not, so its pieces not yet copied must not be read.
+        Shared memory outlives the trainer (the daemon maps it), so a snapshot of shared
+        memory only still finishes; memory read in place (GPU memory, CPU memory read with
+        process_vm_readv) does not, so its pieces not yet copied must not be read.
         """
-        if self.state != JobState.COPYING or not any(r.device_memory for r in self.regions):
+        if self.state != JobState.COPYING or not any(r.in_trainer for r in self.regions):
             return False
-        self.abandoned = SnapshotFailedError(f"snapshot of {self.path} failed: {why} before its GPU state was "
-                                             "copied, and its GPU memory went with it", path=self.path)
+        self.abandoned = SnapshotFailedError(f"snapshot of {self.path} failed: {why} before its state was "
+                                             "copied, and its memory went with it", path=self.path)
         return True
 
     def mark_copied(self) -> None:
@@ -88,19 +89,22 @@ class SnapshotJob:
         The claim comes before WAIT is answered: a trainer that gave up has since changed its
         tensors, so bytes copied after that point may mix two steps and must never be written.
 
-        A trainer that died before its GPU state was copied fails it too, even when the copy
-        ran: where the driver aborts a dead process's kernels, the snapshot's event may
-        complete without their results, so the bytes may predate the snapshot. Asked after
-        the last copy, a trainer still alive cannot have died during any of them.
+        A trainer that gave up is asked first: a trainer that gave up and left also counts as
+        gone. A trainer that died before its state in its own memory was copied fails it too, even
+        when the copy ran: where the driver aborts a dead process's kernels, the snapshot's
+        event may complete without their results, so the bytes may predate the snapshot; and
+        a pid reused mid-copy is another process. Asked after the last copy, a trainer still
+        alive cannot have died during any of them.
         """
-        if (self.owner_alive is not None and any(r.device_memory for r in self.regions)
-                and not self.owner_alive()):
-            raise SnapshotFailedError(f"snapshot of {self.path} failed: its trainer died before its GPU state was "
-                                      "copied, so the kernels it had queued may not be in it", path=self.path)
         if self.decision is not None and outcome.decide(*self.decision, outcome.COPIED) != outcome.COPIED:
             raise SnapshotFailedError(f"snapshot of {self.path} abandoned: the trainer gave up waiting for its copy "
                                       "(DaemonUnavailable) and may have changed the state since; nothing of it is "
                                       "written", path=self.path)
+        if (self.owner_alive is not None and any(r.in_trainer for r in self.regions)
+                and not self.owner_alive()):
+            raise SnapshotFailedError(f"snapshot of {self.path} failed: its trainer died before its state was "
+                                      "copied, so the bytes read may not be its (GPU kernels it had queued, a reused "
+                                      "pid)", path=self.path)
         self.state = JobState.FLUSHING
         self.regions = ()  # the daemon holds its own copy; the trainer's maps may go
         self.copied.set_result(None)

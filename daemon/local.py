@@ -12,6 +12,7 @@ so the next daemon removes what a killed trainer left (I5).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -20,7 +21,7 @@ from typing import Sequence
 import torch
 
 from datastates.protocol import messages as m
-from datastates.protocol.descriptors import CUDA_IPC
+from datastates.protocol.descriptors import CUDA_IPC, VM
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import marker_name
 from datastates.protocol.layout import plan_snapshot
@@ -31,15 +32,20 @@ from .copier import copy_piece
 from .instances import Instance
 from .memory import Chunk
 from .sink import FileSink
-from .sources import Region, open_region
+from .sources import Owner, Region, open_region
 from .storage import StorageWriter, writer_class
 from .versions import Versions
+
+_SELF = Owner(pid=os.getpid(), started=None, readable="a local save reads its own storages directly")
+"""This process, as the owner of the shared-memory sources a local save maps."""
 
 PIECE = 16 << 20
 """Small enough to keep the trainer's extra memory low, large enough for sequential writes."""
 
 
-class _DeviceRegion(Region):
+class _StorageRegion(Region):
+    """A storage of this very process, read directly: a process cannot open its own CUDA IPC handles."""
+
     def __init__(self, storage: torch.UntypedStorage) -> None:
         self.nbytes = storage.nbytes()
         self.tensor = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (self.nbytes,), (1,))
@@ -60,11 +66,13 @@ class LocalSaver:
         """Write ``msg``'s file now: the same layout and checksums as the daemon writes.
 
         ``storages`` are the capture's: a process cannot open its own CUDA IPC handles, so
-        GPU storages are read directly (a synchronous copy, as torch.save makes).
+        GPU storages and CPU ones described by address are read directly (a synchronous copy,
+        as torch.save makes).
         """
+        msg = dataclasses.replace(msg, path=os.path.realpath(msg.path))  # the writer follows no link below /
         path = self._versions.place(msg.path, msg.tag, tag_folder(msg.tag, {msg.path: 0}, None))
         plan = plan_snapshot(msg, path, PIECE, f"{self._instance.owner}/local/{next(self._ids)}")
-        regions = [_DeviceRegion(st) if d.kind == CUDA_IPC and st is not None else open_region(d)
+        regions = [_StorageRegion(st) if d.kind in (CUDA_IPC, VM) and st is not None else open_region(d, _SELF)
                    for d, st in zip(msg.sources, storages, strict=True)]
         if self._chunk is None:
             self._chunk = Chunk(PIECE)

@@ -7,6 +7,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import resource
 import signal
 import sys
 
@@ -60,6 +61,21 @@ def _prepare_endpoint(endpoint: str) -> int:
     return lock
 
 
+FEW_DESCRIPTORS = 4096
+"""Below this hard limit, a burst of connections can exhaust the daemon's descriptors, and ZeroMQ then aborts."""
+
+
+def _raise_fd_limit() -> None:
+    """Take every descriptor the hard limit allows: each connection costs one, and ZeroMQ aborts on EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("raised the open-files limit from %d to its hard limit %d", soft, hard)
+    if hard != resource.RLIM_INFINITY and hard < FEW_DESCRIPTORS:
+        log.warning("the open-files hard limit is %d: that many connections at once would abort the daemon "
+                    "(raise it with ulimit -Hn, LimitNOFILE= or docker --ulimit nofile=)", hard)
+
+
 async def _serve(cfg: config.NodeConfig) -> None:
     from .server import Daemon  # torch, seconds to import: after the config is known to be good
 
@@ -95,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.node_config)
         logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s datastatesd %(levelname)s %(message)s")
+        config.make_roots(cfg)
         lock = _prepare_endpoint(cfg.endpoint)
     except DatastatesError as exc:
         print(f"datastatesd: error: {exc.message}", file=sys.stderr)
@@ -102,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # after the config check, so a bad config is refused at once
 
     torch.set_num_threads(1)  # parallelism comes from copy_threads, not from intra-op threads
+    _raise_fd_limit()
     try:
         uvloop.run(_serve(cfg))
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import shutil
 import time
 from typing import Any, Awaitable, Callable
@@ -29,6 +30,7 @@ from datastates.protocol.errors import (
     ProtocolError,
     ShuttingDownError,
     SnapshotFailedError,
+    TooManyClientsError,
 )
 from datastates.protocol.format import check_tag
 from datastates.protocol.layout import plan_snapshot
@@ -36,6 +38,7 @@ from datastates.protocol.paths import check_path
 from datastates.protocol.version import PROTOCOL_VERSION
 
 from .clients import HEARTBEATS_PER_TIMEOUT, ClientRecord, ClientRegistry
+from .connections import Connections
 from .commit import CommitLedger, tag_folder
 from .config import NodeConfig
 from .engine import Engine
@@ -91,19 +94,22 @@ class Daemon:
 
     async def serve(self, sock: zmq.asyncio.Socket) -> None:
         self._sock = sock
+        self.connections = Connections(sock)
         self._spawn(self._recover())
         self._spawn(self.clients.watch(self.cfg.client_timeout, self.stopped, self._gone))
+        self._spawn(self.connections.watch(self.stopped))
         if self.cfg.prefault:
             self._spawn(self.engine.prefill())
         stop = asyncio.ensure_future(self.stopped.wait())
         while not self.stopped.is_set():
-            recv = asyncio.ensure_future(sock.recv_multipart())
+            recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
             done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
             if recv not in done:
                 recv.cancel()
                 break
             frames = recv.result()
-            self._spawn(self._handle(frames[0], frames[1:]))
+            self.connections.heard(frames[0].get(zmq.SRCFD))
+            self._spawn(self._handle(frames[0].bytes, [f.bytes for f in frames[1:]]))
         self.transfers.close()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=5)
@@ -138,11 +144,16 @@ class Daemon:
     # -- handlers ---------------------------------------------------------------------
 
     async def _hello(self, identity: bytes, body: m.Hello) -> m.Welcome:
-        record = self.clients.add(identity, body)
-        log.info("client %s connected (pid %d, %s)", record.id, body.pid, body.name)
+        if self.clients.connected() >= self.cfg.max_clients and not self.clients.known(identity):
+            raise TooManyClientsError(f"datastatesd already serves {self.clients.connected()} clients (max_clients: "
+                                      f"{self.cfg.max_clients}); raise max_clients in node.yaml, or close idle clients")
+        record = self.clients.add(identity, body, ipc=self.cfg.endpoint.startswith("ipc://"))
+        log.info("client %s connected (pid %d, %s; capture %s)", record.id, body.pid, body.name,
+                 f"shm: {record.vm_refused}" if record.vm_refused else "vm")
         return m.Welcome(
             client_id=record.id, daemon_pid=os.getpid(), roots=self.cfg.storage.roots,
             heartbeat_s=self.cfg.client_timeout / HEARTBEATS_PER_TIMEOUT, tiers=self.cfg.storage.tiers,
+            vm_refused=record.vm_refused,
         )
 
     async def _snapshot(self, identity: bytes, body: m.Snapshot) -> m.SnapshotAck:
@@ -277,14 +288,15 @@ class Daemon:
             shutil.rmtree(self._left.pop(client_id), ignore_errors=True)
 
     def _gone(self, record: ClientRecord, how: str) -> dict[str, Any]:
-        """A client gone without BYE: its open tags go, its GPU snapshots not yet copied fail, the rest finish."""
+        """A client gone without BYE: its open tags go, its snapshots of its own memory not yet copied fail, the rest
+        finish."""
         self.ledger.forget(record.id)
         self._left_behind(record)
         if record.ranks.world_size > 1:
             self.ledger.rank_lost(record.ranks)
         mine = self.jobs.of_client(record.id)
-        abandoned = sum(j.abandon_device_copy(f"its trainer {how}") for j in mine)
-        return {"pending_snapshots": sum(1 for j in mine if j.pending) - abandoned, "abandoned_gpu_snapshots": abandoned}
+        abandoned = sum(j.abandon_trainer_copy(f"its trainer {how}") for j in mine)
+        return {"pending_snapshots": sum(1 for j in mine if j.pending) - abandoned, "abandoned_snapshots": abandoned}
 
     # -- lifecycle and status ---------------------------------------------------------
 
@@ -325,10 +337,12 @@ class Daemon:
                 "draining": self.draining,
                 "roots": self.cfg.storage.roots,
                 "host_memory": self.pool.status(),
+                "descriptors": descriptors(),
                 "leftovers_removed": None if self.leftovers is None else {
                     "count": len(self.leftovers), "paths": self.leftovers[:20]},
             },
             "clients": self.clients.status(),
+            "connections": self.connections.status(),
             "clients_lost": list(self.clients.lost),
             "snapshots": jobs,
             "pending": len(self.jobs.pending()),
@@ -338,3 +352,9 @@ class Daemon:
             "replicas": self.replicas.status(),
             "committed": list(self.ledger.committed),
         }
+
+
+def descriptors() -> dict[str, int]:
+    """Open file descriptors and the limits on them: ZeroMQ aborts the daemon when an accept meets the soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return {"open": len(os.listdir("/proc/self/fd")), "soft_limit": soft, "hard_limit": hard}

@@ -23,35 +23,41 @@ import ctypes
 import errno
 import itertools
 import os
+import logging
 import re
-import shutil
 import threading
 from dataclasses import dataclass
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
-from datastates.protocol.fileio import fsync_dir, makedirs_durable
+from datastates.protocol.fileio import open_folder, remove_tree
 from datastates.protocol.format import CommitMarker, marker_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.tags import listing
 
 from .instances import Gone
 
+log = logging.getLogger(__name__)
+
 STAGING_SUFFIX = ".dsgen"
 STAGING_RE = re.compile(r"\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
 """A staging folder's name; the group is the owner tag of the daemon that made it."""
 LEFTOVER_DEPTH = 3
 """Staging folders sit beside tag folders: <root>/<run>/.<owner>-<n>.dsgen is depth 2."""
-_AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def exchange(a: str, b: str) -> None:
-    """Swap the folders ``a`` and ``b`` atomically, then make it durable."""
-    if _libc.renameat2(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), a)
-    fsync_dir(os.path.dirname(a))
+    """Swap the sibling folders ``a`` and ``b`` atomically, through their parent's descriptor; then make it durable."""
+    parent = open_folder(os.path.dirname(a))
+    try:
+        if _libc.renameat2(parent, os.path.basename(a).encode(), parent, os.path.basename(b).encode(),
+                           _RENAME_EXCHANGE) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), a)
+        os.fsync(parent)
+    finally:
+        os.close(parent)
 
 
 @dataclass
@@ -103,7 +109,7 @@ class Versions:
                                               "multi-node job cannot save a committed tag again; use a new tag", path=path)
                 name = f".{self._owner}-{next(self._ids)}{STAGING_SUFFIX}"  # fits NAME_MAX beside any folder
                 staging = Staging(tag, folder, os.path.join(os.path.dirname(folder), name))
-                makedirs_durable(staging.staging)
+                os.close(open_folder(staging.staging, create=True))
                 self._open[(folder, tag)] = staging
         return os.path.join(staging.staging, os.path.relpath(path, folder))
 
@@ -139,7 +145,7 @@ class Versions:
             sealed = [s for s in self._sealed if any(within(p, s.staging) for p in paths)]
             self._sealed = [s for s in self._sealed if s not in sealed]
         for staging in stagings + sealed:
-            shutil.rmtree(staging.staging, ignore_errors=True)
+            _remove(staging.staging)
 
     @staticmethod
     def remove_leftovers(root: str, gone: Gone) -> list[str]:
@@ -149,7 +155,7 @@ class Versions:
             for name in dirs:
                 match = STAGING_RE.fullmatch(name)
                 if match and gone(match.group(1), os.path.join(folder, name)):
-                    shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+                    _remove(os.path.join(folder, name), trusted=root)
                     removed.append(os.path.join(folder, name))
         return removed
 
@@ -176,7 +182,16 @@ class Versions:
             if self._open.get((staging.folder, staging.tag)) is staging:
                 del self._open[(staging.folder, staging.tag)]
             self._sealed = [s for s in self._sealed if s is not staging]
-        shutil.rmtree(staging.staging, ignore_errors=True)
+        _remove(staging.staging)
+
+
+def _remove(folder: str, trusted: str = "/") -> None:
+    """Delete a staging folder, never through a link; one already gone, or not removable, is left to the next start."""
+    try:
+        remove_tree(folder, trusted)
+    except OSError as exc:
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("cannot remove staging folder %s (%s); the next daemon removes it", folder, exc.strerror)
 
 
 def _strangers(staging: Staging) -> list[str]:

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -21,10 +20,12 @@ from torch import nn
 
 from datastates.client import Client, daemon_status
 from datastates.protocol.endpoint import default_endpoint
+from datastates.protocol.paths import default_root
 from datastates.protocol.errors import DaemonUnavailable
 
 STEPS, EVERY = 20, 5
-ROOT = os.path.join(tempfile.gettempdir(), f"datastates-demo-{os.getuid()}")
+ROOT = os.path.join(default_root(), "demo")
+"""Under the daemon's built-in root: this user's own folder, made 0700."""
 
 
 class TinyGPT(nn.Module):

@@ -1,7 +1,7 @@
 """What a snapshot describes on the wire: byte sources by handle, and typed entries.
 
-Tensor payloads never travel as bytes. A ``SourceDesc`` names memory the daemon can map
-(a POSIX shared-memory segment now, a CUDA IPC block later); an ``EntryDesc`` says which
+Tensor payloads never travel as bytes. A ``SourceDesc`` names memory the daemon can read
+(an address in the trainer, a POSIX shared-memory segment, a CUDA IPC block); an ``EntryDesc`` says which
 state provider turns which bytes into which object. The same entry dicts, checked by
 their provider, become the index of the file on disk.
 """
@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidRequestError
+
+VM = "vm"
+"""Source kind: an address in the client's own memory, which the daemon reads in place (process_vm_readv)."""
 
 SHM = "shm"
 """Source kind: a POSIX shared-memory segment under /dev/shm, named as torch names them."""

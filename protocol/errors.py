@@ -60,6 +60,12 @@ class SharedMemoryError(DatastatesError):
     code = "shared_memory"
 
 
+class TooManyClientsError(DatastatesError):
+    """The daemon already serves ``max_clients`` clients: this HELLO is refused, the others are served."""
+
+    code = "too_many_clients"
+
+
 class StorageError(DatastatesError):
     """Writing a checkpoint file or marker failed (disk full, read-only, I/O error)."""
 

@@ -6,8 +6,10 @@ and large reads and writes go around the page cache where the file system allows
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import shutil
 
 PAGE = 4096
 """O_DIRECT's alignment of offsets, lengths and buffer addresses."""
@@ -21,27 +23,71 @@ def open_for_reading(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
-def fsync_dir(path: str) -> None:
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_folder(path: str, create: bool = False, mode: int = 0o755, trusted: str = "/") -> int:
+    """A descriptor of folder ``path``, reached from ``trusted`` one component at a time, never through a link.
+
+    Every path the daemon writes was resolved when it was admitted, so a symbolic link met
+    here appeared since: someone swapped a folder for a link, perhaps to one outside the
+    roots. That raises OSError (ELOOP or ENOTDIR) instead of following it; every file
+    operation then goes through the descriptor (``dir_fd``), so no later swap of a parent
+    redirects it either. ``trusted`` (a root a user named, with links of its own) is opened
+    as it is. With ``create``, missing folders are made, each new entry's parent fsynced.
+    """
+    rest = os.path.relpath(path, trusted)
+    if rest == ".." or rest.startswith("../"):
+        raise OSError(errno.EINVAL, f"{path} is not inside {trusted}", path)
+    fd = os.open(trusted, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in rest.split("/"):
+            if part in ("", "."):
+                continue
+            try:
+                child = os.open(part, _FOLDER, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, mode, dir_fd=fd)
+                    os.fsync(fd)
+                except FileExistsError:
+                    pass
+                child = os.open(part, _FOLDER, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def fsync_dir(path: str, trusted: str = "/") -> None:
     """Make the entries of folder ``path`` (a rename, a new file, an unlink) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = open_folder(path, trusted=trusted)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def makedirs_durable(folder: str, mode: int = 0o755) -> None:
-    """Create ``folder`` and its missing parents, fsyncing each new entry's parent."""
-    missing = []
-    while not os.path.isdir(folder):
-        missing.append(folder)
-        folder = os.path.dirname(folder)
-    for new in reversed(missing):
-        try:
-            os.mkdir(new, mode)
-        except FileExistsError:
-            continue
-        fsync_dir(os.path.dirname(new))
+def remove_tree(path: str, trusted: str = "/") -> None:
+    """Delete folder ``path`` and all it holds, through its parent's descriptor: never a link's target."""
+    parent = open_folder(os.path.dirname(path), trusted=trusted)
+    try:
+        shutil.rmtree(os.path.basename(path), dir_fd=parent)
+    finally:
+        os.close(parent)
+
+
+def remove_file(path: str, trusted: str = "/") -> None:
+    """Unlink file ``path`` through its folder's descriptor; FileNotFoundError if it is gone."""
+    parent = open_folder(os.path.dirname(path), trusted=trusted)
+    try:
+        os.unlink(os.path.basename(path), dir_fd=parent)
+    finally:
+        os.close(parent)
 
 
 def aligned_block(data: bytes, size: int) -> memoryview:

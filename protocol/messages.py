@@ -75,6 +75,9 @@ class Hello(Body):
     ranks: Ranks = field(default_factory=Ranks)
     decisions: str = ""
     """The client's folder of per-snapshot decisions (protocol/outcome.py); "" for a client that never gives up."""
+    probe: str = ""
+    """``<address hex>:<bytes hex>``, bytes the client keeps at that address: a daemon that reads them back
+    there reads the client's CPU memory in place (daemon/sources/vm.py); "" to use shared memory."""
 
 
 ON_BUSY = ("block", "skip")
@@ -90,6 +93,9 @@ class Welcome(Body):
     """How often the client should show it is alive when it has nothing else to send (0: never)."""
     tiers: list[Tier] = field(default_factory=list)
     """The storage tiers, fastest first (empty: none)."""
+    vm_refused: str = "not probed"
+    """Why the daemon cannot read this client's CPU memory in place ("" when it can): then the client
+    shares its CPU tensors through /dev/shm instead."""
 
 
 @dataclass(frozen=True)

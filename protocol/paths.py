@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-
+import stat
+import tempfile
 from typing import Iterator
 
 from .descriptors import Tier
@@ -13,6 +14,23 @@ from .format import DONE_PREFIX, FILE_NAME_MAX, MARKER_PREFIX, NAME_MAX, TEMP_RE
 SHM_DIR = "/dev/shm"
 """Where trainers share CPU tensors with the daemon, and the daemon keeps its replicas."""
 PATH_MAX = 4096
+
+
+def default_root() -> str:
+    """The built-in checkpoint root: this user's own folder in the temp dir, which the daemon makes 0700."""
+    return os.path.join(tempfile.gettempdir(), f"datastates-{os.getuid()}-ckpt")
+
+
+def writable_by_others(path: str) -> str:
+    """Why users other than ``path``'s owner can create or swap entries in folder ``path``; "" if they cannot."""
+    st = os.stat(path)
+    if st.st_mode & 0o002:
+        return f"anyone may write in it (mode {stat.filemode(st.st_mode)})"
+    if st.st_mode & 0o020:
+        return f"its group may write in it (mode {stat.filemode(st.st_mode)})"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"it belongs to uid {st.st_uid}"
+    return ""
 
 
 def _nearest_existing(path: str) -> str:
@@ -67,7 +85,10 @@ def check_path(path: str, roots: list[str]) -> str:
     if os.path.isdir(path):
         raise refuse("it is a directory")
     existing = _nearest_existing(os.path.dirname(path))
-    real = os.path.join(os.path.realpath(existing), os.path.relpath(os.path.dirname(path), existing))
+    try:
+        real = os.path.join(os.path.realpath(existing), os.path.relpath(os.path.dirname(path), existing))
+    except OSError as exc:  # a link that went between realpath's lstat and its readlink
+        raise refuse(f"a folder of it changed while it was checked ({exc.strerror})") from None
     real = os.path.normpath(real)
     if not any(within(real, root) for root in roots):
         raise refuse(f"it is outside the allowed roots {roots} (after resolving symlinks: {real})")

@@ -11,21 +11,23 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from typing import Callable, Iterable
 
-from .fileio import fsync_dir
+from .fileio import fsync_dir, remove_file, remove_tree
 from .tags import CommittedTag, committed_tags
 
 log = logging.getLogger(__name__)
 
 
-def delete_tag(tag: CommittedTag) -> None:
-    """Marker first, made durable before any file goes: a half-deleted tag is never taken as committed."""
-    os.unlink(tag.marker_path)
-    fsync_dir(tag.folder)
-    shutil.rmtree(tag.folder)
-    fsync_dir(os.path.dirname(tag.folder))
+def delete_tag(tag: CommittedTag, root: str) -> None:
+    """Marker first, made durable before any file goes: a half-deleted tag is never taken as committed.
+
+    Below ``root`` nothing is reached through a link, so a folder swapped for one deletes nothing elsewhere.
+    """
+    remove_file(tag.marker_path, trusted=root)
+    fsync_dir(tag.folder, trusted=root)
+    remove_tree(tag.folder, trusted=root)
+    fsync_dir(os.path.dirname(tag.folder), trusted=root)
     log.info("pruned checkpoint %s", tag.folder)
 
 
@@ -43,6 +45,6 @@ def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable
         if tag.tag in spare:
             continue
         if not dry_run:
-            delete_tag(tag)
+            delete_tag(tag, root)
         gone.append(tag.folder)
     return gone

@@ -50,11 +50,17 @@ def read_marker(path: str) -> CommitMarker | None:
     return marker
 
 
-def unlisted(folder: str, marker: CommitMarker) -> str:
-    """Why a file ``marker`` lists is not in ``folder`` with its listed size ("" if every one is)."""
+def unlisted(folder: str, marker: CommitMarker, folder_fd: int | None = None) -> str:
+    """Why a file ``marker`` lists is not in ``folder`` with its listed size ("" if every one is).
+
+    ``folder_fd``: the folder's descriptor, to look the files up through (``folder`` then only names it).
+    """
     for rec in marker.files:
         try:
-            size = os.stat(os.path.join(folder, rec.path)).st_size
+            if folder_fd is None:
+                size = os.stat(os.path.join(folder, rec.path)).st_size
+            else:
+                size = os.stat(rec.path, dir_fd=folder_fd, follow_symlinks=False).st_size
         except OSError as exc:
             return f"its file {rec.path} is gone from {folder} ({exc.strerror})"
         if size != rec.size:

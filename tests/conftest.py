@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import pwd
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -115,7 +117,8 @@ class DaemonFactory:
             wait_ready(d.endpoint, d.proc, d.log)
         return started
 
-    def _spawn(self, **overrides: Any) -> tuple[dict[str, Any], Path, Path, subprocess.Popen]:
+    def _spawn(self, nofile: int | None = None, **overrides: Any) -> tuple[dict[str, Any], Path, Path, subprocess.Popen]:
+        """``nofile``: the daemon's open-files limit, soft and hard (as ``ulimit -n`` in a job script)."""
         n = self._spawned
         self._spawned += 1
         root = self.tmp / "ckpt"
@@ -131,7 +134,9 @@ class DaemonFactory:
         config = self.tmp / f"node{n}.yaml"
         config.write_text(yaml.safe_dump(cfg))
         log = self.tmp / f"datastatesd{n}.log"
-        proc = subprocess.Popen([DATASTATESD, "--node-config", str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+        limit = None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        proc = subprocess.Popen([DATASTATESD, "--node-config", str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                preexec_fn=limit)
         return cfg, config, log, proc
 
     def signal_all(self) -> None:
@@ -459,3 +464,39 @@ class RawPeer:
     def close(self) -> None:
         self._sock.close()
         self._ctx.term()
+
+
+# -- a second local user (issue 14) ----------------------------------------------------------
+
+
+MALLORY = "dsmallory"
+
+
+@pytest.fixture(scope="module")
+def mallory() -> Iterator[str]:
+    if os.geteuid() != 0:
+        pytest.skip("a second user needs root to create (useradd) and to act as (runuser)")
+    if shutil.which("useradd") is None or shutil.which("runuser") is None:
+        pytest.skip("useradd or runuser is not installed")
+    made = False
+    try:
+        pwd.getpwnam(MALLORY)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", MALLORY], check=True)
+        made = True
+    yield MALLORY
+    if made:
+        subprocess.run(["userdel", MALLORY], check=False)
+
+
+def as_user(user: str, script: str) -> None:
+    subprocess.run(["runuser", "-u", user, "--", "sh", "-c", script], check=True, timeout=60)
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A folder other users can reach (pytest's own tmp folders are private to this user)."""
+    folder = Path(tempfile.mkdtemp(prefix="ds-hostile-", dir="/tmp"))
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -71,12 +71,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no-fsync",
         "no fsync of data files or folders",
         (Edit("protocol/fileio.py",
-              "    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)\n    try:\n        os.fsync(fd)\n",
-              "    return  # MUTATION: no folder fsync\n    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)\n"
+              "    fd = open_folder(path, trusted=trusted)\n    try:\n        os.fsync(fd)\n",
+              "    return  # MUTATION: no folder fsync\n    fd = open_folder(path, trusted=trusted)\n"
               "    try:\n        os.fsync(fd)\n"),
+         Edit("protocol/fileio.py",
+              "                    os.mkdir(part, mode, dir_fd=fd)\n                    os.fsync(fd)\n",
+              "                    os.mkdir(part, mode, dir_fd=fd)  # MUTATION: no fsync of a new folder's parent\n"),
          Edit("daemon/storage/posix.py",
               "            os.fsync(handle.fd)\n",
-              "            pass  # MUTATION: no file fsync\n")),
+              "            pass  # MUTATION: no file fsync\n"),
+         Edit("daemon/storage/posix.py",
+              "            os.fsync(handle.folder)\n",
+              "            pass  # MUTATION: no folder fsync after the rename\n")),
         ("tests/faults/test_power_loss.py",),
     ),
     Mutation(
@@ -94,14 +100,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tracker-before-marker",
         "the `latest` trackers written before the commit marker",
         (Edit("daemon/commit.py",
-              "        if staging is None:\n            await self._engine.flush(_check_listed, folder, marker)\n"
-              "            await self._write(path, marker.encode(), tag)\n",
               "        if staging is None:\n"
-              "            await self._engine.flush(_check_listed, folder, marker)\n"
+              "            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker))\n",
+              "        if staging is None:\n"
               "            if os.path.basename(folder) == tag and any(within(os.path.dirname(folder), r) for r in self._roots):\n"
               "                for tracker, data in trackers(tag, folder).items():  # MUTATION: trackers first\n"
               "                    await self._write(tracker, data, tag)\n"
-              "            await self._write(path, marker.encode(), tag)\n"),),
+              "            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker))\n"),),
         ("tests/test_commit.py::test_the_trackers_never_name_a_tag_whose_marker_failed",
          "tests/faults/test_kill_daemon.py::test_kill9_mid_flush_leaves_no_partial_file_under_a_final_name"),
     ),

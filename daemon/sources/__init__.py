@@ -2,6 +2,7 @@
 
 from . import cuda as _cuda  # noqa: F401  (registers cuda_ipc; touches no CUDA until a region opens)
 from . import shm as _shm  # noqa: F401  (registers shm and empty)
-from .base import CopySource, Pending, Region, open_region, register_source
+from . import vm as _vm  # noqa: F401  (registers vm)
+from .base import CopySource, Owner, Pending, Region, open_region, register_source
 
-__all__ = ["CopySource", "Pending", "Region", "open_region", "register_source"]
+__all__ = ["CopySource", "Owner", "Pending", "Region", "open_region", "register_source"]

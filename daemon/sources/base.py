@@ -1,15 +1,16 @@
 """Copy sources: memory of a trainer that the daemon can read without the trainer's help.
 
-Call order: the server calls ``open(desc)`` once per handle and client, when a SNAPSHOT is
-admitted; copy threads then read ``Region.tensor``. A region stays mapped while any job or
-the client's region cache references it, and is unmapped when the last reference goes,
-so the daemon's copy survives the trainer. Shared memory is the CPU kind; CUDA IPC plugs
-in as another kind without changes elsewhere.
+Call order: the server calls ``open(desc, owner)`` once per handle and client, when a
+SNAPSHOT is admitted; copy threads then call ``Region.read_into``. A region stays open while
+any job or the client's region cache references it, and is closed when the last reference
+goes. Three kinds: the trainer's CPU memory read in place (``vm``, the default), POSIX
+shared memory (``shm``, the fallback, which survives the trainer) and CUDA IPC.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
@@ -24,14 +25,26 @@ class Pending(Protocol):
     def synchronize(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Owner:
+    """The client process a snapshot's sources belong to, as the daemon checked it at HELLO."""
+
+    pid: int
+    started: str | None
+    """Its start time, when the daemon watches its pid (same host and pid namespace); else None."""
+    readable: str
+    """Why the daemon cannot read its memory in place; "" when it can (the HELLO probe passed)."""
+
+
 class Region(ABC):
-    """Bytes the daemon reads: ``tensor`` is a flat uint8 view of exactly ``nbytes``."""
+    """``nbytes`` bytes the daemon reads with ``read_into``; ``tensor``, a flat uint8 view of them, only where
+    torch can copy them itself (the base ``read_into``): memory read in place or through a descriptor has none."""
 
     nbytes: int
     tensor: torch.Tensor
-    device_memory: ClassVar[bool] = False
-    """Trainer GPU memory: never cached (a held region keeps it alive in the trainer), and unreadable
-    once the trainer exits, unlike shared memory, which the daemon's own mapping keeps."""
+    in_trainer: ClassVar[bool] = False
+    """Memory that lives in the trainer process (its GPU memory, or its CPU memory read in place): never
+    cached, and unreadable once the trainer exits, unlike shared memory, which the daemon's own mapping keeps."""
 
     def read_into(self, dst: torch.Tensor, src: int, length: int) -> Pending | None:
         """Copy ``length`` bytes at ``src`` into the host tensor ``dst``; a Pending if the copy is asynchronous.
@@ -48,8 +61,8 @@ class CopySource(ABC):
     kind: ClassVar[str]
 
     @abstractmethod
-    def open(self, desc: SourceDesc) -> Region:
-        """Map the memory ``desc`` names; raises SharedMemoryError or InvalidRequestError."""
+    def open(self, desc: SourceDesc, owner: Owner) -> Region:
+        """Map the memory ``desc`` names in ``owner``; raises SharedMemoryError or InvalidRequestError."""
 
 
 _SOURCES: dict[str, CopySource] = {}
@@ -60,10 +73,10 @@ def register_source(source: CopySource) -> CopySource:
     return source
 
 
-def open_region(desc: SourceDesc) -> Region:
+def open_region(desc: SourceDesc, owner: Owner) -> Region:
     source = _SOURCES.get(desc.kind)
     if source is None:
         raise InvalidRequestError(f"unknown source kind {desc.kind!r} (known: {sorted(_SOURCES)})")
     if desc.nbytes < 0:
         raise InvalidRequestError(f"source {desc.handle!r} declares a negative size")
-    return source.open(desc)
+    return source.open(desc, owner)

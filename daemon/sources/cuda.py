@@ -53,7 +53,7 @@ from datastates.protocol.descriptors import CUDA_IPC, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, SharedMemoryError
 from datastates.protocol.paths import SHM_DIR
 
-from .base import CopySource, Region, register_source
+from .base import CopySource, Owner, Region, register_source
 
 MAX_HANDLE = 8192
 """Characters of an encoded handle: a block handle is 64 bytes, an expandable segment's a few hundred."""
@@ -126,7 +126,7 @@ def local_device(uuid: str) -> int:
 class CudaIpcRegion(Region):
     """One trainer storage, opened once; ``tensor`` is a flat uint8 CUDA view of exactly ``nbytes``."""
 
-    device_memory = True
+    in_trainer = True
 
     def __init__(self, fields: dict[str, Any]) -> None:
         _check_ref_counter(fields["ref_counter"])
@@ -193,7 +193,7 @@ def copy_to_host(region: CudaIpcRegion, src_offset: int, dst_tensor: torch.Tenso
 class CudaIpcSource(CopySource):
     kind = CUDA_IPC
 
-    def open(self, desc: SourceDesc) -> Region:
+    def open(self, desc: SourceDesc, owner: Owner) -> Region:
         fields = decode_handle(desc.handle)
         if fields["nbytes"] != desc.nbytes:
             raise InvalidRequestError(f"CUDA IPC handle names {fields['nbytes']} bytes, the source {desc.nbytes}")

@@ -1,12 +1,12 @@
-"""POSIX shared-memory regions, as torch's file_system sharing names them."""
+"""POSIX shared-memory regions (``cpu_capture="shm"``), as torch's file_system sharing names them."""
 
 from __future__ import annotations
 
-import mmap
+import ctypes
 import os
 import re
 import stat
-import warnings
+import weakref
 
 import torch
 
@@ -14,7 +14,7 @@ from datastates.protocol.descriptors import EMPTY, SHM, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, SharedMemoryError
 from datastates.protocol.paths import SHM_DIR
 
-from .base import CopySource, Region, register_source
+from .base import CopySource, Owner, Region, register_source
 
 MAX_PREFIX = 4096
 """torch puts a small refcount block in front of the data; anything larger means a wrong size."""
@@ -23,6 +23,14 @@ _NAME_RE = re.compile(r"^/?[A-Za-z0-9_.-]{1,250}$")
 
 
 class ShmRegion(Region):
+    """A segment read with ``pread`` through one descriptor, never mapped.
+
+    The descriptor keeps the segment's pages readable after the trainer (or torch's
+    manager) unlinks it, so a snapshot of shared memory survives the trainer; and a client
+    that shrinks its segment after admission gets a short read, which fails that one
+    snapshot, where a mapping would have killed the daemon with SIGBUS.
+    """
+
     def __init__(self, name: str, nbytes: int) -> None:
         path = os.path.join(SHM_DIR, name.lstrip("/"))
         try:
@@ -41,13 +49,28 @@ class ShmRegion(Region):
                 raise InvalidRequestError(
                     f"segment {name!r} holds {st.st_size} bytes, which does not fit a {nbytes}-byte storage", handle=name
                 )
-            self._map = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self.name = name
         self.nbytes = nbytes
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only on purpose: the daemon never writes here
-            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, offset=prefix, count=nbytes)
+        self._fd = fd
+        self._prefix = prefix
+        weakref.finalize(self, os.close, fd)
+
+    def read_into(self, dst: torch.Tensor, src: int, length: int) -> None:
+        if not 0 <= src <= src + length <= self.nbytes or length > dst.numel() or not dst.is_contiguous():
+            raise ValueError(f"read of {length} bytes at {src} does not fit a {self.nbytes}-byte region "
+                             f"and a {dst.numel()}-byte destination")
+        buf = memoryview((ctypes.c_char * length).from_address(dst.data_ptr())).cast("B")
+        done = 0
+        while done < length:
+            n = os.preadv(self._fd, [buf[done:]], self._prefix + src + done)  # releases the GIL, as a memcpy
+            if n == 0:
+                raise SharedMemoryError(f"segment {self.name!r} shrank below its {self.nbytes} bytes while it was "
+                                        "being copied: its client truncated it", handle=self.name)
+            done += n
+        return None
 
 
 class _EmptyRegion(Region):
@@ -59,7 +82,7 @@ class _EmptyRegion(Region):
 class ShmSource(CopySource):
     kind = SHM
 
-    def open(self, desc: SourceDesc) -> Region:
+    def open(self, desc: SourceDesc, owner: Owner) -> Region:
         if not _NAME_RE.match(desc.handle):
             raise InvalidRequestError(f"bad shared-memory handle {desc.handle[:300]!r}")
         if desc.nbytes == 0:
@@ -70,7 +93,7 @@ class ShmSource(CopySource):
 class EmptySource(CopySource):
     kind = EMPTY
 
-    def open(self, desc: SourceDesc) -> Region:
+    def open(self, desc: SourceDesc, owner: Owner) -> Region:
         if desc.nbytes != 0:
             raise InvalidRequestError(f"an empty source declares {desc.nbytes} bytes")
         return _EmptyRegion()

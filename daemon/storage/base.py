@@ -16,7 +16,7 @@ the engine makes one instance of each, with the node config's options.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from datastates.protocol.errors import InvalidRequestError
 
@@ -44,7 +44,9 @@ class StorageWriter(ABC):
     def abort(self, handle: Any) -> None: ...
 
     @abstractmethod
-    def publish(self, path: str, data: bytes) -> None: ...
+    def publish(self, path: str, data: bytes, check: Callable[[int], None] | None = None) -> None:
+        """Write a small file (a marker, a tracker) durably under ``path``. ``check``, if given, is called with the
+        descriptor of the folder the file is renamed into, right before the rename; what it raises aborts it."""
 
     @abstractmethod
     def remove_leftovers(self, root: str, gone: Gone) -> list[str]:

@@ -4,6 +4,10 @@ Data goes through O_DIRECT where the file system allows it: the pool's chunks ar
 aligned and pieces are multiples of 4 KiB, so large writes skip the page cache, cost
 little CPU, and leave the cache to the trainer. A file system that refuses O_DIRECT
 (tmpfs), or a write that is not aligned, falls back to a buffered descriptor of the same file.
+
+Every name is opened, renamed and removed through its folder's descriptor, reached
+without following any symbolic link (``open_folder``): a folder swapped for a link after
+admission fails that file instead of redirecting it outside the roots.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from datastates.protocol.errors import StorageError
-from datastates.protocol.fileio import PAGE, fsync_dir, makedirs_durable
+from datastates.protocol.fileio import PAGE, open_folder, remove_file
 from datastates.protocol.format import TEMP_SUFFIX, TEMP_TOKEN_MAX
 from datastates.protocol.paths import shallow_walk
 
@@ -26,10 +31,14 @@ from .base import StorageWriter, register_writer
 log = logging.getLogger(__name__)
 
 
+_LINK = ("a symbolic link, or a file, now stands where a folder of its path was when it was admitted; datastates "
+         "never follows one")
+_CAUSES = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system", errno.EDQUOT: "quota exceeded",
+           errno.ELOOP: _LINK, errno.ENOTDIR: _LINK}
+
+
 def _storage_error(what: str, path: str, exc: OSError) -> StorageError:
-    cause = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system", errno.EDQUOT: "quota exceeded"}.get(
-        exc.errno, exc.strerror or str(exc)
-    )
+    cause = _CAUSES.get(exc.errno or 0, exc.strerror or str(exc))
     return StorageError(f"{what} {path}: {cause}", path=path, errno=exc.errno or 0)
 
 
@@ -50,6 +59,8 @@ LEFTOVER_DEPTH = 3
 class _Handle:
     path: str
     temp: str
+    folder: int
+    """The descriptor of the file's folder: every name below is opened, renamed and removed through it."""
     fd: int
     direct: bool
     buffered_fd: int = -1
@@ -61,7 +72,8 @@ class _Handle:
 
     def buffered(self) -> int:
         if self.buffered_fd < 0:
-            self.buffered_fd = os.open(self.temp, os.O_WRONLY | os.O_CLOEXEC)
+            self.buffered_fd = os.open(os.path.basename(self.temp), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW,
+                                       dir_fd=self.folder)
         return self.buffered_fd
 
     def close(self) -> None:
@@ -69,6 +81,12 @@ class _Handle:
             if fd >= 0:
                 os.close(fd)
         self.fd = self.buffered_fd = -1
+
+    def release(self) -> None:
+        self.close()
+        if self.folder >= 0:
+            os.close(self.folder)
+            self.folder = -1
 
 
 class PosixWriter(StorageWriter):
@@ -81,13 +99,17 @@ class PosixWriter(StorageWriter):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         want_direct = self.direct_io if direct is None else direct
         try:
-            makedirs_durable(os.path.dirname(path))
-            fd = os.open(temp, flags | (os.O_DIRECT if want_direct else 0), 0o644)
+            folder = open_folder(os.path.dirname(path), create=True)
         except OSError as exc:
+            raise _storage_error("cannot create", path, exc) from None
+        try:
+            fd = os.open(os.path.basename(temp), flags | (os.O_DIRECT if want_direct else 0), 0o644, dir_fd=folder)
+        except OSError as exc:
+            os.close(folder)
             if not (want_direct and exc.errno == errno.EINVAL):
                 raise _storage_error("cannot create", path, exc) from None
             return self.create(path, token, direct=False)  # no O_DIRECT here: the temp was not created
-        return _Handle(path=path, temp=temp, fd=fd, direct=want_direct)
+        return _Handle(path=path, temp=temp, folder=folder, fd=fd, direct=want_direct)
 
     def write(self, handle: _Handle, offset: int, data: memoryview) -> None:
         try:
@@ -107,27 +129,35 @@ class PosixWriter(StorageWriter):
         try:
             os.fsync(handle.fd)
             handle.close()
-            os.replace(handle.temp, handle.path)
-            fsync_dir(os.path.dirname(handle.path))
+            os.replace(os.path.basename(handle.temp), os.path.basename(handle.path),
+                       src_dir_fd=handle.folder, dst_dir_fd=handle.folder)
+            os.fsync(handle.folder)
         except OSError as exc:
             self.abort(handle)
             raise _storage_error("cannot make durable", handle.path, exc) from None
+        handle.release()
 
     def abort(self, handle: _Handle) -> None:
+        if handle.folder < 0:
+            return  # finalized, or aborted already: its temporary name is gone
         handle.close()
         try:
-            os.unlink(handle.temp)
+            os.unlink(os.path.basename(handle.temp), dir_fd=handle.folder)
         except FileNotFoundError:
             pass
         except OSError as exc:  # the folder turned read-only, or is gone: the next daemon's recovery removes it
             log.warning("cannot remove temporary file %s (%s); it is left for the next daemon to remove",
                         handle.temp, exc.strerror)
+        finally:
+            handle.release()
 
-    def publish(self, path: str, data: bytes) -> None:
+    def publish(self, path: str, data: bytes, check: Callable[[int], None] | None = None) -> None:
         handle = self.create(path, f"{os.getpid()}-{id(data):x}", direct=False)
         try:
             self.write(handle, 0, memoryview(data))
-        except StorageError:
+            if check is not None:
+                check(handle.folder)
+        except BaseException:
             self.abort(handle)
             raise
         self.finalize(handle)
@@ -141,7 +171,7 @@ class PosixWriter(StorageWriter):
                 path = os.path.join(folder, name)
                 if owner and gone(owner.group(1), path):
                     try:
-                        os.unlink(path)
+                        remove_file(path, trusted=root)
                         removed.append(path)
                     except OSError:
                         continue

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 import datastates
-from datastates.client import Client
+from datastates.client import Client, daemon_status
 
 from conftest import DaemonProc, RawPeer, assert_state_equal, save
 
@@ -47,3 +47,40 @@ def test_a_fifo_named_as_a_segment_is_refused_at_once_and_the_daemon_serves_and_
         save(c, state, d.root / "after" / "m.pt")
         assert_state_equal(state, datastates.load(d.root / "after" / "m.pt"))
     assert d.stop() == 0  # SIGTERM drains and stops: no admission thread is stuck
+
+
+def test_a_segment_truncated_after_admission_fails_that_snapshot_alone(start_daemon: Callable[..., DaemonProc]) -> None:
+    """Item 4: the daemon mapped segments, and a client that shrank its own after admission killed it with SIGBUS.
+
+    Now it reads them through a descriptor: the short read fails that one snapshot, and the daemon serves on.
+    """
+    d = start_daemon(host_memory="4MiB", chunk_size="1MiB", flush_threads=1)
+    size = 256 << 20
+    name = f"ds-test-shrink-{uuid.uuid4().hex[:8]}"
+    segment = f"/dev/shm/{name}"
+    with open(segment, "wb") as f:
+        f.truncate(size + 64)  # torch's 64-byte prefix, then the storage
+    peer = RawPeer(d.endpoint)
+    try:
+        peer.request("hello", {"pid": os.getpid(), "name": "shrinker"})
+        meta = dict(TENSOR, dtype="uint8", shape=[size])
+        snapshot = {"path": str(d.root / "shrunk" / "m.pt"), "tag": "shrunk", "root": 1,
+                    "sources": [{"kind": "shm", "handle": name, "nbytes": size}],
+                    "entries": [{"provider": "tensor", "name": "w", "meta": meta},
+                                {"provider": "pickle", "name": "<skeleton>", "meta": {"data": SKELETON}}]}
+        _, ack = peer.request("snapshot", snapshot, 2)
+        assert ack.get("snapshot_id"), ack
+        os.truncate(segment, 0)
+        job = next(j for j in daemon_status(d.endpoint)["snapshots"] if j["id"] == ack["snapshot_id"])
+        assert job["copied_bytes"] < job["total_bytes"], "the truncation came after the copy: nothing was tried"
+        _, body = peer.request("wait", {"snapshot_ids": [ack["snapshot_id"]]}, 3)
+        assert body["code"] == "snapshot_failed" and "shrank" in body["message"], body
+    finally:
+        peer.close()
+        os.unlink(segment)
+    assert d.proc.poll() is None, "the daemon died"
+    assert not (d.root / "shrunk" / "m.pt").exists()
+    with Client(d.endpoint, timeout=60, cpu_capture="shm") as c:  # everyone else is served, through shm too
+        state = {"w": torch.randn(100)}
+        save(c, state, d.root / "after-shrink" / "m.pt")
+        assert_state_equal(state, datastates.load(d.root / "after-shrink" / "m.pt"))

@@ -13,10 +13,7 @@ import logging
 import os
 import pwd
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -25,40 +22,7 @@ import datastates
 from datastates.client import Client
 from datastates.protocol.errors import CommitError
 
-from conftest import assert_state_equal, save
-
-MALLORY = "dsmallory"
-
-
-@pytest.fixture(scope="module")
-def mallory() -> Iterator[str]:
-    if os.geteuid() != 0:
-        pytest.skip("a second user needs root to create (useradd) and to act as (runuser)")
-    if shutil.which("useradd") is None or shutil.which("runuser") is None:
-        pytest.skip("useradd or runuser is not installed")
-    made = False
-    try:
-        pwd.getpwnam(MALLORY)
-    except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", MALLORY], check=True)
-        made = True
-    yield MALLORY
-    if made:
-        subprocess.run(["userdel", MALLORY], check=False)
-
-
-def as_user(user: str, script: str) -> None:
-    subprocess.run(["runuser", "-u", user, "--", "sh", "-c", script], check=True, timeout=60)
-
-
-@pytest.fixture
-def open_tmp() -> Iterator[Path]:
-    """A folder other users can reach (pytest's own tmp folders are private to this user)."""
-    folder = Path(tempfile.mkdtemp(prefix="ds-hostile-", dir="/tmp"))
-    os.chmod(folder, 0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
+from conftest import as_user, assert_state_equal, save
 
 def test_a_tag_planted_by_another_user_is_never_restored(mallory: str, open_tmp: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:

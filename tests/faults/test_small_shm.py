@@ -1,7 +1,9 @@
 """A /dev/shm too small for the state (Docker's default is 64 MB).
 
 The test runs a private mount namespace (``unshare -m``) whose /dev/shm is a 64 MiB tmpfs,
-and inside it a real daemon and real trainer processes, one per case. What must hold:
+and inside it a real daemon and real trainer processes, one per case. Read in place (the
+default), /dev/shm plays no part: a state twice its size round-trips. Through shared memory
+(``cpu_capture="shm"``) what must hold:
 
 - a state that fits round-trips bitwise through the daemon;
 - a storage that does not fit raises SharedMemoryError at ``snapshot()``, whose message
@@ -31,7 +33,7 @@ import pytest
 
 MiB = 1 << 20
 SHM_SIZE = "64m"
-CASES = ("fits", "too_big", "second_does_not_fit", "exact_free", "largest_that_fits")
+CASES = ("in_place", "fits", "too_big", "second_does_not_fit", "exact_free", "largest_that_fits")
 TOO_BIG = 128 * MiB
 HALF = 40 * MiB
 CASE_HANG_GUARD = 120
@@ -61,7 +63,14 @@ def run_client(case: str, endpoint: str, root: Path) -> dict[str, Any]:
     from datastates.protocol.errors import DatastatesError
 
     out: dict[str, Any] = {"case": case, "free_before": shm_free()}
-    with Client(endpoint, timeout=30) as c:
+    with Client(endpoint, timeout=30, cpu_capture="auto" if case == "in_place" else "shm") as c:
+        if case == "in_place":
+            out["in_place"] = c.in_place
+            c.snapshot({"w": torch.full((TOO_BIG,), 5, dtype=torch.uint8)}, root / case / "model_states.pt")
+            c.wait()
+            out["committed"] = c.commit(case).result(timeout=60).tag
+            out["free_after"] = shm_free()
+            return out
         if case == "fits":
             c.snapshot(fitting_state(), root / case / "model_states.pt")
             c.wait()
@@ -204,6 +213,20 @@ def test_a_state_that_fits_round_trips(small_shm: tuple[Path, dict[str, Any]]) -
     res = ran(results, "fits")
     assert res["committed"] == "fits"
     assert_state_equal(fitting_state(), datastates.load(root / "fits" / "model_states.pt"))
+
+
+def test_read_in_place_a_state_larger_than_dev_shm_round_trips(small_shm: tuple[Path, dict[str, Any]]) -> None:
+    """128 MiB with a 64 MiB /dev/shm, read in place: committed bitwise, and /dev/shm left as it was."""
+    import torch
+
+    import datastates
+
+    root, results = small_shm
+    res = ran(results, "in_place")
+    assert res["in_place"] and res["committed"] == "in_place"
+    assert res["free_after"] == res["free_before"]
+    loaded = datastates.load(root / "in_place" / "model_states.pt")
+    assert torch.equal(loaded["w"], torch.full((TOO_BIG,), 5, dtype=torch.uint8))
 
 
 def test_a_storage_larger_than_dev_shm_is_refused(small_shm: tuple[Path, dict[str, Any]]) -> None:

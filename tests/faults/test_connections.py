@@ -1,0 +1,110 @@
+"""Connections and descriptors: no client can make the daemon run out of them (issue 14, item 3).
+
+ZeroMQ aborts the whole daemon when an accept meets the open-files limit, and keeps a peer
+that connected and never speaks forever. These start real daemons under a given
+``ulimit -n`` and attack them with real sockets:
+
+- 2,000 DEALER sockets that connect at once and never send anything, at ``ulimit -n 4096``:
+  the daemon keeps at most a bounded number of them, shuts the rest, keeps serving a real
+  trainer, and its status says so. (At 1024 such a burst still outruns the shedding and
+  ZeroMQ aborts the daemon: the daemon warns at start below 4096; see docs/security.md.)
+- eight trainers of 600 storages each checkpoint at ``ulimit -n 1024`` (storages read in
+  place cost the daemon no descriptor);
+- beyond ``max_clients`` a new client gets a clear refusal, and the others are served.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+import datastates
+from datastates.client import Client, daemon_status
+from datastates.protocol.errors import TooManyClientsError
+
+from conftest import DaemonProc, assert_state_equal, save
+
+SILENT_PEERS = r"""
+import sys, time, zmq
+ctx = zmq.Context()
+ctx.max_sockets = 4096
+socks = []
+for _ in range(int(sys.argv[2])):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(sys.argv[1])
+    socks.append(s)
+print("CONNECTED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_two_thousand_silent_connections_cost_bounded_descriptors(start_daemon: Callable[..., DaemonProc]) -> None:
+    from datastates.daemon.connections import MAX_SILENT
+
+    d = start_daemon(nofile=4096)
+    st = daemon_status(d.endpoint)["daemon"]["descriptors"]
+    assert st["soft_limit"] == st["hard_limit"] == 4096
+    peers = subprocess.Popen([sys.executable, "-c", SILENT_PEERS, d.endpoint, "2000"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peers.stdout is not None and peers.stdout.readline().strip() == "CONNECTED"
+        time.sleep(3)  # let ZeroMQ accept (and reconnect) as fast as it can
+        assert d.proc.poll() is None, "the daemon died (ZeroMQ aborts on EMFILE)"
+        st = daemon_status(d.endpoint, timeout=30)
+        assert st["connections"]["silent"] <= MAX_SILENT
+        assert st["connections"]["silent_shut_down"] > 0
+        # the peers reconnect as soon as they are shut (ZeroMQ's reconnect_ivl), so the daemon churns through
+        # them; what it holds stays far from its limit, and fewer than the peers
+        assert st["daemon"]["descriptors"]["open"] < 3072
+        with Client(d.endpoint, timeout=60) as c:  # a real trainer is served meanwhile
+            state = {"w": torch.randn(1000)}
+            save(c, state, d.root / "amid-silence" / "m.pt")
+        assert_state_equal(state, datastates.load(d.root / "amid-silence" / "m.pt"))
+    finally:
+        peers.kill()
+        peers.wait()
+    assert d.proc.poll() is None
+
+
+TRAINER = r"""
+import sys, torch
+from datastates.client import Client
+endpoint, root, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+g = torch.Generator().manual_seed(rank)
+state = {f"p{i}": torch.randn(64, generator=g) for i in range(600)}
+with Client(endpoint, timeout=120) as c:
+    c.snapshot(state, f"{root}/step1/rank{rank}.pt", tag="step1")
+    c.wait()
+    c.commit("step1").result(timeout=120)
+print("OK", flush=True)
+"""
+
+
+def test_eight_trainers_of_600_storages_each_at_ulimit_1024(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon(nofile=1024)
+    procs = [subprocess.Popen([sys.executable, "-c", TRAINER, d.endpoint, str(d.root / f"r{r}"), str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(8)]
+    for rank, p in enumerate(procs):
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and "OK" in out, f"rank {rank}: {err[-2000:]}"
+    for rank in range(8):
+        g = torch.Generator().manual_seed(rank)
+        assert_state_equal({f"p{i}": torch.randn(64, generator=g) for i in range(600)},
+                           datastates.load(d.root / f"r{rank}" / "step1" / f"rank{rank}.pt"))
+    assert d.proc.poll() is None
+
+
+def test_a_client_beyond_max_clients_is_refused_and_the_others_served(start_daemon: Callable[..., DaemonProc]) -> None:
+    d = start_daemon(max_clients=2)
+    with Client(d.endpoint, timeout=30) as a, Client(d.endpoint, timeout=30):
+        with pytest.raises(TooManyClientsError, match="max_clients"):
+            Client(d.endpoint, timeout=30)
+        save(a, {"x": torch.arange(3)}, d.root / "served" / "m.pt")
+    with Client(d.endpoint, timeout=30) as c:  # room again once they left
+        save(c, {"x": torch.arange(4)}, d.root / "again" / "m.pt")
+    assert_state_equal({"x": torch.arange(4)}, datastates.load(d.root / "again" / "m.pt"))
