@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from datastates.protocol.fileio import open_for_reading
-from datastates.protocol.errors import CorruptCheckpointError, UnsupportedFormatError
+from datastates.protocol.descriptors import EMPTY, SourceDesc
+from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError
 from datastates.protocol.format import (
     PREAMBLE_SIZE,
     FileHeader,
@@ -109,6 +110,9 @@ class _Restore:
         self._device = device
         self._storages: dict[int, torch.UntypedStorage] = {}
         self._entries: dict[int, Any] = {}
+        self._restoring: set[int] = set()
+        self._sources = [SourceDesc(kind=EMPTY, handle="", nbytes=rec.nbytes) for rec in header.storages]
+        """The storages as a provider's ``plan`` sees a snapshot's sources: only their sizes matter to it."""
         self._users: dict[int, list[str]] = {}
         for e in header.entries:
             if isinstance(e.meta.get("storage"), int):
@@ -142,14 +146,31 @@ class _Restore:
                 raise self._fail(index, f"checksum mismatch in bytes {lo}..{lo + length} (the data is corrupt)")
 
     def entry(self, index: int) -> Any:
+        """Entry ``index``, restored once, after its provider checked it as the daemon does at admission.
+
+        A file is as untrusted as a client: a tensor's view beyond its storage, an unknown
+        dtype or a skeleton that refers to itself is refused with CorruptCheckpointError
+        naming the entry, never met as a torch error or a RecursionError.
+        """
         if index not in self._entries:
             if not 0 <= index < len(self._header.entries):
                 raise CorruptCheckpointError(f"{self.path}: reference to entry {index}, which does not exist")
+            if index in self._restoring:
+                raise CorruptCheckpointError(f"{self.path}: entry {index} refers to itself", path=self.path)
             entry = self._header.entries[index]
             provider = get_provider(entry.provider)
             if provider is None:
                 raise UnsupportedFormatError(f"{self.path}: entry {entry.name!r} needs provider {entry.provider!r}, not installed")
-            self._entries[index] = provider.restore(entry, self)
+            try:
+                entry = provider.plan(entry, self._sources)
+            except InvalidRequestError as exc:
+                raise CorruptCheckpointError(f"{self.path}: entry {entry.name!r} is malformed: {exc.message}",
+                                             path=self.path) from None
+            self._restoring.add(index)
+            try:
+                self._entries[index] = provider.restore(entry, self)
+            finally:
+                self._restoring.discard(index)
         return self._entries[index]
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:

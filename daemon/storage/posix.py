@@ -31,14 +31,15 @@ from .base import StorageWriter, register_writer
 log = logging.getLogger(__name__)
 
 
-_LINK = ("a symbolic link, or a file, now stands where a folder of its path was when it was admitted; datastates "
+_LINK = ("a symbolic link, or a file, stands where a folder of its path was when it was admitted; datastates "
          "never follows one")
-_CAUSES = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system", errno.EDQUOT: "quota exceeded",
-           errno.ELOOP: _LINK, errno.ENOTDIR: _LINK}
+_CAUSES = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system", errno.EDQUOT: "quota exceeded"}
 
 
 def _storage_error(what: str, path: str, exc: OSError) -> StorageError:
     cause = _CAUSES.get(exc.errno or 0, exc.strerror or str(exc))
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        cause = f"{cause} ({_LINK})"
     return StorageError(f"{what} {path}: {cause}", path=path, errno=exc.errno or 0)
 
 

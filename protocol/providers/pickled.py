@@ -20,7 +20,7 @@ import torch
 from torch import _weights_only_unpickler
 
 from datastates.protocol.descriptors import EntryDesc, SourceDesc
-from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError, WeightsOnlyError
+from datastates.protocol.errors import CorruptCheckpointError, DatastatesError, InvalidRequestError, WeightsOnlyError
 
 from .base import RestoreContext, StateProvider
 from .registry import register_provider
@@ -57,6 +57,12 @@ class PickleProvider(StateProvider):
         try:
             with torch.serialization.safe_globals(training_globals() + imported_enums(entry.meta["data"])):
                 return safe.load()
+        except DatastatesError:
+            raise
+        except (EOFError, ValueError, IndexError, KeyError, TypeError, AttributeError, RuntimeError, OverflowError,
+                MemoryError, RecursionError) as exc:  # bytes no pickler wrote: a crafted or damaged skeleton
+            raise CorruptCheckpointError(f"{ctx.path}: the skeleton {entry.name!r} is not a valid pickle: "
+                                         f"{type(exc).__name__}: {str(exc)[:200]}", path=ctx.path) from None
         except pickle.UnpicklingError as exc:
             raise WeightsOnlyError(
                 f"{ctx.path}: the safe loader (weights_only=True, the default) refuses an object in the skeleton: "
