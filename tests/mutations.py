@@ -111,6 +111,14 @@ MUTATIONS: tuple[Mutation, ...] = (
          "tests/faults/test_kill_daemon.py::test_kill9_mid_flush_leaves_no_partial_file_under_a_final_name"),
     ),
     Mutation(
+        "no-storage-index-bound",
+        "a tensor entry's storage index checked only against 0, not against the number of sources",
+        (Edit("protocol/providers/tensor.py",
+              "        if not isinstance(storage, int) or isinstance(storage, bool) or not 0 <= storage < len(sources):\n",
+              "        if not isinstance(storage, int) or isinstance(storage, bool) or storage < 0:  # MUTATION: no upper bound\n"),),
+        ("tests/faults/test_fuzz_protocol.py::test_valid_looking_snapshots_over_real_memory",),
+    ),
+    Mutation(
         "commit-before-durable",
         "COMMIT writes the marker without waiting for the files to be durable",
         (Edit("daemon/commit.py",

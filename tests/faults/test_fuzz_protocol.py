@@ -9,6 +9,7 @@ served correctly before, during and after.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterator
 
 import msgpack
@@ -135,3 +136,89 @@ def test_wait_and_commit_bodies(peer: RawPeer, FUZZ: settings) -> None:
         call(peer, type_, body, 7)
 
     case()
+
+
+# -- deep cases: valid-looking snapshots over real memory -----------------------------------------
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "int64": 8, "uint8": 1, "bool": 1, "complex64": 8}
+TAG_CHARS = "abcXYZ019._+=-"
+
+
+class RealSources:
+    """Real memory a raw client can name: buffers of this process (read in place) and /dev/shm segments."""
+
+    def __init__(self) -> None:
+        self.buffers = [torch.arange(n, dtype=torch.uint8) for n in (1, 64, 4096, 65536)]
+        self.segments = [torch.UntypedStorage._new_using_filename_cpu(n) for n in (64, 4096)]
+
+    def desc(self, i: int) -> dict[str, Any]:
+        if i < len(self.buffers):
+            b = self.buffers[i]
+            return {"kind": "vm", "handle": f"{b.data_ptr():x}", "nbytes": b.numel()}
+        s = self.segments[i - len(self.buffers)]
+        return {"kind": "shm", "handle": s._share_filename_cpu_()[1].decode(), "nbytes": s.nbytes()}
+
+    def __len__(self) -> int:
+        return len(self.buffers) + len(self.segments)
+
+
+@st.composite
+def deep_snapshots(draw: st.DrawFn, real: RealSources, root: str) -> dict[str, Any]:
+    """A SNAPSHOT that passes the shallow checks: real sources, tensor entries whose fields sit at the edges."""
+    sources = [real.desc(draw(st.integers(0, len(real) - 1))) for _ in range(draw(st.integers(1, 4)))]
+    if draw(st.booleans()):
+        i = draw(st.integers(0, len(sources) - 1))
+        sources[i] = {**sources[i], "nbytes": sources[i]["nbytes"] + draw(st.sampled_from([-1, 1, 4096]))}
+    entries = []
+    for _ in range(draw(st.integers(1, 5))):
+        storage = draw(st.integers(-1, len(sources)))  # one past either end, now and then
+        dtype = draw(st.sampled_from(sorted(DTYPE_SIZES)))
+        nbytes = sources[min(max(storage, 0), len(sources) - 1)]["nbytes"]
+        elems = max(nbytes // DTYPE_SIZES[dtype], 0)
+        ndim = draw(st.integers(0, 3))
+        shape = [draw(st.integers(0, max(elems, 1) + 1)) for _ in range(ndim)]
+        stride = [draw(st.integers(0, max(elems, 1))) for _ in range(ndim)]
+        offset = draw(st.integers(0, elems + 1))
+        entries.append({"provider": "tensor", "name": f"t{len(entries)}",
+                        "meta": {"storage": storage, "dtype": dtype, "shape": shape, "stride": stride,
+                                 "storage_offset": offset, "requires_grad": False, "parameter": False}})
+    skeleton = b"\x80\x02]q\x00(" + b"".join(b"K%c" % i + b"Q" for i in range(len(entries))) + b"e."
+    entries.append({"provider": "pickle", "name": "<skeleton>", "meta": {"data": skeleton}})
+    tag = draw(st.text(TAG_CHARS, min_size=1, max_size=draw(st.sampled_from([8, 160, 170]))))
+    name = draw(st.text(TAG_CHARS, min_size=1, max_size=draw(st.sampled_from([8, 198, 210]))))
+    return {"path": f"{root}/{tag}/{name}", "tag": tag, "sources": sources, "entries": entries,
+            "root": draw(st.sampled_from([len(entries) - 1, len(entries) - 1, -1, len(entries)]))}
+
+
+def test_valid_looking_snapshots_over_real_memory(peer: RawPeer, shared_daemon: DaemonProc, long_runs: bool) -> None:
+    """Past HELLO (with a probe: read in place) and past the shallow checks, into providers, regions and copies.
+
+    Every SNAPSHOT gets a reply that is not ``internal``; every admitted one's WAIT does too.
+    ``DATASTATES_FUZZ_RANDOM=1`` runs a fresh random sequence instead of the derandomized one.
+    """
+    import ctypes
+
+    from datastates.protocol.liveness import pid_namespace, process_start
+
+    real = RealSources()
+    probe = ctypes.create_string_buffer(os.urandom(16), 16)
+    welcome = call(peer, "hello", {"pid": os.getpid(), "name": "deep-fuzz", "host": os.uname().nodename,
+                                   "pidns": pid_namespace(), "started": process_start(os.getpid()) or "",
+                                   "probe": f"{ctypes.addressof(probe):x}:{probe.raw.hex()}"})
+    assert welcome["vm_refused"] == "", welcome
+    ids = iter(range(2, 10**9))
+    seen = {"admitted": 0, "refused": 0}
+
+    @settings(max_examples=CASES if long_runs else SHORT_CASES, deadline=None, suppress_health_check=list(HealthCheck),
+              derandomize=os.environ.get("DATASTATES_FUZZ_RANDOM") != "1", database=None)
+    @given(deep_snapshots(real, str(shared_daemon.root / "deep")))
+    def case(body: dict) -> None:
+        reply = call(peer, "snapshot", body, next(ids))
+        if "snapshot_id" not in reply:
+            seen["refused"] += 1
+            return
+        seen["admitted"] += 1
+        call(peer, "wait", {"snapshot_ids": [reply["snapshot_id"]]}, next(ids))
+
+    case()
+    assert seen["admitted"] > 0 and seen["refused"] > 0, f"the cases never reached one side: {seen}"
