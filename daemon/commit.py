@@ -33,7 +33,7 @@ from datastates.protocol.errors import (
     SnapshotSkippedError,
     StorageError,
 )
-from datastates.protocol.fileio import remove_file
+from datastates.protocol.fileio import remove
 from datastates.protocol.format import MEGATRON_TRACKER, TRACKER, CommitMarker, MarkerFile, done_name, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
@@ -534,6 +534,6 @@ def _remove_uncommitted(paths: list[str]) -> None:
 def _unlink(path: str) -> None:
     """Remove ``path`` through its folder's descriptor, reached without following a link (protocol/fileio.py)."""
     try:
-        remove_file(path)
+        remove(path)
     except FileNotFoundError:
         pass

@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
-from datastates.protocol.fileio import open_folder, remove_tree
+from datastates.protocol.fileio import open_folder, remove
 from datastates.protocol.format import CommitMarker, marker_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.tags import listing
@@ -188,7 +188,7 @@ class Versions:
 def _remove(folder: str, trusted: str = "/") -> None:
     """Delete a staging folder, never through a link; one already gone, or not removable, is left to the next start."""
     try:
-        remove_tree(folder, trusted)
+        remove(folder, trusted, tree=True)
     except OSError as exc:
         if not isinstance(exc, FileNotFoundError):
             log.warning("cannot remove staging folder %s (%s); the next daemon removes it", folder, exc.strerror)

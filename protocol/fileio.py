@@ -72,20 +72,15 @@ def fsync_dir(path: str, trusted: str = "/") -> None:
         os.close(fd)
 
 
-def remove_tree(path: str, trusted: str = "/") -> None:
-    """Delete folder ``path`` and all it holds, through its parent's descriptor: never a link's target."""
+def remove(path: str, trusted: str = "/", tree: bool = False) -> None:
+    """Unlink file ``path`` (with ``tree``: delete folder ``path`` and all it holds) through its parent's
+    descriptor, never through a link; FileNotFoundError if it is gone."""
     parent = open_folder(os.path.dirname(path), trusted=trusted)
     try:
-        shutil.rmtree(os.path.basename(path), dir_fd=parent)
-    finally:
-        os.close(parent)
-
-
-def remove_file(path: str, trusted: str = "/") -> None:
-    """Unlink file ``path`` through its folder's descriptor; FileNotFoundError if it is gone."""
-    parent = open_folder(os.path.dirname(path), trusted=trusted)
-    try:
-        os.unlink(os.path.basename(path), dir_fd=parent)
+        if tree:
+            shutil.rmtree(os.path.basename(path), dir_fd=parent)
+        else:
+            os.unlink(os.path.basename(path), dir_fd=parent)
     finally:
         os.close(parent)
 

@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Callable, Iterable
 
-from .fileio import fsync_dir, remove_file, remove_tree
+from .fileio import fsync_dir, remove
 from .tags import CommittedTag, committed_tags
 
 log = logging.getLogger(__name__)
@@ -24,9 +24,9 @@ def delete_tag(tag: CommittedTag, root: str) -> None:
 
     Below ``root`` nothing is reached through a link, so a folder swapped for one deletes nothing elsewhere.
     """
-    remove_file(tag.marker_path, trusted=root)
+    remove(tag.marker_path, trusted=root)
     fsync_dir(tag.folder, trusted=root)
-    remove_tree(tag.folder, trusted=root)
+    remove(tag.folder, trusted=root, tree=True)
     fsync_dir(os.path.dirname(tag.folder), trusted=root)
     log.info("pruned checkpoint %s", tag.folder)
 

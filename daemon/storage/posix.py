@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from datastates.protocol.errors import StorageError
-from datastates.protocol.fileio import PAGE, open_folder, remove_file
+from datastates.protocol.fileio import PAGE, open_folder, remove
 from datastates.protocol.format import TEMP_SUFFIX, TEMP_TOKEN_MAX
 from datastates.protocol.paths import shallow_walk
 
@@ -172,7 +172,7 @@ class PosixWriter(StorageWriter):
                 path = os.path.join(folder, name)
                 if owner and gone(owner.group(1), path):
                     try:
-                        remove_file(path, trusted=root)
+                        remove(path, trusted=root)
                         removed.append(path)
                     except OSError:
                         continue
