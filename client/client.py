@@ -20,7 +20,7 @@ from datastates.protocol import messages as m
 from datastates.protocol import outcome
 from datastates.protocol.descriptors import CUDA_IPC, VM, Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
+from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import check_tag
 from datastates.protocol.liveness import pid_namespace, process_start
 from datastates.protocol.paths import check_path
@@ -148,7 +148,7 @@ class Client:
         """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
         """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
-        self._commits: list[tuple[str, Future, Future]] = []
+        self._commits: list[tuple[str, Future, Future, list[tuple[Future, m.Snapshot, Capture]]]] = []
         """COMMITs the daemon has not answered: (tag, the caller's future, the daemon's reply). With the local
         fallback, a tag whose snapshots ``wait()`` saves again locally is committed locally instead."""
         self._commits_lock = threading.Lock()
@@ -234,7 +234,7 @@ class Client:
         if not self._uncopied:
             return
         pending = list(self._uncopied)
-        saved: set[str] = set()
+        saved: dict[int, str] = {}
         self._waiting = True
         try:
             self._wait_daemon(pending, timeout)
@@ -243,7 +243,7 @@ class Client:
                 local = self._go_local(exc)
                 for _ack, msg, cap in pending:  # unchanged since snapshot(): this is the fence
                     local.save(msg, cap.storages)
-                saved = {msg.tag for _, msg, _ in pending}
+                saved = {id(x): x[1].tag for x in pending}
             self._drop(pending)
         finally:
             self._waiting = False
@@ -320,7 +320,7 @@ class Client:
             covered = [x for x in self._uncopied if x[1].tag == tag]
         reply, caller = self._conn.request(m.Commit(tag=tag)), Future()
         with self._commits_lock:
-            self._commits.append((tag, caller, reply))
+            self._commits.append((tag, caller, reply, covered))
         # the reply comes as the argument: a closure over ``reply`` would make a cycle that keeps ``covered``'s
         # tensors alive until the garbage collector runs
         reply.add_done_callback(lambda done: self._answer(tag, caller, done, covered))
@@ -346,23 +346,35 @@ class Client:
             self._commits = [c for c in self._commits if c[1] is not caller]
         _settle(caller, reply)
 
-    def _commit_locally(self, tags: set[str]) -> None:
-        """Answer the COMMITs the daemon never will: locally for ``tags`` (saved again), as it failed for others."""
+    def _commit_locally(self, saved: dict[int, str]) -> None:
+        """Answer the COMMITs the daemon never will: locally those covering a snapshot ``saved`` here again (the
+        ``id`` of its ``_uncopied`` entry → its tag), as it failed for the others.
+
+        An earlier COMMIT of a tag saved here again covered only snapshots the daemon held:
+        it fails, since the daemon never commits for a trainer that went local (``wanted``
+        in daemon/commit.py). Committing the newer local save in its name would tell the
+        trainer that step is committed when another one is (the fault schedules, seed 92861).
+        """
         with self._commits_lock:
             waiting, self._commits = self._commits, []
-        for tag, caller, reply in waiting:
+        for tag, caller, reply, covered in waiting:
             if caller.done():
                 continue
-            if tag in tags:  # its snapshots the daemon never copied are now saved here: the tag is ours to commit
+            if any(id(x) in saved for x in covered):  # its snapshots are now saved here: the tag is ours to commit
                 try:
                     _resolve(caller, self._local.commit(tag), None)
                 except DatastatesError as exc:
                     _resolve(caller, None, exc)
+            elif tag in saved.values():
+                _resolve(caller, None, CommitError(
+                    f"tag {tag!r} not committed: datastatesd was lost while committing it, and never commits for a "
+                    "trainer that saves on its own now (fallback='local'); a later save of it is committed here",
+                    tag=tag))
             elif reply.done():
                 _settle(caller, reply)
             else:  # the lost connection fails it in a moment; ``_answer`` passes that on
                 with self._commits_lock:
-                    self._commits.append((tag, caller, reply))
+                    self._commits.append((tag, caller, reply, covered))
 
     def restore(self, root: str | os.PathLike, name: str, tag: str | None = None,
                 map_location: MapLocation = None, *, weights_only: bool = True) -> Restored | None:

@@ -111,11 +111,15 @@ class CommitEvent:
     """The tag's place in its run's commit order (``CommitMarker.sequence``), fixed when the commit was asked for."""
     snapshots: dict[str, str] = field(default_factory=dict)
     """Path → the snapshot each file holds (``FileHeader.snapshot``), listed in the marker so readers can check it."""
+    wanted: Callable[[], None] | None = None
+    """Raises SnapshotFailedError once the trainer went on saving these files itself (it lost this daemon, and
+    ``fallback="local"``): asked in the flush call that renames the marker in, and right before a version switch."""
 
     def moved(self, place: Callable[[str], str]) -> CommitEvent:
-        """The same commit with every file at ``place(path)``: a new version switched in, or a lower tier."""
+        """The same commit with every file at ``place(path)``: a new version switched in, or a lower tier (which
+        the trainer's later moves never concern: ``wanted`` stays with the first commit)."""
         return dataclasses.replace(self, files={place(p): n for p, n in self.files.items()},
-                                   snapshots={place(p): s for p, s in self.snapshots.items()})
+                                   snapshots={place(p): s for p, s in self.snapshots.items()}, wanted=None)
 
 
 class CommitListener(Protocol):
@@ -326,7 +330,8 @@ class CommitLedger:
         files = await self._durable(tag, jobs)
         try:
             return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs),
-                                                        sequence, {j.path: j.snapshot for j in jobs}))
+                                                        sequence, {j.path: j.snapshot for j in jobs},
+                                                        wanted=functools.partial(_still_wanted, jobs)))
         except CommitError:
             self._failed[(client_id, tag)] = jobs  # a retry may succeed
             raise
@@ -402,12 +407,12 @@ class CommitLedger:
         staging = self._versions.staged(tag, files) if nodes == 1 else None
         if staging is not None:  # a new version of a committed tag: marker beside its files, then switched in
             marker = make_marker(tag, files, staging.staging, requested_ns, sequence, snapshots=commit.snapshots)
-            return await self._publish(client_id, tag, marker, staging.folder, order, staging)
+            return await self._publish(client_id, tag, marker, staging.folder, order, staging, commit.wanted)
         folder = tag_folder(tag, files, self._roots)
         if nodes == 1 or not self._storage.shared(folder):
             marker = make_marker(tag, files, folder, requested_ns, sequence, nodes, -1 if nodes == 1 else ranks.node_rank,
                                  commit.snapshots)
-            return await self._publish(client_id, tag, marker, folder, order)
+            return await self._publish(client_id, tag, marker, folder, order, wanted=commit.wanted)
         if os.path.basename(folder) != tag:
             raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
         mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank, commit.snapshots)
@@ -457,8 +462,8 @@ class CommitLedger:
             await asyncio.sleep(POLL_S)
         raise CommitError(f"tag {tag!r} not committed: node 0 wrote no marker in {folder} within {self._timeout:.0f} s", tag=tag)
 
-    async def _publish(self, client_id: str, tag: str, marker: CommitMarker, folder: str,
-                       order: tuple[int, int], staging: Staging | None = None) -> m.Committed:
+    async def _publish(self, client_id: str, tag: str, marker: CommitMarker, folder: str, order: tuple[int, int],
+                       staging: Staging | None = None, wanted: Callable[[], None] | None = None) -> m.Committed:
         """The tag's marker, then the trackers: a tracker never names a tag before its marker exists.
 
         With ``staging``, the marker goes beside the new version's files, and the version is
@@ -466,10 +471,10 @@ class CommitLedger:
         """
         path = os.path.join(folder, marker_name(tag))
         if staging is None:
-            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker))
+            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker, wanted))
         else:
             await self._write(os.path.join(staging.staging, marker_name(tag)), marker.encode(), tag)
-            await self._engine.flush(self._versions.switch, staging)
+            await self._engine.flush(self._versions.switch, staging, functools.partial(_ask, wanted, tag))
         parent = os.path.dirname(folder)
         if os.path.basename(folder) == tag and any(within(parent, r) for r in self._roots):
             async with self._tracker_lock:  # one tracker write at a time, so renames land in order
@@ -506,16 +511,34 @@ class CommitLedger:
             raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None
 
 
-def _check_listed(folder: str, marker: CommitMarker, folder_fd: int) -> None:
+def _check_listed(folder: str, marker: CommitMarker, wanted: Callable[[], None] | None, folder_fd: int) -> None:
     """Every file ``marker`` lists is in ``folder`` with its size, right before the marker is renamed in: a file
     moved away meanwhile (another tag's new version switched in over a shared folder) fails the commit instead.
 
     Asked through the descriptor the marker is renamed into (``folder_fd``), so a folder
     renamed meanwhile (by another user, in a folder they may write) takes the files and the
-    marker along together, never one without the other."""
+    marker along together, never one without the other. ``wanted`` (CommitEvent.wanted)
+    is asked first, in the same call: a trainer that went local writes these paths itself.
+    """
+    _ask(wanted, marker.tag)
     why = unlisted(folder, marker, folder_fd)
     if why:
         raise CommitError(f"tag {marker.tag!r} not committed: {why}", tag=marker.tag)
+
+
+def _still_wanted(jobs: list[SnapshotJob]) -> None:
+    for job in jobs:
+        job.check_still_wanted()
+
+
+def _ask(wanted: Callable[[], None] | None, tag: str) -> None:
+    """``wanted()``, its refusal as the commit's."""
+    if wanted is None:
+        return
+    try:
+        wanted()
+    except SnapshotFailedError as exc:
+        raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None
 
 
 def _remember(table: collections.OrderedDict[tuple[str, str], str], key: tuple[str, str], reason: str) -> None:

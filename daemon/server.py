@@ -161,8 +161,10 @@ class Daemon:
         async with self.jobs.admitting(client.id):
             try:
                 return await self._admit(client, body)
-            except DatastatesError as exc:
-                self.ledger.refuse(client.id, body.tag, f"{body.path}: {exc.message}")
+            except Exception as exc:  # any refusal, an internal one too: committing the tag's other files would
+                # make a partial tag (the fault schedules, seed 92834)
+                why = exc.message if isinstance(exc, DatastatesError) else f"internal: {type(exc).__name__}: {exc}"
+                self.ledger.refuse(client.id, body.tag, f"{body.path}: {why}")
                 raise
 
     async def _admit(self, client: ClientRecord, body: m.Snapshot) -> m.SnapshotAck:

@@ -27,6 +27,7 @@ import logging
 import re
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.fileio import open_folder, remove
@@ -35,6 +36,7 @@ from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.tags import listing
 
 from .instances import Gone
+from .storage.base import storage_error
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,10 @@ class Versions:
                                               "multi-node job cannot save a committed tag again; use a new tag", path=path)
                 name = f".{self._owner}-{next(self._ids)}{STAGING_SUFFIX}"  # fits NAME_MAX beside any folder
                 staging = Staging(tag, folder, os.path.join(os.path.dirname(folder), name))
-                os.close(open_folder(staging.staging, create=True))
+                try:
+                    os.close(open_folder(staging.staging, create=True))
+                except OSError as exc:  # a full disk, say: a refusal of this snapshot, which fails its tag's commit
+                    raise storage_error("cannot make a new version's folder for", path, exc) from None
                 self._open[(folder, tag)] = staging
         return os.path.join(staging.staging, os.path.relpath(path, folder))
 
@@ -159,7 +164,7 @@ class Versions:
                     removed.append(os.path.join(folder, name))
         return removed
 
-    def switch(self, staging: Staging) -> None:
+    def switch(self, staging: Staging, ask: Callable[[], None] = lambda: None) -> None:
         """Put the new version (its marker written) in place of the old in one step, then delete the old.
 
         The swap moves the whole folder, so it is refused (the old version stands) while the
@@ -171,6 +176,7 @@ class Versions:
             raise CommitError(f"tag {staging.tag!r} not committed again: its folder {staging.folder} also holds "
                               f"{strangers[:3]}, which are not its files and would go with its old version; save "
                               "each tag in a folder of its own. Its committed version stands", tag=staging.tag)
+        ask()  # the last moment the trainer's own save of this tag (fallback="local") can still stop it
         try:
             exchange(staging.folder, staging.staging)
         except OSError as exc:

@@ -15,12 +15,26 @@ the engine makes one instance of each, with the node config's options.
 
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar
 
-from datastates.protocol.errors import InvalidRequestError
+from datastates.protocol.errors import InvalidRequestError, StorageError
 
 from ..instances import Gone
+
+
+_LINK = ("a symbolic link, or a file, stands where a folder of its path was when it was admitted; datastates "
+         "never follows one")
+_CAUSES = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system", errno.EDQUOT: "quota exceeded"}
+
+
+def storage_error(what: str, path: str, exc: OSError) -> StorageError:
+    """The StorageError for ``exc`` met doing ``what`` to ``path``: the cause in words (disk full, a link)."""
+    cause = _CAUSES.get(exc.errno or 0, exc.strerror or str(exc))
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        cause = f"{cause} ({_LINK})"
+    return StorageError(f"{what} {path}: {cause}", path=path, errno=exc.errno or 0)
 
 
 class StorageWriter(ABC):

@@ -20,27 +20,14 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from datastates.protocol.errors import StorageError
 from datastates.protocol.fileio import PAGE, open_folder, remove
 from datastates.protocol.format import TEMP_SUFFIX, TEMP_TOKEN_MAX
 from datastates.protocol.paths import shallow_walk
 
 from ..instances import Gone
-from .base import StorageWriter, register_writer
+from .base import StorageWriter, register_writer, storage_error
 
 log = logging.getLogger(__name__)
-
-
-_LINK = ("a symbolic link, or a file, stands where a folder of its path was when it was admitted; datastates "
-         "never follows one")
-_CAUSES = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system", errno.EDQUOT: "quota exceeded"}
-
-
-def _storage_error(what: str, path: str, exc: OSError) -> StorageError:
-    cause = _CAUSES.get(exc.errno or 0, exc.strerror or str(exc))
-    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-        cause = f"{cause} ({_LINK})"
-    return StorageError(f"{what} {path}: {cause}", path=path, errno=exc.errno or 0)
 
 
 _TEMP_RE = re.compile(r"\..+\.([0-9a-f]{16})-[^./]+" + re.escape(TEMP_SUFFIX))
@@ -102,13 +89,13 @@ class PosixWriter(StorageWriter):
         try:
             folder = open_folder(os.path.dirname(path), create=True)
         except OSError as exc:
-            raise _storage_error("cannot create", path, exc) from None
+            raise storage_error("cannot create", path, exc) from None
         try:
             fd = os.open(os.path.basename(temp), flags | (os.O_DIRECT if want_direct else 0), 0o644, dir_fd=folder)
         except OSError as exc:
             os.close(folder)
             if not (want_direct and exc.errno == errno.EINVAL):
-                raise _storage_error("cannot create", path, exc) from None
+                raise storage_error("cannot create", path, exc) from None
             return self.create(path, token, direct=False)  # no O_DIRECT here: the temp was not created
         return _Handle(path=path, temp=temp, folder=folder, fd=fd, direct=want_direct)
 
@@ -124,7 +111,7 @@ class PosixWriter(StorageWriter):
                         raise
                     fd = handle.buffered()  # an unaligned buffer address: write it through the cache
         except OSError as exc:
-            raise _storage_error("cannot write", handle.path, exc) from None
+            raise storage_error("cannot write", handle.path, exc) from None
 
     def finalize(self, handle: _Handle) -> None:
         try:
@@ -135,7 +122,7 @@ class PosixWriter(StorageWriter):
             os.fsync(handle.folder)
         except OSError as exc:
             self.abort(handle)
-            raise _storage_error("cannot make durable", handle.path, exc) from None
+            raise storage_error("cannot make durable", handle.path, exc) from None
         handle.release()
 
     def abort(self, handle: _Handle) -> None:

@@ -25,7 +25,7 @@ from datastates.client import Client, daemon_status
 from datastates.client.connection import Connection
 from datastates.client.reader import verify
 from datastates.protocol import messages as m
-from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError
+from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError
 from datastates.protocol.format import TEMP_SUFFIX
 
 from conftest import DaemonProc
@@ -176,3 +176,40 @@ def test_a_bad_decision_folder_is_refused_at_hello_and_the_daemon_serves_on(stal
     with Client(stallable.endpoint, timeout=30) as c:  # a well-behaved client still commits
         c.snapshot({"t": torch.ones(10)}, stallable.root / "ok" / "step1" / "m.pt")
         c.commit("step1").result(timeout=60)
+
+
+def test_a_commit_in_flight_when_the_trainer_goes_local_is_never_answered_with_a_later_step(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """The fault schedules, seed 92861: step 1 of tag t2 is durable and its COMMIT is in flight when the daemon
+    stalls; the trainer saves step 2 under t2, goes local and commits it itself. Step 1's COMMIT used to be answered
+    with that local commit (so the trainer heard "step 1 committed"), and the resumed daemon then wrote step 1's
+    marker over step 2's file. Now step 1's commit fails, step 2's is the trainer's, and the daemon writes nothing."""
+    d = start_daemon()
+    path = d.root / "run" / "t2" / "m.pt"
+    c = Client(d.endpoint, timeout=30, liveness=LIVENESS, fallback="local")
+    t = torch.full((1 << 20,), 1.0)
+    try:
+        c.snapshot({"t": t}, path, tag="t2")
+        c.wait()
+        for _ in range(2000):  # a hang guard: step 1's file durable, so its commit needs only its marker
+            job = next((j for j in daemon_status(d.endpoint)["snapshots"] if j["path"] == str(path)), None)
+            if job is not None and job["state"] == "durable":
+                break
+            time.sleep(0.005)
+        d.proc.send_signal(signal.SIGSTOP)
+        first = c.commit("t2")  # in flight at a stalled daemon
+        t.fill_(2.0)
+        c.snapshot({"t": t}, path, tag="t2")
+        second = c.commit("t2")
+        c.wait()  # the daemon stays silent: step 2 is saved here
+        assert c.local
+        with pytest.raises(CommitError, match="lost while committing"):
+            first.result(timeout=60)
+        second.result(timeout=60)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    settled(d)
+    c.close(timeout=5)
+    assert datastates.latest(d.root / "run") == "t2"
+    verify(path)  # its marker names the file that is there
+    assert torch.equal(datastates.load(path)["t"], torch.full((1 << 20,), 2.0))

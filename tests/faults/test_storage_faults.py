@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -28,7 +29,7 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.protocol.errors import CommitError, DatastatesError, SnapshotFailedError
+from datastates.protocol.errors import CommitError, DatastatesError, SnapshotFailedError, StorageError
 
 from conftest import DATASTATESCTL, DaemonFactory, DaemonProc, assert_state_equal, read_only, save, sh, temp_files
 
@@ -297,6 +298,33 @@ def test_disk_full_during_a_resave_keeps_the_committed_version_whole(
             assert_state_equal(copy_of(state), datastates.load(folder / name))
     assert sorted(p.name for p in (root / "run").iterdir()) == ["last", "latest"]
     assert temp_files(root) == []
+
+
+def test_a_resave_refused_for_a_full_disk_at_admission_fails_its_whole_tag(
+        fs_daemon: Callable[..., DaemonProc], small_fs: Path) -> None:
+    """I1 (the fault schedules, seed 92834): a re-save's first file was refused at admission because its version's
+    folder could not be made (disk full), as an internal error the commit did not hear of; the disk then had room
+    for the second file, and the tag was committed with that one file alone. Now the refusal fails the tag."""
+    root = small_fs
+    d = fs_daemon(host_memory="4MiB", chunk_size="4MiB")
+    folder = root / "run" / "last"
+    old = {"a.pt": state_of(1, MiB), "b.pt": state_of(11, MiB)}
+    expected = {name: copy_of(s) for name, s in old.items()}
+    with Client(d.endpoint, timeout=60) as c:
+        for name, state in old.items():
+            c.snapshot(state, folder / name, tag="last")
+        c.commit("last").result(timeout=120)
+        with full(root):
+            c.snapshot(state_of(2, MiB), folder / "a.pt", tag="last")  # its new version's folder cannot be made
+            with pytest.raises(StorageError, match="disk full"):
+                c.wait()
+        c.snapshot(state_of(12, MiB), folder / "b.pt", tag="last")  # room again: this one is admitted
+        with pytest.raises(CommitError, match="refused"):
+            c.commit("last").result(timeout=120)
+        for name, state in expected.items():  # the committed version, both files, untouched
+            assert_state_equal(state, datastates.load(folder / name))
+        marker = json.loads((folder / "datastates-commit.last.json").read_text())
+        assert sorted(f["path"] for f in marker["files"]) == ["a.pt", "b.pt"]
 
 
 def test_the_local_fallback_removes_its_staging_folder_when_a_resave_meets_a_full_disk(
