@@ -117,8 +117,9 @@ class DaemonFactory:
             wait_ready(d.endpoint, d.proc, d.log)
         return started
 
-    def _spawn(self, nofile: int | None = None, **overrides: Any) -> tuple[dict[str, Any], Path, Path, subprocess.Popen]:
-        """``nofile``: the daemon's open-files limit, soft and hard (as ``ulimit -n`` in a job script)."""
+    def _spawn(self, nofile: tuple[int, int] | None = None,
+               **overrides: Any) -> tuple[dict[str, Any], Path, Path, subprocess.Popen]:
+        """``nofile``: the daemon's open-files limits, (soft, hard), as ``ulimit -Sn`` and ``-Hn`` in a job script."""
         n = self._spawned
         self._spawned += 1
         root = self.tmp / "ckpt"
@@ -134,7 +135,7 @@ class DaemonFactory:
         config = self.tmp / f"node{n}.yaml"
         config.write_text(yaml.safe_dump(cfg))
         log = self.tmp / f"datastatesd{n}.log"
-        limit = None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        limit = None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
         proc = subprocess.Popen([DATASTATESD, "--node-config", str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT,
                                 preexec_fn=limit)
         return cfg, config, log, proc
