@@ -55,7 +55,7 @@ def test_a_folder_flipped_to_a_link_never_redirects_a_write(mallory: str, open_t
 
     flipper = subprocess.Popen(["runuser", "-u", mallory, "--", "sh", "-c", FLIPPER, "flipper", str(run), str(outside)],
                                stdout=subprocess.PIPE, text=True)
-    saved = failed = 0
+    failed = 0
     try:
         with Client(d.endpoint, timeout=60) as c:
             i = 0
@@ -64,7 +64,6 @@ def test_a_folder_flipped_to_a_link_never_redirects_a_write(mallory: str, open_t
                 state = {"w": torch.full((4096,), float(i))}
                 try:
                     save(c, state, run / "stepX" / "m.pt", tag="stepX")
-                    saved += 1
                 except DatastatesError:
                     failed += 1  # a flip hit this save: refused at admission, or failed at a write or the commit
     finally:
@@ -77,14 +76,14 @@ def test_a_folder_flipped_to_a_link_never_redirects_a_write(mallory: str, open_t
     assert left == ["canary"], f"the daemon created or removed files outside its root: {left}"
     assert (outside / "canary").read_text() == "must stay"
     assert failed > 0, "no save met a flip: the race was never tried"
-    assert saved > 0, "no save got through: the daemon refused everything"
     for tag in committed_tags(str(run)):  # what a reader takes as committed, wherever it was moved, is whole
         loaded = datastates.load(Path(tag.folder) / "m.pt")
         assert loaded["w"].shape == (4096,) and bool((loaded["w"] == loaded["w"][0]).all())
-    with Client(d.endpoint, timeout=60) as c:  # the daemon serves on
-        state = {"w": torch.ones(8)}
-        save(c, state, root / "after" / "m.pt")
-        assert_state_equal(state, datastates.load(root / "after" / "m.pt"))
+    with Client(d.endpoint, timeout=60) as c:  # the daemon serves on, in the very folder too, once the flips stop
+        for where in (root / "after" / "m.pt", run / "stepX" / "m.pt"):
+            state = {"w": torch.ones(8)}
+            save(c, state, where, tag=where.parent.name)
+            assert_state_equal(state, datastates.load(where))
 
 
 def test_a_root_others_may_write_in_is_refused_unless_allowed(tmp_path: Path) -> None:
