@@ -101,12 +101,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the `latest` trackers written before the commit marker",
         (Edit("daemon/commit.py",
               "        if staging is None:\n"
-              "            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker))\n",
+              "            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker, wanted))\n",
               "        if staging is None:\n"
               "            if os.path.basename(folder) == tag and any(within(os.path.dirname(folder), r) for r in self._roots):\n"
               "                for tracker, data in trackers(tag, folder).items():  # MUTATION: trackers first\n"
               "                    await self._write(tracker, data, tag)\n"
-              "            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker))\n"),),
+              "            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker, wanted))\n"),),
         ("tests/test_commit.py::test_the_trackers_never_name_a_tag_whose_marker_failed",
          "tests/faults/test_kill_daemon.py::test_kill9_mid_flush_leaves_no_partial_file_under_a_final_name"),
     ),
