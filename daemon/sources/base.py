@@ -10,6 +10,7 @@ shared memory (``shm``, the fallback, which survives the trainer) and CUDA IPC.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import ctypes
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -55,6 +56,14 @@ class Region(ABC):
         """
         dst[:length].copy_(self.tensor[src:src + length])
         return None
+
+    def destination(self, dst: torch.Tensor, src: int, length: int) -> memoryview:
+        """``length`` writable bytes at the start of host tensor ``dst``, for a region read by a system call
+        (``pread``, ``process_vm_readv``); ValueError unless ``src..src+length`` lies in the region."""
+        if not 0 <= src <= src + length <= self.nbytes or length > dst.numel() or not dst.is_contiguous():
+            raise ValueError(f"read of {length} bytes at {src} does not fit a {self.nbytes}-byte region "
+                             f"and a {dst.numel()}-byte destination")
+        return memoryview((ctypes.c_char * length).from_address(dst.data_ptr())).cast("B")
 
 
 class CopySource(ABC):

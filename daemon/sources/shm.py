@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import stat
@@ -59,10 +58,7 @@ class ShmRegion(Region):
         weakref.finalize(self, os.close, fd)
 
     def read_into(self, dst: torch.Tensor, src: int, length: int) -> None:
-        if not 0 <= src <= src + length <= self.nbytes or length > dst.numel() or not dst.is_contiguous():
-            raise ValueError(f"read of {length} bytes at {src} does not fit a {self.nbytes}-byte region "
-                             f"and a {dst.numel()}-byte destination")
-        buf = memoryview((ctypes.c_char * length).from_address(dst.data_ptr())).cast("B")
+        buf = self.destination(dst, src, length)
         done = 0
         while done < length:
             n = os.preadv(self._fd, [buf[done:]], self._prefix + src + done)  # releases the GIL, as a memcpy

@@ -1,8 +1,8 @@
 """The trainer's CPU memory, read in place with ``process_vm_readv``: the default CPU kind.
 
 Nothing is moved, mapped or opened: a source is an address in the client's process, and a
-copy thread reads it straight into a pool chunk (one system call, GIL released, about the
-speed of a memcpy). So a snapshot leaves the trainer's tensors exactly as they were, costs
+copy thread reads it straight into a pool chunk (one system call, GIL released; about 3 GB/s
+a thread here, slower than a memcpy from a mapping: the kernel pins each page). So a snapshot leaves the trainer's tensors exactly as they were, costs
 the daemon no file descriptor, and a range the trainer has unmapped meanwhile fails that
 one read with EFAULT, never the daemon with SIGBUS.
 
@@ -103,9 +103,7 @@ class VmRegion(Region):
         self.nbytes = nbytes
 
     def read_into(self, dst: torch.Tensor, src: int, length: int) -> None:
-        if not 0 <= src <= src + length <= self.nbytes or length > dst.numel() or not dst.is_contiguous():
-            raise ValueError(f"read of {length} bytes at {src} does not fit a {self.nbytes}-byte region "
-                             f"and a {dst.numel()}-byte destination")
+        self.destination(dst, src, length)  # the bounds check; the kernel writes at dst's address itself
         try:
             read_process(self.pid, self.address + src, dst.data_ptr(), length)
         except OSError as exc:
