@@ -5,12 +5,16 @@ open-files limit (``Too many open files (src/ipc_listener.cpp)``), and it never 
 that connected and then says nothing. So the daemon watches its ROUTER socket's monitor:
 each accepted connection is recorded with its descriptor, every message marks its
 connection as one that spoke (ZeroMQ's ``SRCFD`` on the frames), and a connection still
-silent after ``SILENT_S``, or beyond the ``MAX_SILENT`` newest silent ones, is shut down
-(``shutdown(2)`` on its socket; ZeroMQ then closes it as if the peer had left). A client
-that spoke once (HELLO) is the client registry's to watch, not this.
+silent after ``SILENT_S``, or the oldest one once more than ``MAX_SILENT`` are silent, is
+shut down (``shutdown(2)`` on its socket; ZeroMQ then closes it as if the peer had left).
+Shutting the oldest gives a new trainer the whole queue's time to say HELLO even while a
+flood of silent peers churns. A client that spoke once (HELLO) is the client registry's to
+watch, not this.
 
-A descriptor is shut only while it is still the socket that was accepted (same inode), so
-a number ZeroMQ closed and reused meanwhile is never touched.
+Descriptor numbers are reused as soon as ZeroMQ closes one, and the monitor's events arrive
+late (behind a flood, seconds late), so a connection is known by its socket's inode: one
+that spoke is never taken for silent by a stale accept event for its number, and a
+descriptor is shut only while it is still the socket that was accepted.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ log = logging.getLogger(__name__)
 SILENT_S = 10.0
 """How long a connection may stay without sending anything before it is shut."""
 MAX_SILENT = 256
-"""The most connections kept that have not sent anything yet; the newest beyond it is shut at once."""
+"""The most connections kept that have not sent anything yet; beyond it the oldest is shut at once."""
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 
@@ -38,16 +42,20 @@ class Connections:
     def __init__(self, sock: zmq.asyncio.Socket) -> None:
         self._monitor = sock.get_monitor_socket(_EVENTS)
         self._silent: dict[int, tuple[float, int]] = {}
-        """Descriptor → (when accepted, its inode), for connections that have not spoken yet."""
-        self._spoke_early: set[int] = set()
-        """Connections whose first message came before the monitor reported their accept."""
+        """Descriptor → (when accepted, its socket's inode), oldest first, for connections that have not spoken."""
+        self._spoke: dict[int, int] = {}
+        """Socket inode → descriptor, for connections that sent a message, while that socket is open."""
         self.shut_down = 0
         """Silent connections shut so far, for ``status``."""
 
     def heard(self, fd: int) -> None:
         """A message came on connection ``fd``: it is a peer, no longer a silent one."""
-        if self._silent.pop(fd, None) is None:
-            self._spoke_early.add(fd)
+        inode = _inode(fd)
+        if inode is None:
+            return
+        self._spoke[inode] = fd
+        if self._silent.get(fd, (0.0, None))[1] == inode:
+            del self._silent[fd]
 
     def status(self) -> dict[str, int]:
         return {"silent": len(self._silent), "silent_shut_down": self.shut_down}
@@ -61,30 +69,27 @@ class Connections:
                 now = time.monotonic()
                 for fd in [fd for fd, (since, _) in self._silent.items() if now - since > SILENT_S]:
                     self._shut(fd, f"silent for {SILENT_S:.0f} s")
+                self._spoke = {inode: fd for inode, fd in self._spoke.items() if _inode(fd) == inode}
         finally:
             self._monitor.close(0)
 
     def _event(self, event: dict) -> None:
         fd = event["value"]
-        if event["event"] == zmq.EVENT_ACCEPTED:
-            if fd in self._spoke_early:
-                self._spoke_early.discard(fd)
-                return
-            try:
-                self._silent[fd] = (time.monotonic(), os.fstat(fd).st_ino)
-            except OSError:
-                return
-            if len(self._silent) > MAX_SILENT:
-                self._shut(fd, f"over {MAX_SILENT} silent connections")
-        else:
+        if event["event"] != zmq.EVENT_ACCEPTED:
             self._silent.pop(fd, None)
-            self._spoke_early.discard(fd)
+            return
+        inode = _inode(fd)  # the socket behind fd now: this accept's, or a later one's if the event is stale
+        if inode is None or inode in self._spoke or self._silent.get(fd, (0.0, None))[1] == inode:
+            return
+        self._silent[fd] = (time.monotonic(), inode)
+        if len(self._silent) > MAX_SILENT:
+            self._shut(next(iter(self._silent)), f"over {MAX_SILENT} silent connections")
 
     def _shut(self, fd: int, why: str) -> None:
         _since, inode = self._silent.pop(fd)
+        if _inode(fd) != inode:
+            return  # closed by ZeroMQ and the number reused: not ours to touch
         try:
-            if os.fstat(fd).st_ino != inode:
-                return  # closed by ZeroMQ and the number reused: not ours to touch
             with socket.socket(fileno=os.dup(fd)) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -92,3 +97,11 @@ class Connections:
         self.shut_down += 1
         if self.shut_down in (1, 10, 100) or self.shut_down % 1000 == 0:
             log.warning("shut down a connection that never sent anything (%s); %d so far", why, self.shut_down)
+
+
+def _inode(fd: int) -> int | None:
+    """The inode of the socket open as ``fd`` now, or None once it is closed."""
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None

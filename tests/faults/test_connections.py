@@ -66,10 +66,14 @@ def test_two_thousand_silent_connections_cost_bounded_descriptors(start_daemon: 
         # the peers reconnect as soon as they are shut (ZeroMQ's reconnect_ivl), so the daemon churns through
         # them; what it holds stays far from its limit, and fewer than the peers
         assert st["daemon"]["descriptors"]["open"] < 3072
-        with Client(d.endpoint, timeout=60) as c:  # a real trainer is served meanwhile
-            state = {"w": torch.randn(1000)}
-            save(c, state, d.root / "amid-silence" / "m.pt")
-        assert_state_equal(state, datastates.load(d.root / "amid-silence" / "m.pt"))
+        # real trainers are served meanwhile: each connects while the flood churns, and a stale accept event
+        # for a descriptor number its connection now holds must not take it for a silent one
+        for i in range(6):
+            with Client(d.endpoint, timeout=60) as c:
+                state = {"w": torch.randn(1000)}
+                for step in range(3):
+                    save(c, state, d.root / f"amid-silence-{i}" / f"m{step}.pt")
+            assert_state_equal(state, datastates.load(d.root / f"amid-silence-{i}" / "m2.pt"))
     finally:
         peers.kill()
         peers.wait()
