@@ -63,11 +63,21 @@ def _prepare_endpoint(endpoint: str) -> int:
 
 FEW_DESCRIPTORS = 4096
 """Below this hard limit, a burst of connections can exhaust the daemon's descriptors, and ZeroMQ then aborts."""
+ENOUGH_DESCRIPTORS = 65536
+"""The limit a daemon allowed to raise its hard limit (CAP_SYS_RESOURCE: root) takes when the hard one is lower."""
 
 
 def _raise_fd_limit() -> None:
-    """Take every descriptor the hard limit allows: each connection costs one, and ZeroMQ aborts on EMFILE."""
+    """Take every descriptor allowed: each connection costs one, and ZeroMQ aborts on EMFILE (``ipc_listener.cpp``)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < ENOUGH_DESCRIPTORS:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (ENOUGH_DESCRIPTORS, ENOUGH_DESCRIPTORS))
+        except (ValueError, OSError):
+            pass  # not privileged: the hard limit stays
+        else:
+            log.info("raised the open-files limits from %d (soft) and %d (hard) to %d", soft, hard, ENOUGH_DESCRIPTORS)
+            return
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         log.info("raised the open-files limit from %d to its hard limit %d", soft, hard)

@@ -94,6 +94,19 @@ def wait_ready(endpoint: str, proc: subprocess.Popen, log: Path, timeout: float 
         conn.close()
 
 
+CAP_SYS_RESOURCE = 24
+"""linux/capability.h: what lets a process raise its hard limits."""
+
+
+def drop_capability(cap: int) -> None:
+    """Remove ``cap`` from this process's bounding set: a program it execs then never holds it, even as root."""
+    import ctypes
+
+    PR_CAPBSET_DROP = 24
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
 class DaemonFactory:
     """Starts datastatesd processes whose files live under ``tmp`` and stops them all at the end."""
 
@@ -117,9 +130,10 @@ class DaemonFactory:
             wait_ready(d.endpoint, d.proc, d.log)
         return started
 
-    def _spawn(self, nofile: tuple[int, int] | None = None,
+    def _spawn(self, nofile: tuple[int, int] | None = None, unprivileged: bool = False,
                **overrides: Any) -> tuple[dict[str, Any], Path, Path, subprocess.Popen]:
-        """``nofile``: the daemon's open-files limits, (soft, hard), as ``ulimit -Sn`` and ``-Hn`` in a job script."""
+        """``nofile``: the daemon's open-files limits, (soft, hard), as ``ulimit -Sn`` and ``-Hn`` in a job script;
+        ``unprivileged``: without CAP_SYS_RESOURCE, as a user's daemon runs, even when the tests run as root."""
         n = self._spawned
         self._spawned += 1
         root = self.tmp / "ckpt"
@@ -135,7 +149,13 @@ class DaemonFactory:
         config = self.tmp / f"node{n}.yaml"
         config.write_text(yaml.safe_dump(cfg))
         log = self.tmp / f"datastatesd{n}.log"
-        limit = None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+            if unprivileged and os.geteuid() == 0:
+                drop_capability(CAP_SYS_RESOURCE)
+
         proc = subprocess.Popen([DATASTATESD, "--node-config", str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT,
                                 preexec_fn=limit)
         return cfg, config, log, proc
