@@ -16,10 +16,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from datastates.protocol.descriptors import CUDA_IPC, EMPTY, SHM, VM, EntryDesc, SourceDesc
+from datastates.protocol.descriptors import CUDA_IPC, EMPTY, SHM, VM, EntryDesc, Fence, SourceDesc
 from datastates.protocol.errors import InvalidRequestError
 
-from .cuda import describe_cuda_storage, encode_handle, snapshot_event
+from .cuda import GpuRoute, record_fences
 from .shm import Staging
 
 PICKLE_PROTOCOL = 2
@@ -32,19 +32,22 @@ class Capture:
 
     staging: Staging | None = None
     """Where CPU storages are copied for the daemon to map; None: it reads them in place, by address."""
+    gpu: GpuRoute | None = None
+    """How CUDA storages reach the daemon, per device (client/cuda.py); None: this process saves them itself."""
     staged: list[torch.UntypedStorage] = field(default_factory=list)
-    """The segments this capture took from ``staging``: given back once the daemon has copied them."""
+    """The segments this capture took from a staging: given back once the daemon has copied them."""
     sources: list[SourceDesc] = field(default_factory=list)
     entries: list[EntryDesc] = field(default_factory=list)
     root: int = -1
+    fences: list[Fence] = field(default_factory=list)
+    """One per GPU whose storages the daemon reads through CUDA IPC: ``seal()`` records them."""
     keepalive: list[Any] = field(default_factory=list)
-    """Held until the daemon has copied: the tensors, and the CUDA event it waits on."""
+    """Held until the daemon has copied: the tensors, and the CUDA events it waits on."""
     storages: list[torch.UntypedStorage | None] = field(default_factory=list)
     """Each source's storage: held with the tensors (the daemon reads in-place sources at their address), and
     read directly by a local save, which cannot open its own CUDA IPC handles."""
     _source_index: dict[tuple[int, int], int] = field(default_factory=dict)
-    _cuda: list[int] = field(default_factory=list)
-    """Sources whose CUDA handle ``seal()`` fills in."""
+    _ipc_devices: set[int] = field(default_factory=set)
 
     def add_storage(self, storage: torch.UntypedStorage) -> int:
         """Index of ``storage`` among this capture's sources; a storage shared by views counts once."""
@@ -57,29 +60,37 @@ class Capture:
         return self._source_index[key]
 
     def _describe(self, storage: torch.UntypedStorage) -> SourceDesc:
-        if storage.device.type != "cuda":
-            if self.staging is None:
-                return SourceDesc(kind=VM, handle=f"{storage.data_ptr():x}", nbytes=storage.nbytes())
-            segment, name = self.staging.stage(storage)
-            self.staged.append(segment)
-            return SourceDesc(kind=SHM, handle=name, nbytes=storage.nbytes())
-        self._cuda.append(len(self.sources))
-        return SourceDesc(kind=CUDA_IPC, handle="", nbytes=storage.nbytes())
+        nbytes = storage.nbytes()
+        if storage.device.type == "cuda":
+            if self.gpu is None:  # a save in this very process (fallback="local"): it reads the storage itself
+                return SourceDesc(kind=CUDA_IPC, handle="", nbytes=nbytes)
+            if self.gpu.ipc(storage.device.index):
+                self._ipc_devices.add(storage.device.index)
+                return SourceDesc(kind=CUDA_IPC, handle=self.gpu.blocks.handle(storage), nbytes=nbytes)
+            staging = self.gpu.staging  # the daemon cannot open this device's handles: copied here, to host
+        elif self.staging is None:
+            return SourceDesc(kind=VM, handle=f"{storage.data_ptr():x}", nbytes=nbytes)
+        else:
+            staging = self.staging
+        segment, name = staging.stage(storage)
+        self.staged.append(segment)
+        return SourceDesc(kind=SHM, handle=name, nbytes=nbytes)
 
     def seal(self) -> None:
-        """Record the snapshot's CUDA event and name it in every CUDA source.
+        """Record the snapshot's fences, one per GPU read through CUDA IPC.
 
-        Recorded after the whole tree is walked, so it also orders the kernels capture
-        queued itself (``resolve_conj``): the daemon's copy waits on this one event.
+        Recorded after the whole tree is walked, so they also order the kernels capture
+        queued itself (``resolve_conj``).
         """
-        if not self._cuda:
-            return
-        event = snapshot_event(self.keepalive)
-        for i in self._cuda:
-            storage = self.storages[i]
-            assert storage is not None
-            self.sources[i] = SourceDesc(kind=CUDA_IPC, handle=encode_handle(describe_cuda_storage(storage), event),
-                                         nbytes=storage.nbytes())
+        if self._ipc_devices:
+            self.fences = record_fences(self._ipc_devices, self.keepalive)
+
+    def give_back(self) -> None:
+        """The segments this capture took, free for reuse: the daemon has copied them, or never will."""
+        staging = self.gpu.staging if self.gpu is not None else self.staging  # one Staging per client
+        if self.staged and staging is not None:
+            staging.give_back(self.staged)
+            self.staged = []
 
     def _add(self, desc: SourceDesc, storage: torch.UntypedStorage | None) -> int:
         self.sources.append(desc)
@@ -197,19 +208,17 @@ class _CapturingPickler(pickle.Pickler):
         return self._seen[key]
 
 
-def capture(state: Any, staging: Staging | None = None) -> Capture:
-    """Describe ``state`` as sources, leaf entries and a pickled root entry; ``staging``: see ``Capture``."""
-    cap = Capture(staging=staging)
+def capture(state: Any, staging: Staging | None = None, gpu: GpuRoute | None = None) -> Capture:
+    """Describe ``state`` as sources, leaf entries and a pickled root entry; ``staging``, ``gpu``: see ``Capture``."""
+    cap = Capture(staging=staging, gpu=gpu)
     buf = io.BytesIO()
     try:
         _CapturingPickler(buf, cap, _leaf_names(state)).dump(state)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        if staging is not None:
-            staging.give_back(cap.staged)
+        cap.give_back()
         raise InvalidRequestError(f"state cannot be serialized: {exc}") from None
-    except BaseException:
-        if staging is not None:  # a segment that did not fit: the ones taken so far are free again
-            staging.give_back(cap.staged)
+    except BaseException:  # a segment that did not fit: the ones taken so far are free again
+        cap.give_back()
         raise
     cap.root = cap.add_entry(EntryDesc(provider="pickle", name="<skeleton>", meta={"data": buf.getvalue()}))
     cap.seal()

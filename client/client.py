@@ -26,6 +26,7 @@ from datastates.protocol.liveness import pid_namespace, process_start
 from datastates.protocol.paths import check_path
 
 from .capture import Capture, capture
+from .cuda import GpuRoute
 from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
 from .inplace import Probe, allow_reader, yama_scope
 from .shm import Staging
@@ -117,12 +118,19 @@ class Client:
     segments this client owns and reuses (a memcpy in ``snapshot()``), and the daemon maps
     them, so a snapshot survives this process's crash even before ``wait()``. ``in_place``
     says which one this client uses.
+
+    ``gpu_capture`` is how the daemon gets CUDA tensors. ``"auto"``: it reads them through
+    CUDA IPC, on its own streams, once the kernels queued before ``snapshot()`` are done,
+    where a probe of one small tensor shows it can open this process's handles on that
+    device; elsewhere the trainer copies them to /dev/shm in ``snapshot()``. ``"ipc"``: CUDA
+    IPC or an error; ``"host"``: always the trainer's copy. ``gpu_capture_paths`` says
+    which path each device took.
     """
 
     def __init__(
         self, endpoint: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, name: str | None = None,
         liveness: float = DEFAULT_LIVENESS, on_busy: str = "block", fallback: str | None = None,
-        ranks: Ranks | None = None, cpu_capture: str = "auto",
+        ranks: Ranks | None = None, cpu_capture: str = "auto", gpu_capture: str = "auto",
     ) -> None:
         if on_busy not in m.ON_BUSY:
             raise InvalidRequestError(f"on_busy: {on_busy!r} is not one of {list(m.ON_BUSY)}")
@@ -144,6 +152,7 @@ class Client:
         """Whether the daemon reads this process's CPU tensors in place (else through /dev/shm)."""
         self._probe = Probe() if cpu_capture == "auto" else None
         self._staging = Staging()
+        self._gpu = GpuRoute(gpu_capture, self._staging, self._probe_cuda)
         self._local: Any = None
         """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
@@ -183,6 +192,20 @@ class Client:
                      welcome.vm_refused, "/dev/shm")
 
     @property
+    def gpu_capture_paths(self) -> dict[int, str]:
+        """Device index → "ipc", or "host: <why the daemon cannot open its handles>", for devices used so far."""
+        return dict(self._gpu.paths)
+
+    @property
+    def cuda_shares(self) -> int:
+        """CUDA storages shared with the daemon so far: once each for its lifetime, however many snapshots."""
+        return self._gpu.blocks.shares
+
+    def _probe_cuda(self, handle: str, expect: bytes) -> str:
+        reply = self._conn.call(m.CudaProbe(handle=handle, expect=expect), self.timeout)
+        return reply.refused
+
+    @property
     def local(self) -> bool:
         """True once this client saves in its own process (``fallback="local"`` and no daemon)."""
         return self._local is not None
@@ -215,11 +238,13 @@ class Client:
                                              "once it is back", endpoint=self.endpoint))
         if self._local is None:
             check_path(path, self.roots)  # the daemon checks again; this makes the error immediate
-        cap = capture(state, None if self.in_place else self._staging)
-        msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
-                         ticket="" if self._local is not None else str(next(self._tickets)))
-        if self._local is not None:
+        if self._local is not None:  # this process saves it: it reads every storage itself
+            cap = capture(state)
+            msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)
             return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg, cap.storages)))
+        cap = capture(state, None if self.in_place else self._staging, self._gpu)
+        msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
+                         ticket=str(next(self._tickets)), fences=cap.fences, retired=self._gpu.blocks.take_retired())
         ack = self._conn.request(msg)
         with self._commits_lock:
             self._uncopied.append((ack, msg, cap))
@@ -255,7 +280,7 @@ class Client:
         gone = {id(x) for x in done}
         with self._commits_lock:  # only those still listed: ``covered`` and ``pending`` may both hold one
             for _ack, _msg, cap in (x for x in self._uncopied if id(x) in gone):
-                self._staging.give_back(cap.staged)
+                cap.give_back()
             self._uncopied = [x for x in self._uncopied if id(x) not in gone]
 
     def _give_up(self, pending: list[tuple[Future, m.Snapshot, Capture]], exc: DaemonUnavailable) -> list[str]:

@@ -1,4 +1,5 @@
-"""Client-owned /dev/shm segments that CPU storages are copied into (``cpu_capture="shm"``).
+"""Client-owned /dev/shm segments that storages are copied into (``cpu_capture="shm"``, and GPU storages the
+daemon cannot open through CUDA IPC).
 
 Where the daemon cannot read the trainer in place, it maps POSIX shared memory instead.
 The trainer's own storages stay where they are (moving them into /dev/shm would change
@@ -64,7 +65,9 @@ class Staging:
             segment = free.pop() if free else None
         if segment is None:
             segment = _new_segment(nbytes)
-        torch.empty(0, dtype=torch.uint8).set_(segment).copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        # from a CUDA storage too (gpu_capture's host path): copy_ waits for the kernels queued before it
+        source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        torch.empty(0, dtype=torch.uint8).set_(segment).copy_(source)
         return segment, segment._share_filename_cpu_()[1].decode()
 
     def give_back(self, segments: list[torch.UntypedStorage]) -> None:

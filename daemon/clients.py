@@ -3,8 +3,13 @@
 A region is opened once per client and handle. The cache keeps the regions that the
 latest snapshot of each file name used (model_states.pt, optim_states.pt, ...), which are
 the ones the next checkpoint will name again; a region no snapshot uses any longer is
-dropped, and unmapped once no job still copies from it. CUDA regions are never cached:
-each snapshot shares its blocks anew, and a held region keeps trainer GPU memory alive.
+dropped, and unmapped once no job still copies from it.
+
+CUDA regions are kept by handle instead: the client shares each storage once and names the
+same handle in every snapshot, and retires it when the trainer frees the storage; the
+region goes then, or when the client does. Each handle's slot in the trainer's reference
+counter is released exactly once (daemon/sources/cuda.py): by dropping the opened region,
+or at once for a handle the daemon never opens.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ from typing import Any, Callable
 
 from datastates.protocol import messages as m
 from datastates.protocol import outcome
-from datastates.protocol.descriptors import Ranks, SourceDesc
+from datastates.protocol.descriptors import CUDA_IPC, Ranks, SourceDesc
 from datastates.protocol.errors import InvalidRequestError, UnknownClientError
 from datastates.protocol.liveness import process_start, shares_pids
 
 from .config import LOST_HISTORY
 from .sources import Owner, Region, open_region
+from .sources.cuda import adjust_ref_counter, decode_handle, release_unopened
 from .sources.vm import probe
 
 log = logging.getLogger(__name__)
@@ -36,6 +42,8 @@ _Key = tuple[str, str]
 HEARTBEATS_PER_TIMEOUT = 6
 NAMES_CACHED = 16
 """File names whose latest snapshot's shared-memory mappings a client's region cache keeps."""
+MAX_CUDA_HANDLES = 1 << 20
+"""CUDA storages one client may name without retiring them (a bound on what a buggy client makes the daemon keep)."""
 
 
 @dataclass
@@ -56,6 +64,11 @@ class ClientRecord:
     """The client process's start time, when the daemon can watch its pid (same host and pid namespace)."""
     vm_refused: str = "not probed"
     """Why the daemon cannot read this client's CPU memory in place; "" when it can (daemon/sources/vm.py)."""
+    gpu_capture: dict[str, str] = field(default_factory=dict)
+    """GPU UUID → "ipc", or "refused: <why>": what the client's CUDA probe of that device found."""
+    _cuda: dict[str, Region | None] = field(default_factory=dict)
+    """CUDA handles this client named and has not retired: the open region, or None once its slot was released
+    without one (a refused snapshot)."""
     _regions: dict[_Key, Region] = field(default_factory=dict)
     _by_name: collections.OrderedDict[str, set[_Key]] = field(default_factory=collections.OrderedDict)
     """The handles of the latest snapshot of each file name, for the ``NAMES_CACHED`` names used last."""
@@ -71,7 +84,14 @@ class ClientRecord:
         """
         with self._lock:
             out = []
-            for desc in sources:
+            for i, desc in enumerate(sources):
+                if desc.kind == CUDA_IPC:
+                    try:
+                        out.append(self._cuda_region(desc))
+                    except BaseException:
+                        self._release_unopened(sources[i + 1:])
+                        raise
+                    continue
                 key = (desc.kind, desc.handle)
                 region = self._regions.get(key)
                 if region is None:
@@ -93,12 +113,53 @@ class ClientRecord:
                 del self._regions[key]
             return out
 
+    def _cuda_region(self, desc: SourceDesc) -> Region:
+        """The open region of a CUDA handle, opening it on first use; whatever happens, its slot stays balanced."""
+        region = self._cuda.get(desc.handle)
+        if region is not None:
+            if region.nbytes != desc.nbytes:
+                raise InvalidRequestError(f"a CUDA source was {region.nbytes} bytes and is now declared {desc.nbytes}")
+            return region
+        if desc.handle in self._cuda:  # its slot was released unopened: back to one, for the open to own
+            fields = decode_handle(desc.handle)
+            adjust_ref_counter(fields["ref_counter"], fields["ref_counter_offset"], +1)
+        elif len(self._cuda) >= MAX_CUDA_HANDLES:
+            raise InvalidRequestError(f"a client may name at most {MAX_CUDA_HANDLES} CUDA storages it has not retired")
+        self._cuda[desc.handle] = None  # if the open raises, it released the slot
+        region = open_region(desc, self.owner)
+        self._cuda[desc.handle] = region
+        return region
+
+    def _release_unopened(self, sources: list[SourceDesc]) -> None:
+        for desc in sources:
+            if desc.kind == CUDA_IPC and desc.handle not in self._cuda:
+                try:
+                    fields = decode_handle(desc.handle)
+                except InvalidRequestError:
+                    continue  # names no slot
+                if len(self._cuda) < MAX_CUDA_HANDLES:
+                    release_unopened(fields)
+                    self._cuda[desc.handle] = None
+
+    def release_unopened(self, sources: list[SourceDesc]) -> None:
+        """A snapshot refused or skipped before its sources were opened: release the slots of its CUDA handles
+        not seen before, so the trainer frees their blocks when it frees the storages."""
+        with self._lock:
+            self._release_unopened(sources)
+
+    def retire(self, handles: list[str]) -> None:
+        """The trainer freed these storages: drop their regions (which releases their slots)."""
+        with self._lock:
+            for handle in handles:
+                self._cuda.pop(handle, None)
+
     @property
     def owner(self) -> Owner:
         return Owner(pid=self.pid, started=self.started, readable=self.vm_refused)
 
     def release(self) -> None:
         with self._lock:
+            self._cuda.clear()
             self._regions.clear()
             self._by_name.clear()
 
@@ -128,6 +189,8 @@ class ClientRecord:
             "node_rank": self.ranks.node_rank,
             "job": self.ranks.job,
             "regions": len(self._regions),
+            "gpu_regions": sum(r is not None for r in self._cuda.values()),
+            "gpu_capture": dict(self.gpu_capture),
         }
 
 

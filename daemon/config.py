@@ -124,6 +124,9 @@ class NodeConfig:
     """In a multi-rank job, how long a commit waits for the node's other ranks, and across nodes for the others' done markers."""
     client_timeout: float = 30.0
     """A client silent this long (clients heartbeat every sixth of it) is taken as gone, and its memory released."""
+    fence_timeout: float = 600.0
+    """How long a GPU snapshot's copy waits for the kernels its trainer queued before ``snapshot()``; a trainer
+    that is gone or gave up fails it at once."""
     max_clients: int = 512
     """Clients registered at once; a HELLO beyond it is refused (``too_many_clients``), so no trainer can make
     the daemon run out of descriptors for everyone else."""
@@ -173,7 +176,7 @@ def from_mapping(data: dict | None) -> NodeConfig:
             if not isinstance(value, bool):
                 raise ConfigError(f"{key}: {value!r} is not true or false", key=key)
             kwargs[key] = value
-        elif key in ("client_timeout", "commit_timeout"):
+        elif key in ("client_timeout", "commit_timeout", "fence_timeout"):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{key}: {value!r} is not a positive number of seconds", key=key)
             kwargs[key] = float(value)

@@ -2,36 +2,47 @@
 
 Host regions copy with torch's ``copy_``, a memcpy that releases the GIL, so copy threads
 run in parallel; device regions queue theirs on the thread's own CUDA stream, and the
-thread waits for them all at once. The bytes between storages are zeroed, so a reused
-chunk never leaks an older snapshot into a new file, and each segment is checksummed on
-the daemon's own copy, the bytes written.
+thread waits for them all at once. Every copy queued is waited for before this returns or
+raises, so a chunk goes back to the pool only once no device copy can still land in it
+(the next snapshot's bytes would be overwritten). The bytes between storages are zeroed,
+so a reused chunk never leaks an older snapshot into a new file, and each segment is
+checksummed on the daemon's own copy, the bytes written.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from datastates.protocol.format import checksum
+from datastates.protocol.layout import Piece
 
 from .memory import Chunk
-from datastates.protocol.layout import Piece
-from .sources import Region
+from .sources import Pending, Region
 
 
-def copy_piece(piece: Piece, chunk: Chunk, regions: Sequence[Region]) -> list[tuple[int, int, bytes]]:
-    """Fill ``chunk`` with ``piece``; returns (storage, slot, checksum) for each segment."""
+def copy_piece(piece: Piece, chunk: Chunk, regions: Sequence[Region],
+               before: Callable[[Region], None] = lambda region: None) -> list[tuple[int, int, bytes]]:
+    """Fill ``chunk`` with ``piece``; returns (storage, slot, checksum) for each segment.
+
+    ``before(region)`` runs before each segment is read: it raises to stop the piece (its
+    trainer gave up) and waits, for a GPU region, until the snapshot's fences completed.
+    """
     dst = chunk.tensor
     cursor = 0
-    pending = []
-    for seg in piece.segments:
-        if seg.dst > cursor:
-            dst[cursor:seg.dst].zero_()
-        copy = regions[seg.source].read_into(dst[seg.dst:seg.dst + seg.length], seg.src, seg.length)
-        if copy is not None:
-            pending.append(copy)
-        cursor = seg.dst + seg.length
-    if cursor < piece.length:
-        dst[cursor:piece.length].zero_()
-    for copy in pending:
-        copy.synchronize()
+    pending: list[Pending] = []
+    try:
+        for seg in piece.segments:
+            if seg.dst > cursor:
+                dst[cursor:seg.dst].zero_()
+            region = regions[seg.source]
+            before(region)
+            copy = region.read_into(dst[seg.dst:seg.dst + seg.length], seg.src, seg.length)
+            if copy is not None:
+                pending.append(copy)
+            cursor = seg.dst + seg.length
+        if cursor < piece.length:
+            dst[cursor:piece.length].zero_()
+    finally:
+        for copy in pending:
+            copy.synchronize()
     return [(seg.source, seg.slot, checksum(chunk.view[seg.dst:seg.dst + seg.length])) for seg in piece.segments]

@@ -86,7 +86,8 @@ class Engine:
                     return
                 if job.abandoned is not None:
                     raise job.abandoned
-                for storage, slot, digest in await loop.run_in_executor(self._copy, copy_piece, piece, chunk, job.regions):
+                copied = await loop.run_in_executor(self._copy, copy_piece, piece, chunk, job.regions, job.before_copy)
+                for storage, slot, digest in copied:
                     sums[storage][slot] = digest
                 job.copied_bytes += sum(s.length for s in piece.segments)
                 uncopied -= 1

@@ -19,6 +19,7 @@ from datastates.protocol.layout import FilePlan
 
 from .replicas import Replica
 from .sources import Region
+from .sources.cuda import Fences
 
 
 class JobState(enum.StrEnum):
@@ -35,7 +36,8 @@ def _quiet(fut: asyncio.Future) -> None:
 
 class SnapshotJob:
     def __init__(self, job_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region],
-                 decision: tuple[str, str] | None = None, owner_alive: Callable[[], bool] | None = None) -> None:
+                 decision: tuple[str, str] | None = None, owner_alive: Callable[[], bool] | None = None,
+                 fences: Fences | None = None) -> None:
         loop = asyncio.get_running_loop()
         self.id = job_id
         self.client_id = client_id
@@ -61,6 +63,8 @@ class SnapshotJob:
         """Where the engine also writes the file, for restores from memory (daemon/replicas.py)."""
         self.abandoned: SnapshotFailedError | None = None
         """Set when the trainer went before the copy finished and its memory went with it."""
+        self.fences = fences
+        """The GPU work this snapshot's CUDA sources wait for (daemon/sources/cuda.py)."""
         self.copied: asyncio.Future = loop.create_future()
         self.durable: asyncio.Future = loop.create_future()
         for fut in (self.copied, self.durable):
@@ -82,6 +86,21 @@ class SnapshotJob:
         self.abandoned = SnapshotFailedError(f"snapshot of {self.path} failed: {why} before its state was "
                                              "copied, and its memory went with it", path=self.path)
         return True
+
+    def before_copy(self, region: Region) -> None:
+        """Called by a copy thread before each read of ``region``: stop if the trainer's memory went, and let a GPU
+        read wait for the kernels the trainer queued before ``snapshot()``."""
+        if self.abandoned is not None:
+            raise self.abandoned
+        if region.fenced and self.fences is not None:
+            self.fences.wait(self._stop_reason)
+
+    def _stop_reason(self) -> str | None:
+        if self.abandoned is not None:
+            return self.abandoned.message
+        if self.owner_alive is not None and not self.owner_alive():
+            return "its trainer is gone"
+        return None
 
     def mark_copied(self) -> None:
         """Every byte is in the daemon's hands, unless the trainer gave up on this snapshot first (then raises).
@@ -132,6 +151,7 @@ class SnapshotJob:
         self.finished = time.monotonic()
         self.plan = None
         self.regions = ()
+        self.fences = None
 
     def status(self) -> dict[str, Any]:
         elapsed = (self.finished or time.monotonic()) - self.started

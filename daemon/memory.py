@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import mmap
 import warnings
 from concurrent.futures import Executor
@@ -20,6 +21,8 @@ from concurrent.futures import Executor
 import torch
 
 from .pinning import pin
+
+log = logging.getLogger(__name__)
 
 
 class Chunk:
@@ -36,7 +39,14 @@ class Chunk:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.pinned = pinned and pin(self.tensor)
+        self.pinned = False
+        self.pin_error = ""
+        """Why page-locking it failed: the chunk serves unpinned (GPU copies into it are synchronous)."""
+        if pinned:
+            try:
+                self.pinned = pin(self.tensor)
+            except RuntimeError as exc:
+                self.pin_error = str(exc)
 
 
 class HostPool:
@@ -50,6 +60,16 @@ class HostPool:
         """Waiting copies per owner; dict order is the round-robin order."""
         self.peak_in_use = 0
         self._mapping = 0
+        self.pin_error = ""
+        """Why page-locking a chunk failed (RLIMIT_MEMLOCK, a driver refusing): later chunks are not pinned."""
+
+    def _new(self, chunk: Chunk) -> Chunk:
+        if chunk.pin_error and not self.pin_error:
+            self.pin_error, self.pinned = chunk.pin_error, False
+            log.warning("page-locking the host pool failed (%s): GPU copies go on, synchronously, into pageable "
+                        "memory; status shows it as host_memory.pin_error", chunk.pin_error)
+        self._all.append(chunk)
+        return chunk
 
     @property
     def in_use(self) -> int:
@@ -67,15 +87,13 @@ class HostPool:
                 chunk = await loop.run_in_executor(executor, Chunk, self.chunk_size, self.pinned)
             finally:
                 self._mapping -= 1
-            self._all.append(chunk)
-            self.release(chunk)
+            self.release(self._new(chunk))
 
     async def acquire(self, owner: str = "") -> Chunk:
         if self._free and not self._queues:
             chunk = self._free.pop()
         elif self._room() and not self._queues:
-            chunk = Chunk(self.chunk_size, self.pinned)
-            self._all.append(chunk)
+            chunk = self._new(Chunk(self.chunk_size, self.pinned))
         else:
             fut = asyncio.get_running_loop().create_future()
             self._queues.setdefault(owner, collections.deque()).append(fut)
@@ -104,13 +122,14 @@ class HostPool:
             return
         self._free.append(chunk)
 
-    def status(self) -> dict[str, int]:
+    def status(self) -> dict[str, int | str]:
         return {
             "budget_bytes": self.capacity * self.chunk_size,
             "chunk_size": self.chunk_size,
             "chunks_allocated": len(self._all),
             "chunks_in_use": self.in_use,
             "chunks_pinned": sum(c.pinned for c in self._all),
+            "pin_error": self.pin_error,
             "peak_in_use_bytes": self.peak_in_use * self.chunk_size,
             "waiting_copies": sum(1 for q in self._queues.values() for f in q if not f.done()),
         }

@@ -49,6 +49,8 @@ from .instances import Instance
 from .replicas import ReplicaStore, remove_gone
 from .tiers import TierTransfers
 from .versions import Versions
+from .sources.cuda import Fences, check_fences, decode_handle
+from .sources.cuda import probe as cuda_probe
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class Daemon:
             m.Bye: self._bye,
             m.Heartbeat: self._heartbeat,
             m.Restore: self._restore,
+            m.CudaProbe: self._cuda_probe,
         }
 
     # -- the loop ---------------------------------------------------------------------
@@ -158,14 +161,19 @@ class Daemon:
 
     async def _snapshot(self, identity: bytes, body: m.Snapshot) -> m.SnapshotAck:
         client = self.clients.get(identity)
+        client.retire(body.retired)
         async with self.jobs.admitting(client.id):
             try:
-                return await self._admit(client, body)
+                ack = await self._admit(client, body)
             except Exception as exc:  # any refusal, an internal one too: committing the tag's other files would
                 # make a partial tag (the fault schedules, seed 92834)
                 why = exc.message if isinstance(exc, DatastatesError) else f"internal: {type(exc).__name__}: {exc}"
                 self.ledger.refuse(client.id, body.tag, f"{body.path}: {why}")
+                client.release_unopened(body.sources)
                 raise
+            if ack.skipped:
+                client.release_unopened(body.sources)
+            return ack
 
     async def _admit(self, client: ClientRecord, body: m.Snapshot) -> m.SnapshotAck:
         await self._recovered.wait()  # a snapshot's file appears only once the leftovers of its path are gone
@@ -190,12 +198,13 @@ class Daemon:
             self.ledger.check_owner(written, client.id, body.tag,
                                     lambda other: self.clients.alive(other, self.cfg.client_timeout))
             plan = plan_snapshot(body, written, self.cfg.chunk_size, f"{self.instance.owner}/{client.id}/{job_id}")
-            return plan, path, client.regions_for(path, body.sources)
+            fences = Fences(check_fences(body.fences), self.cfg.fence_timeout)
+            return plan, path, client.regions_for(path, body.sources), fences
 
-        plan, path, regions = await asyncio.get_running_loop().run_in_executor(None, admit)
+        plan, path, regions, fences = await asyncio.get_running_loop().run_in_executor(None, admit)
         earlier = self.jobs.pending_at(plan.path)
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
-        job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision,
+        job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision, fences=fences,
                           owner_alive=lambda: self.clients.alive(client.id, self.cfg.client_timeout))
         job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks)
         self.jobs.add(job)
@@ -229,6 +238,19 @@ class Daemon:
             self.replicas.discard(job.id)
         self.jobs.finished(job)
         self._tidy(job.client_id)
+
+    async def _cuda_probe(self, identity: bytes, body: m.CudaProbe) -> m.CudaProbeReply:
+        """Open the client's probe handle and read it back, off the event loop: which path its GPU takes."""
+        client = self.clients.get(identity)
+        refused = await asyncio.get_running_loop().run_in_executor(None, cuda_probe, body.handle, body.expect)
+        try:
+            uuid = decode_handle(body.handle)["uuid"][:64]
+        except InvalidRequestError:
+            uuid = "?"
+        client.gpu_capture[uuid] = f"refused: {refused}" if refused else "ipc"
+        if refused:
+            log.warning("client %s's GPU %s goes through host memory: %s", client.id, uuid, refused)
+        return m.CudaProbeReply(refused=refused)
 
     async def _wait(self, identity: bytes, body: m.Wait) -> m.WaitDone:
         client = self.clients.get(identity)

@@ -37,6 +37,18 @@ class SourceDesc:
 
 
 @dataclass(frozen=True)
+class Fence:
+    """The ordering point of a snapshot on one GPU: an interprocess CUDA event the trainer recorded at
+    ``snapshot()`` on that device's current stream. The daemon copies that device's storages only once
+    the event has completed, so every kernel queued on that stream before ``snapshot()`` is in the bytes."""
+
+    uuid: str
+    """The device's UUID (CUDA_VISIBLE_DEVICES numbers devices differently in each process)."""
+    event: bytes
+    """The event's ``cudaIpcEventHandle_t``: exactly 64 bytes."""
+
+
+@dataclass(frozen=True)
 class EntryDesc:
     """One captured leaf of the state, to be planned and restored by provider ``provider``.
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from .descriptors import EntryDesc, Ranks, SourceDesc, Tier
+from .descriptors import EntryDesc, Fence, Ranks, SourceDesc, Tier
 from .errors import DatastatesError, ProtocolError, UnknownMessageError, VersionMismatchError
 from .schema import from_dict, pack
 from .version import PROTOCOL_VERSION
@@ -42,6 +42,8 @@ class MsgType(enum.StrEnum):
     HEARTBEAT_ACK = "heartbeat_ack"
     RESTORE = "restore"
     RESTORE_REPLY = "restore_reply"
+    CUDA_PROBE = "cuda_probe"
+    CUDA_PROBE_REPLY = "cuda_probe_reply"
     ERROR = "error"
 
 
@@ -108,6 +110,11 @@ class Snapshot(Body):
     root: int
     ticket: str = ""
     """This snapshot's name in the client's decision folder: the daemon claims it ``copied`` before answering WAIT."""
+    fences: list[Fence] = field(default_factory=list)
+    """One per GPU the CUDA sources lie on (empty without any)."""
+    retired: list[str] = field(default_factory=list)
+    """CUDA handles of earlier snapshots whose storages the trainer has freed since: the daemon drops its
+    mappings of them, which lets the trainer's allocator reuse their blocks (daemon/sources/cuda.py)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,25 @@ class Bye(Body):
 @dataclass(frozen=True)
 class ByeAck(Body):
     TYPE = MsgType.BYE_ACK
+
+
+@dataclass(frozen=True)
+class CudaProbe(Body):
+    """Can the daemon open this client's CUDA IPC handles on this device? Asked once per device, before the
+    first snapshot there, with the handle of a small tensor: the answer decides between CUDA IPC and the
+    client copying device to host itself (``gpu_capture``)."""
+
+    TYPE = MsgType.CUDA_PROBE
+    handle: str
+    expect: bytes
+    """The tensor's bytes: the daemon reads them back through the handle, as a copy would."""
+
+
+@dataclass(frozen=True)
+class CudaProbeReply(Body):
+    TYPE = MsgType.CUDA_PROBE_REPLY
+    refused: str = ""
+    """Why the daemon cannot open the handle ("" when it opened it and read it back)."""
 
 
 @dataclass(frozen=True)

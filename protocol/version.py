@@ -1,6 +1,6 @@
 """The one place that defines the versions of the wire protocol and of the file format."""
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any incompatible change to a message; a daemon refuses every other version."""
 
 FORMAT_VERSION = 1

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import base64
 import os
+import struct
+from pathlib import Path
 from typing import Any, Iterator
 
 import msgpack
 import pytest
 import torch
 
+from datastates.client import daemon_status
 from datastates.client.cuda import encode_handle
 from datastates.protocol.descriptors import CUDA_IPC
 
@@ -26,17 +29,17 @@ NBYTES = 4096
 
 def fields(**change: Any) -> dict[str, Any]:
     """A well-formed description of a 4 KiB storage in a block of some GPU (its ref-counter file does not exist)."""
-    good = {"uuid": "GPU-00000000-0000-0000-0000-000000000000", "block": b"\x01" * 64, "offset": 512, "nbytes": NBYTES,
-            "ref_counter": b"/torch_999_1_0", "ref_counter_offset": 3, "share_event": b"\x02" * 64,
-            "share_event_sync": True}
+    good = {"uuid": "GPU-00000000-0000-0000-0000-000000000000", "block": b"\x03c" + b"\x01" * 64, "offset": 512,
+            "nbytes": NBYTES, "ref_counter": b"/torch_999_1_0", "ref_counter_offset": 3}
     return {**good, **change}
 
 
-def snapshot(peer: RawPeer, root: str, handle: str, nbytes: int = NBYTES, msg_id: int = 2) -> dict:
+def snapshot(peer: RawPeer, root: str, handle: str, nbytes: int = NBYTES, msg_id: int = 2,
+             fences: list[dict[str, Any]] | None = None, path: str = "gpu/model.pt") -> dict:
     tensor = {"provider": "tensor", "name": "w", "meta": {
         "storage": 0, "dtype": "uint8", "shape": [nbytes], "stride": [1], "storage_offset": 0,
         "requires_grad": False, "parameter": False}}
-    body = {"path": f"{root}/gpu/model.pt", "tag": "gpu", "root": 1,
+    body = {"path": f"{root}/{path}", "tag": path.split("/")[0], "root": 1, "fences": fences or [],
             "sources": [{"kind": CUDA_IPC, "handle": handle, "nbytes": nbytes}],
             "entries": [tensor, {"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"N."}}]}
     _, reply = peer.request("snapshot", body, msg_id=msg_id)
@@ -60,17 +63,20 @@ BAD = {
     "not base64": ("%%%not-base64%%%", "bad CUDA IPC handle"),
     "not msgpack": (base64.urlsafe_b64encode(b"\xc1\xc1").decode(), "bad CUDA IPC handle"),
     "a list": (raw([1, 2, 3]), "holds exactly the fields"),
-    "a field missing": (raw({k: v for k, v in fields(event=b"").items() if k != "block"}), "holds exactly the fields"),
-    "an extra field": (encode_handle(fields(pid=1), b""), "holds exactly the fields"),
-    "offset a string": (encode_handle(fields(offset="512"), b""), "offset must be int"),
-    "nbytes a bool": (encode_handle(fields(nbytes=True), b""), "nbytes must be int"),
-    "negative offset": (encode_handle(fields(offset=-1), b""), "offset must be >= 0"),
-    "zero bytes": (encode_handle(fields(nbytes=0), b""), "nbytes > 0"),
-    "slot out of the file": (encode_handle(fields(ref_counter_offset=10000), b""), "ref_counter_offset outside"),
-    "ref counter escaping /dev/shm": (encode_handle(fields(ref_counter=b"../../etc/passwd"), b""), "bad ref-counter name"),
-    "ref counter not text": (encode_handle(fields(ref_counter=b"\xff\xfe"), b""), "not a shared-memory name"),
-    "size disagreeing with the source": (encode_handle(fields(nbytes=NBYTES * 2), b""), "names 8192 bytes, the source 4096"),
+    "a field missing": (raw({k: v for k, v in fields().items() if k != "block"}), "holds exactly the fields"),
+    "an extra field": (encode_handle(fields(pid=1)), "holds exactly the fields"),
+    "offset a string": (encode_handle(fields(offset="512")), "offset must be int"),
+    "nbytes a bool": (encode_handle(fields(nbytes=True)), "nbytes must be int"),
+    "negative offset": (encode_handle(fields(offset=-1)), "offset must be >= 0"),
+    "zero bytes": (encode_handle(fields(nbytes=0)), "nbytes > 0"),
+    "slot out of the file": (encode_handle(fields(ref_counter_offset=10000)), "ref_counter_offset outside"),
+    "ref counter escaping /dev/shm": (encode_handle(fields(ref_counter=b"../../etc/passwd")), "bad ref-counter name"),
+    "ref counter not text": (encode_handle(fields(ref_counter=b"\xff\xfe")), "not a shared-memory name"),
+    "size disagreeing with the source": (encode_handle(fields(nbytes=NBYTES * 2)), "names 8192 bytes, the source 4096"),
     "too long": ("A" * 9000, "longer than 8192"),
+    # torch reads 64 bytes from a cudaMalloc block handle whatever its length
+    "a short block handle": (encode_handle(fields(block=b"\x03c" + b"\x01" * 10)), "block handle is 66 bytes"),
+    "an unknown block type": (encode_handle(fields(block=b"\x03z" + b"\x01" * 64)), "unknown block handle type"),
 }
 
 
@@ -87,9 +93,65 @@ def test_a_bad_cuda_handle_is_an_invalid_request_naming_the_field(
 def test_a_well_formed_gpu_snapshot_is_refused_clearly_and_service_goes_on(
         peer: RawPeer, shared_daemon: DaemonProc) -> None:
     """Without a GPU the daemon says it sees none; with one, the forged block's ref-counter file is missing."""
-    reply = snapshot(peer, str(shared_daemon.root), encode_handle(fields(), b"\x03" * 64))
+    reply = snapshot(peer, str(shared_daemon.root), encode_handle(fields()))
     assert reply.get("code") == "shared_memory", reply
     expected = "cannot open CUDA IPC ref-counter file" if torch.cuda.is_available() else "sees no CUDA device"
     assert expected in reply["message"], reply["message"]
     assert not (shared_daemon.root / "gpu" / "model.pt").exists()
     assert_still_serves(shared_daemon)
+
+
+def test_a_fence_whose_event_handle_is_not_64_bytes_is_refused(peer: RawPeer, shared_daemon: DaemonProc) -> None:
+    """torch reads 64 bytes from an event handle whatever its length: a short one would be read past its end."""
+    fence = {"uuid": "GPU-00000000-0000-0000-0000-000000000000", "event": b"\x01" * 10}
+    reply = snapshot(peer, str(shared_daemon.root), encode_handle(fields()), fences=[fence], path="fenced/model.pt")
+    assert reply.get("code") == "invalid_request", reply
+    assert "event handle is 64 bytes, not 10" in reply["message"]
+    assert_still_serves(shared_daemon)
+
+
+@pytest.fixture
+def ref_counter() -> Iterator[tuple[str, Path]]:
+    """A reference-counter file as torch makes one for a trainer's shares: 10,000 int64 slots in /dev/shm."""
+    name = f"torch_{os.getpid()}_dstest_{os.urandom(4).hex()}"
+    path = Path("/dev/shm") / name
+    path.write_bytes(bytes(8 * 10000))
+    yield "/" + name, path
+    path.unlink(missing_ok=True)
+
+
+def slot(path: Path, offset: int) -> int:
+    return struct.unpack_from("<q", path.read_bytes(), 8 * offset)[0]
+
+
+def set_slots(path: Path, *offsets: int) -> None:
+    """Slots set to 1, as ``_share_cuda_`` sets the one it hands out."""
+    data = bytearray(path.read_bytes())
+    for offset in offsets:
+        struct.pack_into("<q", data, 8 * offset, 1)
+    path.write_bytes(bytes(data))
+
+
+def test_a_gpu_snapshot_the_daemon_never_opens_releases_each_slot_exactly_once(
+        peer: RawPeer, shared_daemon: DaemonProc, ref_counter: tuple[str, Path], tmp_path: Path) -> None:
+    """A slot left at 1 parks the trainer's block for ever once it frees the tensor; one at -1 too (torch reads
+    it unsigned). Refused for want of a GPU (or, with one, for the forged block), refused before any open (a
+    path outside the roots), sent again, or probed: each handle's slot ends at exactly 0."""
+    name, path = ref_counter
+    set_slots(path, 3, 4, 5)
+    h3, h4 = (encode_handle(fields(ref_counter=name.encode(), ref_counter_offset=k)) for k in (3, 4))
+    root = str(shared_daemon.root)
+    assert snapshot(peer, root, h3, path="unopened1/model.pt", msg_id=2).get("code") == "shared_memory"
+    assert slot(path, 3) == 0
+    assert snapshot(peer, root, h3, path="unopened2/model.pt", msg_id=3).get("code") == "shared_memory"
+    assert slot(path, 3) == 0, "a handle sent again was released twice"
+    outside = snapshot(peer, str(tmp_path), h4, path="elsewhere/model.pt", msg_id=4)
+    assert outside.get("code") == "path_not_allowed", outside
+    assert slot(path, 4) == 0
+    _, reply = peer.request("cuda_probe", {"handle": encode_handle(fields(ref_counter=name.encode(),
+                                                                          ref_counter_offset=5)),
+                                           "expect": b"\x00" * NBYTES}, msg_id=5)
+    assert reply.get("refused"), reply
+    assert slot(path, 5) == 0
+    clients = daemon_status(shared_daemon.endpoint)["clients"]
+    assert any(c["gpu_capture"].get(fields()["uuid"], "").startswith("refused: ") for c in clients)

@@ -60,6 +60,17 @@ def of_kind(kind: str) -> dict[str, Any]:
 # -- node configs ----------------------------------------------------------------------------------
 
 
+def test_the_daemonset_sees_every_gpu_without_taking_one_from_the_trainers() -> None:
+    """The daemon opens trainers' CUDA IPC handles on the GPU with the same UUID, so it must see all of them; a
+    GPU request would take devices away from the trainers' pods instead."""
+    pod = of_kind("DaemonSet")["spec"]["template"]["spec"]
+    (daemon,) = [c for c in pod["containers"] if c["name"] == "datastatesd"]
+    env = {e["name"]: e["value"] for e in daemon["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"]
+    assert pod["runtimeClassName"] == "nvidia"
+    assert not any("nvidia.com/gpu" in str(c.get("resources", {})) for c in pod["containers"])
+
+
 @pytest.mark.parametrize("path", NODE_CONFIGS, ids=lambda p: p.name)
 def test_node_config_passes_the_daemons_check(path: Path, tmp_path: Path) -> None:
     """Each node*.yaml, its placeholders filled with test values, is a config the daemon accepts as it is."""

@@ -44,8 +44,10 @@ class Region(ABC):
     nbytes: int
     tensor: torch.Tensor
     in_trainer: ClassVar[bool] = False
-    """Memory that lives in the trainer process (its GPU memory, or its CPU memory read in place): never
-    cached, and unreadable once the trainer exits, unlike shared memory, which the daemon's own mapping keeps."""
+    """Memory that lives in the trainer process (its GPU memory, or its CPU memory read in place): unreadable
+    once the trainer exits, unlike shared memory, which the daemon's own mapping keeps."""
+    fenced: ClassVar[bool] = False
+    """GPU memory: read only once the snapshot's fences completed (the kernels queued before ``snapshot()``)."""
 
     def read_into(self, dst: torch.Tensor, src: int, length: int) -> Pending | None:
         """Copy ``length`` bytes at ``src`` into the host tensor ``dst``; a Pending if the copy is asynchronous.

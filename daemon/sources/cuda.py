@@ -1,34 +1,42 @@
-"""CUDA IPC regions: a trainer's GPU storages, read by the daemon on its own CUDA stream.
+"""CUDA IPC regions: a trainer's GPU storages, read by the daemon on its own CUDA streams.
 
-The client describes each CUDA storage (``datastates.client.cuda``) as the IPC handle of
-its caching-allocator block, the storage's offset and size in it, a slot in torch's
-reference-counter file, the device's UUID and the snapshot's interprocess event, packed
-into ``SourceDesc.handle``. ``open`` maps it as ``torch.multiprocessing`` does
-(``rebuild_cuda_tensor``: ``UntypedStorage._new_shared_cuda``), on the local device with
-that UUID, since CUDA_VISIBLE_DEVICES numbers devices differently in each process.
+The client describes each CUDA storage once (``datastates.client.cuda``): the IPC handle
+of its caching-allocator block, the storage's offset and size in it, a slot in torch's
+reference-counter file and the device's UUID, packed into ``SourceDesc.handle``. ``open``
+maps it as ``torch.multiprocessing`` does (``UntypedStorage._new_shared_cuda``), on the
+local device with that UUID, since CUDA_VISIBLE_DEVICES numbers devices differently in
+each process. Every field comes from an untrusted client and is checked first; after the
+open, the storage's range is checked against the allocation the driver actually mapped,
+since a copy past it would raise ``cudaErrorIllegalAddress`` and poison the daemon's CUDA
+context for every rank on that GPU.
 
-Lifetime rules:
+Ordering. The snapshot's fences (one interprocess event per device, recorded by the
+trainer at ``snapshot()``) are polled with ``query()`` on a copy thread (``Fences.wait``),
+under a deadline and the trainer's liveness; the daemon's streams never wait on a
+trainer's event, which a killed trainer can leave pending for ever (pytorch#15974). torch's
+own per-share event is never used (``event_sync_required`` False): it would queue a wait
+on the NULL stream and leak an event per open.
 
-- An opened region keeps the trainer's allocation alive. While the daemon's storage lives,
-  its slot in the trainer's ref-counter file (a /dev/shm file named in the handle) is
-  above zero, and the trainer's allocator parks a freed block in its "limbo" instead of
-  reusing it. The trainer's GPU memory grows by every block the daemon still holds.
-- So the daemon must drop a region once its snapshot is copied or its client is gone.
-  The client's region cache already does: it keeps only the regions the latest snapshot
-  of each file name uses, and ``release()`` clears all of them when the client goes.
-  Dropping the last reference frees the storage, whose deleter decrements the slot.
-- Each snapshot shares again and so names a fresh slot and event: its handle differs, the
-  cache opens it anew, and the previous snapshot's region (dropped by the cache) releases
-  the previous slot. torch caches the opened block per process, so the driver maps each
-  block once while any region on it lives.
-- A daemon that dies holding regions never decrements their slots: the trainer's blocks
-  stay in limbo until the trainer exits.
-- A trainer that exits first takes its device memory with it: torch requires a producer
-  to outlive its consumers' references. So, unlike shared memory, a GPU snapshot survives
-  a trainer crash only once it is copied (``wait()`` returned); the engine must fail the
-  uncopied GPU snapshots of a client that is gone rather than copy from its regions.
-- The handle's event must still exist when a copy opens it: the client keeps it until
-  ``wait()`` returns, which is after every copy of the snapshot.
+Reference counts. torch sets a storage's slot to 1 when the client shares it, and parks
+the trainer's block when the storage is freed while its slot is above zero. The slot is
+read as unsigned: one decrement too many parks the block for ever, one too few too. So
+the daemon brings each handle's slot to zero exactly once:
+
+- a handle it opens is cached by its client (``ClientRecord``) until the client retires it
+  (the storage was freed) or leaves; dropping the region decrements the slot (torch's
+  deleter);
+- a handle it never opens (the snapshot was refused or skipped first) is decremented at
+  once (``release_unopened``), and marked so: if it comes again, the slot is raised back
+  to one before the open.
+
+CUDA objects are dropped on one thread of their own (``_Releaser``), never on the event
+loop: torch's deleter synchronizes the dropping thread's current stream.
+
+- A daemon that dies holding regions never decrements their slots: the trainer's freed
+  blocks stay parked until the trainer exits.
+- A trainer that exits first takes its device memory with it, so a GPU snapshot survives a
+  trainer crash only once it is copied (``wait()`` returned); the engine fails the uncopied
+  GPU snapshots of a client that is gone rather than copy from its regions.
 
 Importing this module never touches CUDA. The kind is always registered, so a daemon
 without a CUDA device still checks a GPU snapshot's handles and refuses it with a clear
@@ -39,31 +47,40 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import functools
+import mmap
 import os
+import queue
 import re
 import stat
+import struct
 import threading
-from typing import Any
+import time
+from typing import Any, Callable, Sequence
 
 import msgpack
 import torch
 
-from datastates.protocol.descriptors import CUDA_IPC, SourceDesc
-from datastates.protocol.errors import InvalidRequestError, SharedMemoryError
+from datastates.protocol.descriptors import CUDA_IPC, Fence, SourceDesc
+from datastates.protocol.errors import DatastatesError, InvalidRequestError, SharedMemoryError, SnapshotFailedError
 from datastates.protocol.paths import SHM_DIR
 
 from .base import CopySource, Owner, Region, register_source
 
 MAX_HANDLE = 8192
-"""Characters of an encoded handle: a block handle is 64 bytes, an expandable segment's a few hundred."""
+"""Characters of an encoded handle: a block handle is 66 bytes, an expandable segment's a few hundred."""
+IPC_HANDLE = 64
+"""CUDA_IPC_HANDLE_SIZE: a cudaIpcMemHandle_t or cudaIpcEventHandle_t. torch reads that many bytes from any
+handle it is given, so a shorter one would be read past its end."""
+MAX_EXPANDABLE = 4096
+"""Bytes of an expandable segment's handle (its shareable handles and ranges)."""
 REF_COUNTER_SLOTS = 10000
 """torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: int64 slots per ref-counter file; a larger offset writes out of bounds."""
 
 _NAME_RE = re.compile(r"^/?[A-Za-z0-9_.-]{1,250}$")
 _FIELDS: dict[str, type] = {
-    "uuid": str, "block": bytes, "offset": int, "nbytes": int, "ref_counter": bytes,
-    "ref_counter_offset": int, "share_event": bytes, "share_event_sync": bool, "event": bytes,
+    "uuid": str, "block": bytes, "offset": int, "nbytes": int, "ref_counter": bytes, "ref_counter_offset": int,
 }
 
 
@@ -83,6 +100,7 @@ def decode_handle(handle: str) -> dict[str, Any]:
             raise InvalidRequestError(f"CUDA IPC handle: {name} must be {typ.__name__}")
     if fields["offset"] < 0 or fields["nbytes"] <= 0:
         raise InvalidRequestError("CUDA IPC handle: offset must be >= 0 and nbytes > 0")
+    _check_block(fields["block"])
     if not 0 <= fields["ref_counter_offset"] < REF_COUNTER_SLOTS:
         raise InvalidRequestError(f"CUDA IPC handle: ref_counter_offset outside 0..{REF_COUNTER_SLOTS - 1}")
     try:
@@ -94,16 +112,60 @@ def decode_handle(handle: str) -> dict[str, Any]:
     return fields
 
 
+def _check_block(block: bytes) -> None:
+    """torch's shareable handle: a version byte, a type byte, then a cudaIpcMemHandle_t ('c') or an
+    expandable segment ('e'). torch reads a 'c' handle's 64 bytes whatever its length."""
+    kind = block[1:2]
+    if kind == b"c" and len(block) != 2 + IPC_HANDLE:
+        raise InvalidRequestError(f"CUDA IPC handle: a cudaMalloc block handle is {2 + IPC_HANDLE} bytes, "
+                                  f"not {len(block)}")
+    if kind == b"e" and not 2 < len(block) <= MAX_EXPANDABLE:
+        raise InvalidRequestError(f"CUDA IPC handle: an expandable segment's handle of {len(block)} bytes")
+    if kind not in (b"c", b"e"):
+        raise InvalidRequestError(f"CUDA IPC handle: unknown block handle type {kind!r}")
+
+
+def _ref_counter_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name.lstrip("/"))
+
+
 def _check_ref_counter(name: str) -> None:
     """The ref-counter file exists, is the daemon user's and holds every slot: torch writes to it when a region goes."""
-    path = os.path.join(SHM_DIR, name.lstrip("/"))
     try:
-        st = os.stat(path, follow_symlinks=False)
+        st = os.stat(_ref_counter_path(name), follow_symlinks=False)
     except OSError as exc:
         raise SharedMemoryError(f"cannot open CUDA IPC ref-counter file {name!r}: {exc.strerror}", handle=name) from None
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < 8 * REF_COUNTER_SLOTS:
         raise SharedMemoryError(f"ref-counter file {name!r} is not a full regular file owned by the daemon's user",
                                 handle=name)
+
+
+_counter_lock = threading.Lock()
+
+
+def adjust_ref_counter(name: str, offset: int, delta: int) -> None:
+    """Add ``delta`` to slot ``offset`` of ref-counter file ``name``, as torch's deleter does; nothing if the
+    file is gone (its trainer exited) or not one the daemon may touch."""
+    try:
+        fd = os.open(_ref_counter_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < 8 * REF_COUNTER_SLOTS:
+            return
+        page = (8 * offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        with _counter_lock, mmap.mmap(fd, mmap.PAGESIZE, offset=page) as slots:
+            at = 8 * offset - page
+            (value,) = struct.unpack_from("<q", slots, at)
+            struct.pack_into("<q", slots, at, value + delta)
+    finally:
+        os.close(fd)
+
+
+def release_unopened(fields: dict[str, Any]) -> None:
+    """Bring a handle the daemon will not open to zero: its trainer frees the block when it frees the storage."""
+    adjust_ref_counter(fields["ref_counter"], fields["ref_counter_offset"], -1)
 
 
 @functools.cache
@@ -123,34 +185,75 @@ def local_device(uuid: str) -> int:
     return devices[uuid]
 
 
+def _no_cuda(uuid: str) -> SharedMemoryError:
+    return SharedMemoryError(
+        "a GPU tensor was snapshotted, but datastatesd sees no CUDA device (a CPU-only torch, or no GPU "
+        "visible to it): run the daemon with the node's GPUs visible, or use Client(gpu_capture='host')",
+        handle=uuid[:64],
+    )
+
+
+class _Releaser:
+    """One thread that drops CUDA objects (regions, events): torch's deleter of an opened storage synchronizes
+    the dropping thread's stream, which must never be the event loop or a copy thread."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def drop(self, obj: Any) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ds-cuda-release", daemon=True)
+                self._thread.start()
+        self._queue.put(obj)
+
+    def _run(self) -> None:
+        while True:
+            obj = self._queue.get()
+            del obj
+
+
+_releaser = _Releaser()
+
+
+@functools.cache
+def _address_range() -> Callable[[int], tuple[int, int]]:
+    """cuMemGetAddressRange: the base and size of the allocation holding a device address."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    fn = driver.cuMemGetAddressRange_v2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    fn.restype = ctypes.c_int
+
+    def query(address: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        err = fn(ctypes.byref(base), ctypes.byref(size), address)
+        if err != 0:
+            raise SharedMemoryError(f"no allocation holds the opened block's address (CUresult {err})")
+        return base.value, size.value
+
+    return query
+
+
 class CudaIpcRegion(Region):
-    """One trainer storage, opened once; ``tensor`` is a flat uint8 CUDA view of exactly ``nbytes``."""
+    """One trainer storage, opened once per client; ``tensor`` is a flat uint8 CUDA view of exactly ``nbytes``.
+
+    Made only by ``open_cuda``, which leaves the handle's slot released whenever it raises.
+    """
 
     in_trainer = True
+    fenced = True
 
-    def __init__(self, fields: dict[str, Any]) -> None:
-        _check_ref_counter(fields["ref_counter"])
-        self.device = torch.device("cuda", local_device(fields["uuid"]))
-        self.nbytes = fields["nbytes"]
-        try:
-            with torch.cuda.device(self.device):
-                storage = torch.UntypedStorage._new_shared_cuda(
-                    self.device.index, fields["block"], self.nbytes, fields["offset"], fields["ref_counter"].encode(),
-                    fields["ref_counter_offset"], fields["share_event"], fields["share_event_sync"],
-                )
-        except RuntimeError as exc:
-            raise SharedMemoryError(f"cannot open a {self.nbytes}-byte CUDA IPC block on {self.device}: {exc}") from None
-        self.tensor = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (self.nbytes,), (1,))
-        self._event_handle = fields["event"]
-        self._event: torch.cuda.Event | None = None
-        self._event_lock = threading.Lock()
+    def __init__(self, device: torch.device, tensor: torch.Tensor) -> None:
+        self.device = device
+        self.nbytes = tensor.numel()
+        self.tensor = tensor
 
-    def ready_event(self) -> torch.cuda.Event | None:
-        """The snapshot's event, opened on first use (by whichever copy thread comes first); None if none was sent."""
-        with self._event_lock:
-            if self._event is None and self._event_handle:
-                self._event = torch.cuda.Event.from_ipc_handle(self.device, self._event_handle)
-            return self._event
+    def __del__(self) -> None:
+        tensor = self.__dict__.pop("tensor", None)
+        if tensor is not None:
+            _releaser.drop(tensor)
 
     def read_into(self, dst: torch.Tensor, src: int, length: int) -> torch.cuda.Event:
         return copy_to_host(self, src, dst, length, copy_stream(self.device))
@@ -171,23 +274,135 @@ def copy_to_host(region: CudaIpcRegion, src_offset: int, dst_tensor: torch.Tenso
                  stream: torch.cuda.Stream) -> torch.cuda.Event:
     """Queue ``length`` bytes from ``src_offset`` into host ``dst_tensor`` on the daemon's ``stream``.
 
-    The stream first waits for the snapshot's event, so the kernels the trainer queued
-    before ``snapshot()`` are in the bytes. Returns an event the caller synchronizes on
-    before it reads ``dst_tensor`` (checksums, writes). Into pinned memory (the pool's
-    chunks, see daemon/pinning.py) the copy is asynchronous; into pageable memory the
-    driver stages it and the call blocks, which is correct but slow.
+    The caller has waited for the snapshot's fences (``Fences.wait``). Returns an event the
+    caller synchronizes on before it reads ``dst_tensor`` or gives its chunk back. Into
+    pinned memory (the pool's chunks, see daemon/pinning.py) the copy is asynchronous; into
+    pageable memory the driver stages it and the call blocks, which is correct but slow.
     """
     if not 0 <= src_offset <= src_offset + length <= region.nbytes or length > dst_tensor.numel():
         raise ValueError(f"copy of {length} bytes at {src_offset} does not fit a {region.nbytes}-byte region "
                          f"and a {dst_tensor.numel()}-byte destination")
-    ready = region.ready_event()
-    if ready is not None:
-        stream.wait_event(ready)
     with torch.cuda.stream(stream):
         dst_tensor[:length].copy_(region.tensor[src_offset:src_offset + length], non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
     return done
+
+
+def check_fences(fences: Sequence[Fence]) -> list[Fence]:
+    """The snapshot's fences, checked: exact event handles, one per device, each device one the daemon sees."""
+    if len({f.uuid for f in fences}) != len(fences):
+        raise InvalidRequestError("a snapshot names one fence per device; this one names a device twice")
+    for fence in fences:
+        if len(fence.event) != IPC_HANDLE:
+            raise InvalidRequestError(f"a fence's event handle is {IPC_HANDLE} bytes, not {len(fence.event)}")
+        if not torch.cuda.is_available():
+            raise _no_cuda(fence.uuid)
+        local_device(fence.uuid)
+    return list(fences)
+
+
+POLL_S = (0.0002, 0.005)
+"""How often a copy thread asks whether a fence has completed: at first, and at most."""
+
+
+class Fences:
+    """A snapshot's fences, waited for once by whichever copy thread needs them first.
+
+    Polled with ``query()``: a fence the trainer never completes (killed mid-kernel, hung)
+    fails this snapshot when ``stopped`` names a reason (its trainer gave up or is gone) or
+    after ``timeout`` seconds, instead of wedging a copy stream for ever.
+    """
+
+    def __init__(self, fences: Sequence[Fence], timeout: float) -> None:
+        self._fences = list(fences)
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._done = not self._fences
+        self._events: list[torch.cuda.Event] = []
+
+    def wait(self, stopped: Callable[[], str | None]) -> None:
+        with self._lock:
+            if self._done:
+                return
+            if not self._events:
+                self._events = [torch.cuda.Event.from_ipc_handle(torch.device("cuda", local_device(f.uuid)), f.event)
+                                for f in self._fences]
+            deadline, pause = time.monotonic() + self._timeout, POLL_S[0]
+            while not self._completed():
+                why = stopped()
+                if why:
+                    raise SnapshotFailedError(f"gave up waiting for the trainer's GPU work queued before snapshot(): "
+                                              f"{why}")
+                if time.monotonic() > deadline:
+                    raise SnapshotFailedError(f"the trainer's GPU work queued before snapshot() did not finish "
+                                              f"within fence_timeout ({self._timeout:.0f} s)")
+                time.sleep(pause)
+                pause = min(pause * 2, POLL_S[1])
+            self._done = True
+
+    def _completed(self) -> bool:
+        try:
+            return all(event.query() for event in self._events)
+        except RuntimeError as exc:  # a trainer killed mid-kernel can leave its event in error
+            raise SnapshotFailedError(f"the trainer's fence failed: {exc}") from None
+
+    def __del__(self) -> None:
+        events = self.__dict__.pop("_events", None)
+        if events:
+            _releaser.drop(events)
+
+
+def open_cuda(fields: dict[str, Any]) -> CudaIpcRegion:
+    """Open a decoded handle. Whenever this raises, the handle's slot has been released (decremented) if it
+    could be: before the open by ``release_unopened``, after it by dropping the opened storage here and now."""
+    try:
+        if not torch.cuda.is_available():
+            raise _no_cuda(fields["uuid"])
+        _check_ref_counter(fields["ref_counter"])
+        device = torch.device("cuda", local_device(fields["uuid"]))
+        with torch.cuda.device(device):
+            storage = torch.UntypedStorage._new_shared_cuda(
+                device.index, fields["block"], fields["nbytes"], fields["offset"], fields["ref_counter"].encode(),
+                fields["ref_counter_offset"], bytes(IPC_HANDLE), False,
+            )
+    except SharedMemoryError:
+        release_unopened(fields)
+        raise
+    except RuntimeError as exc:
+        release_unopened(fields)
+        raise SharedMemoryError(f"cannot open a {fields['nbytes']}-byte CUDA IPC block on the GPU "
+                                f"{fields['uuid'][:64]}: {exc}") from None
+    # opened: the slot is the storage's to decrement, which its deleter does wherever it goes
+    tensor = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (fields["nbytes"],), (1,))
+    del storage
+    try:
+        with torch.cuda.device(device):
+            start = tensor.data_ptr() - fields["offset"]
+            base, size = _address_range()(start)
+        failure: DatastatesError | None = None
+        if not base <= start or start + fields["offset"] + fields["nbytes"] > base + size:
+            failure = InvalidRequestError(f"CUDA IPC handle: {fields['nbytes']} bytes at offset {fields['offset']} "
+                                          f"lie outside the {base + size - start}-byte allocation its block maps")
+    except (RuntimeError, OSError, SharedMemoryError) as exc:
+        failure = SharedMemoryError(f"cannot check the CUDA IPC block opened on {device}: {exc}")
+    if failure is not None:
+        del tensor  # here and now, not when the traceback goes: the slot is released before this raises
+        raise failure
+    return CudaIpcRegion(device, tensor)
+
+
+def probe(handle: str, expect: bytes) -> str:
+    """Open ``handle`` and read it back as a copy would: "" if that gave ``expect``, else why not."""
+    try:
+        region = open_cuda(decode_handle(handle))
+        host = torch.empty(region.nbytes, dtype=torch.uint8)
+        copy_to_host(region, 0, host, region.nbytes, copy_stream(region.device)).synchronize()
+        if host.numpy().tobytes() != expect:
+            return "the daemon read other bytes than the trainer holds through its CUDA IPC handle"
+        return ""
+    except Exception as exc:  # any failure is an answer: the client then copies to host itself
+        return exc.message if isinstance(exc, DatastatesError) else f"{type(exc).__name__}: {exc}"
 
 
 class CudaIpcSource(CopySource):
@@ -196,14 +411,9 @@ class CudaIpcSource(CopySource):
     def open(self, desc: SourceDesc, owner: Owner) -> Region:
         fields = decode_handle(desc.handle)
         if fields["nbytes"] != desc.nbytes:
+            release_unopened(fields)
             raise InvalidRequestError(f"CUDA IPC handle names {fields['nbytes']} bytes, the source {desc.nbytes}")
-        if not torch.cuda.is_available():
-            raise SharedMemoryError(
-                "a GPU tensor was snapshotted, but datastatesd sees no CUDA device (a CPU-only torch, or no GPU "
-                "visible to it): run the daemon with the node's GPUs visible, or move the state to CPU first",
-                handle=fields["uuid"][:64],
-            )
-        return CudaIpcRegion(fields)
+        return open_cuda(fields)
 
 
 register_source(CudaIpcSource())
