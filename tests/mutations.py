@@ -172,6 +172,23 @@ MUTATIONS: tuple[Mutation, ...] = (
               "            self._sequences[run] += 1\n"),),
         ("tests/test_commit.py::test_a_commit_after_a_trainers_local_commits_in_the_same_run_is_the_latest",),
     ),
+    Mutation(
+        "chunk-released-in-flight",
+        "a piece that fails halfway returns while device copies it queued can still land in its chunk",
+        (Edit("daemon/copier.py",
+              "    finally:\n        for copy in pending:\n            copy.synchronize()\n",
+              "    except BaseException:  # MUTATION: no wait on failure\n        raise\n"
+              "    for copy in pending:\n        copy.synchronize()\n"),),
+        ("tests/faults/test_copier.py::test_copies_queued_before_a_failing_segment_have_landed_when_the_piece_fails",),
+    ),
+    Mutation(
+        "unopened-slot-kept",
+        "a GPU snapshot refused before its blocks were opened leaves their reference-counter slots at 1",
+        (Edit("daemon/server.py",
+              "                client.release_unopened(body.sources)\n                raise\n",
+              "                raise  # MUTATION: slots kept\n"),),
+        ("tests/test_cuda_handles.py::test_a_gpu_snapshot_the_daemon_never_opens_releases_each_slot_exactly_once",),
+    ),
 )
 
 
