@@ -24,8 +24,8 @@ def copy_piece(piece: Piece, chunk: Chunk, regions: Sequence[Region],
                before: Callable[[Region], None] = lambda region: None) -> list[tuple[int, int, bytes]]:
     """Fill ``chunk`` with ``piece``; returns (storage, slot, checksum) for each segment.
 
-    ``before(region)`` runs before each segment is read: it raises to stop the piece (its
-    trainer gave up) and waits, for a GPU region, until the snapshot's fences completed.
+    ``before(region)`` runs before each segment is read, and raises to stop the piece (its
+    trainer went, and its memory with it).
     """
     dst = chunk.tensor
     cursor = 0

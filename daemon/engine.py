@@ -34,6 +34,8 @@ class Engine:
         self.pool = pool
         self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix="ds-copy")
         self._flush = ThreadPoolExecutor(flush_threads, thread_name_prefix="ds-flush")
+        self._fence = ThreadPoolExecutor(1, thread_name_prefix="ds-fence")
+        """Polls GPU snapshots' fences (a query each, never a wait), so no copy thread waits on a trainer's kernels."""
         self._direct_io = direct_io
         self._owner = owner
         self._writers: dict[type, StorageWriter] = {}
@@ -107,6 +109,8 @@ class Engine:
             job.mark_failed(exc)
             return
         try:
+            if job.fences is not None and any(r.fenced for r in job.regions):
+                await job.fences.wait(job.stop_reason, self._fence)
             if not plan.pieces:
                 job.mark_copied()
             await asyncio.gather(*(one(p) for p in plan.pieces), return_exceptions=True)
@@ -131,6 +135,7 @@ class Engine:
         log.info("snapshot %d durable: %s (%d bytes)", job.id, job.path, job.total_bytes)
 
     def close(self) -> None:
+        self._fence.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)
 

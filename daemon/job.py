@@ -64,7 +64,8 @@ class SnapshotJob:
         self.abandoned: SnapshotFailedError | None = None
         """Set when the trainer went before the copy finished and its memory went with it."""
         self.fences = fences
-        """The GPU work this snapshot's CUDA sources wait for (daemon/sources/cuda.py)."""
+        """The trainer's GPU work this snapshot's copies wait for, if any of its regions is ``fenced``
+        (daemon/sources/cuda.py)."""
         self.copied: asyncio.Future = loop.create_future()
         self.durable: asyncio.Future = loop.create_future()
         for fut in (self.copied, self.durable):
@@ -88,14 +89,12 @@ class SnapshotJob:
         return True
 
     def before_copy(self, region: Region) -> None:
-        """Called by a copy thread before each read of ``region``: stop if the trainer's memory went, and let a GPU
-        read wait for the kernels the trainer queued before ``snapshot()``."""
+        """Called by a copy thread before each read of ``region``: stop once the trainer's memory went."""
         if self.abandoned is not None:
             raise self.abandoned
-        if region.fenced and self.fences is not None:
-            self.fences.wait(self._stop_reason)
 
-    def _stop_reason(self) -> str | None:
+    def stop_reason(self) -> str | None:
+        """Why waiting on the trainer's GPU work is pointless now: it gave up on this snapshot, or it is gone."""
         if self.abandoned is not None:
             return self.abandoned.message
         if self.owner_alive is not None and not self.owner_alive():

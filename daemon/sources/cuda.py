@@ -11,8 +11,9 @@ since a copy past it would raise ``cudaErrorIllegalAddress`` and poison the daem
 context for every rank on that GPU.
 
 Ordering. The snapshot's fences (one interprocess event per device, recorded by the
-trainer at ``snapshot()``) are polled with ``query()`` on a copy thread (``Fences.wait``),
-under a deadline and the trainer's liveness; the daemon's streams never wait on a
+trainer at ``snapshot()``) are polled with ``query()`` on a thread of their own
+(``Fences.wait``), under a deadline and the trainer's liveness, before the snapshot takes
+any pool chunk or copy thread; the daemon's streams never wait on a
 trainer's event, which a killed trainer can leave pending for ever (pytorch#15974). torch's
 own per-share event is never used (``event_sync_required`` False): it would queue a wait
 on the NULL stream and leak an event per open.
@@ -45,6 +46,7 @@ error instead of "unknown source kind".
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import ctypes
@@ -57,6 +59,7 @@ import stat
 import struct
 import threading
 import time
+from concurrent.futures import Executor
 from typing import Any, Callable, Sequence
 
 import msgpack
@@ -274,7 +277,7 @@ def copy_to_host(region: CudaIpcRegion, src_offset: int, dst_tensor: torch.Tenso
                  stream: torch.cuda.Stream) -> torch.cuda.Event:
     """Queue ``length`` bytes from ``src_offset`` into host ``dst_tensor`` on the daemon's ``stream``.
 
-    The caller has waited for the snapshot's fences (``Fences.wait``). Returns an event the
+    The engine has waited for the snapshot's fences (``Fences.wait``). Returns an event the
     caller synchronizes on before it reads ``dst_tensor`` or gives its chunk back. Into
     pinned memory (the pool's chunks, see daemon/pinning.py) the copy is asynchronous; into
     pageable memory the driver stages it and the call blocks, which is correct but slow.
@@ -303,49 +306,47 @@ def check_fences(fences: Sequence[Fence]) -> list[Fence]:
 
 
 POLL_S = (0.0002, 0.005)
-"""How often a copy thread asks whether a fence has completed: at first, and at most."""
+"""How often the daemon asks whether a snapshot's fences have completed: at first, and at most."""
 
 
 class Fences:
-    """A snapshot's fences, waited for once by whichever copy thread needs them first.
+    """A snapshot's fences, waited for before any of its pieces takes a pool chunk or a copy thread.
 
-    Polled with ``query()``: a fence the trainer never completes (killed mid-kernel, hung)
-    fails this snapshot when ``stopped`` names a reason (its trainer gave up or is gone) or
-    after ``timeout`` seconds, instead of wedging a copy stream for ever.
+    Polled with ``query()`` on a thread of their own (``executor``), never on the event loop,
+    and never by making a stream wait: a fence the trainer never completes (killed
+    mid-kernel, hung) fails this snapshot once ``stopped`` names a reason (its trainer gave
+    up or is gone) or after ``timeout`` seconds. Meanwhile every copy thread and every chunk
+    serves the other snapshots, so a trainer's long kernel stalls no other rank.
     """
 
     def __init__(self, fences: Sequence[Fence], timeout: float) -> None:
         self._fences = list(fences)
         self._timeout = timeout
-        self._lock = threading.Lock()
-        self._done = not self._fences
         self._events: list[torch.cuda.Event] = []
 
-    def wait(self, stopped: Callable[[], str | None]) -> None:
-        with self._lock:
-            if self._done:
-                return
-            if not self._events:
-                self._events = [torch.cuda.Event.from_ipc_handle(torch.device("cuda", local_device(f.uuid)), f.event)
-                                for f in self._fences]
-            deadline, pause = time.monotonic() + self._timeout, POLL_S[0]
-            while not self._completed():
-                why = stopped()
-                if why:
-                    raise SnapshotFailedError(f"gave up waiting for the trainer's GPU work queued before snapshot(): "
-                                              f"{why}")
-                if time.monotonic() > deadline:
-                    raise SnapshotFailedError(f"the trainer's GPU work queued before snapshot() did not finish "
-                                              f"within fence_timeout ({self._timeout:.0f} s)")
-                time.sleep(pause)
-                pause = min(pause * 2, POLL_S[1])
-            self._done = True
+    async def wait(self, stopped: Callable[[], str | None], executor: Executor) -> None:
+        if not self._fences:
+            return
+        loop = asyncio.get_running_loop()
+        deadline, pause = time.monotonic() + self._timeout, POLL_S[0]
+        while not await loop.run_in_executor(executor, self._completed):
+            why = stopped()
+            if why:
+                raise SnapshotFailedError(f"gave up waiting for the trainer's GPU work queued before snapshot(): {why}")
+            if time.monotonic() > deadline:
+                raise SnapshotFailedError(f"the trainer's GPU work queued before snapshot() did not finish within "
+                                          f"fence_timeout ({self._timeout:.0f} s)")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, POLL_S[1])
 
     def _completed(self) -> bool:
         try:
+            if not self._events:
+                self._events = [torch.cuda.Event.from_ipc_handle(torch.device("cuda", local_device(f.uuid)), f.event)
+                                for f in self._fences]
             return all(event.query() for event in self._events)
-        except RuntimeError as exc:  # a trainer killed mid-kernel can leave its event in error
-            raise SnapshotFailedError(f"the trainer's fence failed: {exc}") from None
+        except RuntimeError as exc:  # a bad handle, or a trainer killed mid-kernel left its event in error
+            raise SnapshotFailedError(f"the trainer's fence cannot be waited for: {exc}") from None
 
     def __del__(self) -> None:
         events = self.__dict__.pop("_events", None)
