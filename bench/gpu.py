@@ -1,21 +1,27 @@
 """The GPU path: datastates against a plain pinned copy and DCP ``async_save`` with pinned staging.
 
 Why: on a GPU the checkpoint's first cost is the device-to-host copy, and the question is
-whether copying through CUDA IPC on the daemon's own stream reaches the link's speed
+whether copying through CUDA IPC on the daemon's own streams reaches the link's speed
 without holding the trainer. For one GPT-shaped state on the GPU it measures, per run:
 
 - peak: ``tensor.copy_(non_blocking=True)`` of every tensor into one pinned host buffer,
-  in the trainer: the device-to-host limit of this machine;
+  in the trainer, from an idle GPU to a final synchronize: the device-to-host limit here;
 - datastates: ``snapshot()`` (blocking), until ``wait()`` returns (the device-to-host copy
-  is done: GB/s), and until ``commit()`` is durable;
+  into the daemon's pinned pool is done: GB/s), and until ``commit()`` is durable;
 - torch.save: the whole save, fsynced, in the trainer (everything blocks);
 - DCP: ``async_save`` in thread mode with a ``DefaultStager`` staging asynchronously into
   pinned memory (blocking), until staging completes (GB/s), and until the upload is done;
 
 and, training a small MLP on the GPU with a checkpoint every ``--every`` steps, the mean
-step time of no checkpointing, datastates and DCP. It prints medians over ``--runs``
-(contenders interleaved within each run) and the ratios; only the ratios compare across
-runs. Without a CUDA device it says so and exits 0.
+step time of no checkpointing, datastates and DCP over a window of steps timed with one
+final ``torch.cuda.synchronize()``: a sync around each step would drain the GPU queue
+before every ``snapshot()`` and hide what ordering the copy after it costs. The window
+ends once the last checkpoint no longer reads the live tensors, as the next optimizer
+step would wait for that. It prints the daemon's copy threads, what each GB/s figure
+includes, medians over ``--runs`` (contenders interleaved within each run) and the
+ratios; only the ratios compare across runs. ``--endpoint`` measures a daemon already
+running, ``--node-config`` starts one with a node config's settings. Without a CUDA
+device it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -27,10 +33,17 @@ import sys
 import tempfile
 import time
 import warnings
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
+import yaml
+
+from datastates.client import daemon_status
+from datastates.daemon.config import default_copy_threads
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import datastatesd, fsync_tree, gpt_state, median, state_bytes, tensors_of, wait_pool_mapped  # noqa: E402
@@ -161,6 +174,54 @@ def dcp_save(state: Any, root: str, stager: PinnedStager) -> Callable[[int], Tim
     return save
 
 
+# -- the daemon measured -------------------------------------------------------------------
+
+
+def add_daemon_args(parser: argparse.ArgumentParser) -> None:
+    """``--endpoint`` and ``--node-config``: which daemon a GPU bench measures."""
+    parser.add_argument("--endpoint", help="measure the datastatesd running there (its roots must hold --root) "
+                                           "instead of starting one")
+    parser.add_argument("--node-config", help="start the daemon with this node config's settings over the bench's "
+                                              "(its endpoint and storage stay the bench's)")
+
+
+@dataclass(frozen=True)
+class BenchDaemon:
+    endpoint: str
+    copy_threads: str
+    """As the bench configured it, or as a running daemon's status reports it."""
+
+
+@contextmanager
+def bench_daemon(args: argparse.Namespace, root: str, **settings: Any) -> Iterator[BenchDaemon]:
+    """The daemon to measure, its pool mapped: the one at ``--endpoint``, or a new one with ``settings`` under
+    ``--node-config``'s, its ``copy_threads`` set explicitly so that the report can say it."""
+    if args.endpoint:
+        wait_pool_mapped(args.endpoint)
+        reported = daemon_status(args.endpoint)["daemon"].get("copy_threads", "not in its status")
+        yield BenchDaemon(args.endpoint, str(reported))
+        return
+    settings = {"copy_threads": default_copy_threads(), **settings, **node_settings(args.node_config)}
+    with datastatesd(root, **settings) as endpoint:
+        wait_pool_mapped(endpoint)
+        yield BenchDaemon(endpoint, str(settings["copy_threads"]))
+
+
+def node_settings(path: str | None) -> dict[str, Any]:
+    """A node config's settings but its endpoint and storage, which the bench sets; none without ``path``."""
+    if path is None:
+        return {}
+    with open(path) as f:
+        return {k: v for k, v in (yaml.safe_load(f) or {}).items() if k not in ("endpoint", "storage")}
+
+
+def pool_pinning(endpoint: str) -> str:
+    """How much of the daemon's pool is page-locked: into the rest, device-to-host copies are synchronous and slower."""
+    pool = daemon_status(endpoint)["daemon"]["host_memory"]
+    failed = f", pin_error: {pool['pin_error']}" if pool["pin_error"] else ""
+    return f"{pool['chunks_pinned']} of {pool['chunks_allocated']} chunks pinned{failed}"
+
+
 # -- step-time overhead --------------------------------------------------------------------
 
 
@@ -170,52 +231,107 @@ def mlp(dim: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
 
-def train(mode: str, run: int, args: argparse.Namespace, root: str, endpoint: str) -> float:
-    """Mean step time (synchronized), checkpointing every ``args.every`` steps the ``mode`` way into ``root``."""
-    from datastates.client import Client
+class Checkpoints(ABC):
+    """One way of checkpointing from the training loop; the timed window treats every way alike."""
 
+    @abstractmethod
+    def save(self, state: Any, tag: str) -> None:
+        """Start a checkpoint of ``state``; returns as soon as the trainer may go on."""
+
+    def fence(self) -> None:
+        """Block until the last checkpoint no longer reads the live tensors: what the next optimizer step waits for."""
+
+    def close(self) -> None:
+        """Block until every checkpoint is durable, and let go of what was held."""
+
+
+class NoCheckpoints(Checkpoints):
+    def save(self, state: Any, tag: str) -> None:
+        pass
+
+
+class DatastatesCheckpoints(Checkpoints):
+    """``snapshot()`` and ``commit()``; ``protect()`` makes each optimizer step wait for the copy."""
+
+    def __init__(self, endpoint: str, root: str, opt: torch.optim.Optimizer) -> None:
+        from datastates.client import Client
+
+        self.root = root
+        self.client = Client(endpoint, timeout=600)
+        self.client.protect(opt)
+        self.commits: list[Future] = []
+
+    def save(self, state: Any, tag: str) -> None:
+        self.client.snapshot(state, os.path.join(self.root, tag, "model_states.pt"), tag=tag)
+        self.commits.append(self.client.commit(tag))
+
+    def fence(self) -> None:
+        self.client.wait()
+
+    def close(self) -> None:
+        for fut in self.commits:
+            fut.result()
+        self.client.close()
+
+
+class DcpCheckpoints(Checkpoints):
+    """``async_save`` with a reused pinned stager; a step pre-hook waits for staging, which reads the live tensors."""
+
+    def __init__(self, root: str, opt: torch.optim.Optimizer) -> None:
+        self.root = root
+        self.stager = PinnedStager()
+        self.staging: Future | None = None
+        self.upload: Future | None = None
+        opt.register_step_pre_hook(lambda *_: self.fence())
+
+    def save(self, state: Any, tag: str) -> None:
+        if self.upload is not None:
+            self.upload.result()  # the reused stager overwrites its buffers
+        _, self.staging, self.upload = dcp_async(state, os.path.join(self.root, tag), self.stager)
+
+    def fence(self) -> None:
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
+
+    def close(self) -> None:
+        if self.upload is not None:
+            self.upload.result()
+        self.stager.close()
+
+
+CHECKPOINTS: dict[str, Callable[[str, str, torch.optim.Optimizer], Checkpoints]] = {
+    "none": lambda endpoint, root, opt: NoCheckpoints(),
+    "datastates": DatastatesCheckpoints,
+    "dcp": lambda endpoint, root, opt: DcpCheckpoints(root, opt),
+}
+
+
+def train(mode: str, run: int, args: argparse.Namespace, root: str, endpoint: str) -> float:
+    """Mean step time over steps ``warmup + 1`` to ``steps``, checkpointing every ``args.every`` steps the ``mode``
+    way into ``root``: one window, synchronized once at its end, ended once the last checkpoint is fenced."""
     model, opt = mlp(args.mlp_dim, args.mlp_layers)
     x = torch.randn(args.batch, args.mlp_dim, device="cuda")
-    client = Client(endpoint, timeout=600) if mode == "datastates" else None
-    stager = PinnedStager() if mode == "dcp" else None
-    pending: dict[str, Future | None] = {"staging": None, "upload": None}
-    commits: list[Future] = []
-    if client is not None:
-        client.protect(opt)
-    elif stager is not None:
-        def fence(*_: Any) -> None:  # DCP reads the live tensors until staging completes
-            if pending["staging"] is not None:
-                pending["staging"].result()
-                pending["staging"] = None
+    ckpt = CHECKPOINTS[mode](endpoint, root, opt)
 
-        opt.register_step_pre_hook(fence)
-    steps = []
-    for step in range(1, args.steps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % args.every == 0 and mode != "none":
-            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
-            tag = f"r{run}-{mode}{step}"
-            if client is not None:
-                client.snapshot(state, os.path.join(root, tag, "model_states.pt"), tag=tag)
-                commits.append(client.commit(tag))
-            else:
-                if pending["upload"] is not None:
-                    pending["upload"].result()  # the reused stager overwrites its buffers
-                _, pending["staging"], pending["upload"] = dcp_async(state, os.path.join(root, tag), stager)
-        torch.cuda.synchronize()
-        steps.append(time.perf_counter() - t0)
-    for fut in [*commits, pending["upload"]]:
-        if fut is not None:
-            fut.result()
-    if client is not None:
-        client.close()
-    if stager is not None:
-        stager.close()
-    return sum(steps[args.warmup:]) / len(steps[args.warmup:])
+    def steps(numbers: range) -> None:
+        for step in numbers:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step % args.every == 0:
+                ckpt.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, f"r{run}-{mode}{step}")
+
+    steps(range(1, args.warmup + 1))
+    ckpt.fence()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    steps(range(args.warmup + 1, args.steps + 1))
+    ckpt.fence()
+    torch.cuda.synchronize()
+    window = time.perf_counter() - t0
+    ckpt.close()
+    return window / (args.steps - args.warmup)
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -233,12 +349,13 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the step-time mean")
+    parser.add_argument("--warmup", type=int, default=10, help="steps before the timed window")
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--mlp-dim", type=int, default=2048)
     parser.add_argument("--mlp-layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh temp dir)")
+    add_daemon_args(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device here (torch.cuda.is_available() is False); nothing measured")
@@ -252,28 +369,29 @@ def main() -> int:
     nbytes = state_bytes(state)
     pool = -(-nbytes * 5 // 4 // (64 << 20)) * 64  # MiB: the whole state fits, so wait() measures the copy alone
     print(f"state: {nbytes / 1e9:.2f} GB in {len(tensors_of(state))} tensors on {torch.cuda.get_device_name()}; "
-          f"{args.runs} runs; daemon pool {pool} MiB; root {root}")
+          f"{args.runs} runs; root {root}")
     samples: dict[str, list[Timing]] = {"datastates": [], "dcp pinned": [], "torch.save": []}
     peaks: list[float] = []
-    step_s: dict[str, list[float]] = {"none": [], "datastates": [], "dcp": []}
+    step_s: dict[str, list[float]] = {mode: [] for mode in CHECKPOINTS}
     try:
-        with datastatesd(root, host_memory=f"{pool}MiB", chunk_size="64MiB") as endpoint:
-            wait_pool_mapped(endpoint)
+        with bench_daemon(args, root, host_memory=f"{pool}MiB", chunk_size="64MiB") as daemon:
             peak = peak_copy(state)
             stager = PinnedStager()
-            with Client(endpoint, timeout=600) as client:
+            with Client(daemon.endpoint, timeout=600) as client:
                 contenders = {"datastates": datastates_save(client, state, root), "dcp pinned": dcp_save(state, root, stager),
                               "torch.save": torch_save(state, root)}
                 for save in contenders.values():  # first calls: sharing, pinning, allocations
                     save(-1)
                     clear(root)
+                print(f"daemon: copy_threads {daemon.copy_threads}, pool {pool_pinning(daemon.endpoint)}; "
+                      f"datastates GPU capture {client.gpu_capture_paths}", flush=True)
                 for r in range(args.runs):
                     peaks.append(peak())
                     for name, save in contenders.items():
                         samples[name].append(save(r))
                         clear(root)
                     for mode in step_s:
-                        step_s[mode].append(train(mode, r, args, root, endpoint))
+                        step_s[mode].append(train(mode, r, args, root, daemon.endpoint))
                         clear(root)
                     print(f"run {r + 1}/{args.runs}: peak {nbytes / peaks[-1] / 1e9:.1f} GB/s, "
                           + ", ".join(f"{n} safe {s[-1][1]:.3f} s" for n, s in samples.items())
@@ -284,23 +402,37 @@ def main() -> int:
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
-    report(nbytes, median(peaks), samples, {m: median(v) for m, v in step_s.items()}, args.runs)
+    report(nbytes, median(peaks), samples, {m: median(v) for m, v in step_s.items()}, args.runs, daemon.copy_threads)
     return 0
 
 
-def report(nbytes: int, peak: float, samples: dict[str, list[Timing]], steps: dict[str, float], runs: int) -> None:
-    print(f"\nmedians of {runs} runs, state {nbytes / 1e9:.2f} GB; peak pinned copy_ {nbytes / peak / 1e9:.1f} GB/s")
-    print(f"{'contender':<12} {'blocking s':>11} {'safe s':>8} {'D2H GB/s':>9} {'durable s':>10}")
+GBPS = {
+    "peak copy_": "every GPU tensor copy_(non_blocking) into one pinned buffer, in the trainer, idle GPU to a final sync",
+    "datastates": "device->host copy into the daemon's pinned pool, measured from snapshot() to wait() return",
+    "dcp pinned": "device->host copy into DCP's pinned staging buffers, from async_save() to its staging future",
+    "torch.save": "the whole save in the trainer: device->host, pickling and an fsynced write",
+}
+"""What each GB/s figure includes: the state's bytes over the seconds of this span."""
+
+
+def report(nbytes: int, peak: float, samples: dict[str, list[Timing]], steps: dict[str, float], runs: int,
+           copy_threads: str) -> None:
+    print(f"\nmedians of {runs} runs, state {nbytes / 1e9:.2f} GB, daemon copy_threads {copy_threads}")
+    print(f"{'contender':<12} {'blocking s':>11} {'safe s':>8} {'GB/s':>6} {'durable s':>10}")
+    print(f"{'peak copy_':<12} {'':>11} {peak:>8.3f} {nbytes / peak / 1e9:>6.1f}")
     med = {n: [median([s[k] for s in xs]) for k in range(3)] for n, xs in samples.items()}
     for name, (blocking, safe, durable) in med.items():
-        print(f"{name:<12} {blocking:>11.4f} {safe:>8.3f} {nbytes / safe / 1e9:>9.1f} {durable:>10.3f}")
-    print("\nmean step time: " + ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in steps.items()))
+        print(f"{name:<12} {blocking:>11.4f} {safe:>8.3f} {nbytes / safe / 1e9:>6.1f} {durable:>10.3f}")
+    print("GB/s: the state's bytes over")
+    for name, span in GBPS.items():
+        print(f"  {name:<12} {span}")
+    print("\nmean step time over a window synchronized once: " + ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in steps.items()))
     ds, dcp, ts = med["datastates"], med["dcp pinned"], med["torch.save"]
     ratios = {
-        "D2H throughput: datastates / peak pinned copy_": peak / ds[1],
+        "D2H throughput: datastates / peak pinned copy_ (target >= 0.85)": peak / ds[1],
         "D2H throughput: dcp pinned / peak pinned copy_": peak / dcp[1],
         "D2H throughput: datastates / dcp pinned": dcp[1] / ds[1],
-        "blocking per checkpoint: datastates / dcp pinned": ds[0] / dcp[0],
+        "blocking per checkpoint: datastates / dcp pinned (target <= 0.1)": ds[0] / dcp[0],
         "blocking per checkpoint: datastates / torch.save": ds[0] / ts[0],
         "durable per checkpoint: datastates / torch.save": ds[2] / ts[2],
         "step-time overhead vs none: datastates": steps["datastates"] / steps["none"] - 1,
@@ -308,7 +440,7 @@ def report(nbytes: int, peak: float, samples: dict[str, list[Timing]], steps: di
     }
     print()
     for k, v in ratios.items():
-        print(f"{k:<56} {v:8.4f}")
+        print(f"{k:<66} {v:8.4f}")
 
 
 if __name__ == "__main__":

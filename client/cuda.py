@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import functools
 import logging
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -197,7 +198,10 @@ class GpuRoute:
 
 def probe(device: int) -> tuple[str, bytes, torch.Tensor]:
     """A small tensor on ``device`` with random bytes: its handle, the bytes, and the tensor (keep it until the
-    daemon answered)."""
-    tensor = torch.randint(0, 256, (64,), dtype=torch.uint8, device=torch.device("cuda", device))
-    expect = tensor.cpu().numpy().tobytes()
+    daemon answered). Written on a stream of its own, so the probe never waits for the trainer's queued work."""
+    expect = os.urandom(64)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        tensor = torch.frombuffer(bytearray(expect), dtype=torch.uint8).to(torch.device("cuda", device))
+    side.synchronize()
     return encode_handle(describe_cuda_storage(tensor.untyped_storage())), expect, tensor

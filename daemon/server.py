@@ -361,6 +361,8 @@ class Daemon:
                 "draining": self.draining,
                 "roots": self.cfg.storage.roots,
                 "host_memory": self.pool.status(),
+                "copy_threads": self.cfg.copy_threads,
+                "flush_threads": self.cfg.flush_threads,
                 "descriptors": descriptors(),
                 "leftovers_removed": None if self.leftovers is None else {
                     "count": len(self.leftovers), "paths": self.leftovers[:20]},
