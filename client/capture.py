@@ -64,10 +64,11 @@ class Capture:
         if storage.device.type == "cuda":
             if self.gpu is None:  # a save in this very process (fallback="local"): it reads the storage itself
                 return SourceDesc(kind=CUDA_IPC, handle="", nbytes=nbytes)
-            if self.gpu.ipc(storage.device.index):
+            handle = self.gpu.ipc(storage.device.index) and self.gpu.blocks.handle(storage)
+            if handle:
                 self._ipc_devices.add(storage.device.index)
-                return SourceDesc(kind=CUDA_IPC, handle=self.gpu.blocks.handle(storage), nbytes=nbytes)
-            staging = self.gpu.staging  # the daemon cannot open this device's handles: copied here, to host
+                return SourceDesc(kind=CUDA_IPC, handle=handle, nbytes=nbytes)
+            staging = self.gpu.staging  # the daemon cannot open it: copied here, to host
         elif self.staging is None:
             return SourceDesc(kind=VM, handle=f"{storage.data_ptr():x}", nbytes=nbytes)
         else:

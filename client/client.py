@@ -243,9 +243,14 @@ class Client:
             msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)
             return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg, cap.storages)))
         cap = capture(state, None if self.in_place else self._staging, self._gpu)
+        retired = self._gpu.blocks.take_retired()
         msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
-                         ticket=str(next(self._tickets)), fences=cap.fences, retired=self._gpu.blocks.take_retired())
-        ack = self._conn.request(msg)
+                         ticket=str(next(self._tickets)), fences=cap.fences, retired=retired)
+        try:
+            ack = self._conn.request(msg)
+        except BaseException:
+            self._gpu.blocks.untake(retired)
+            raise
         with self._commits_lock:
             self._uncopied.append((ack, msg, cap))
         return SnapshotHandle(path=path, tag=tag, ack=ack)

@@ -114,14 +114,23 @@ class SharedBlocks:
         """``_share_cuda_`` calls so far: one per storage lifetime, however many snapshots name it."""
 
     def handle(self, storage: torch.UntypedStorage) -> str:
-        """``storage``'s handle: shared on first use; again only if its data moved (``resize_``, ``set_``)."""
+        """``storage``'s handle: shared on first use; again only if its data moved (``resize_``, ``set_``).
+
+        "" for a storage torch cannot share: memory not from its caching allocator (``from_blob``,
+        DLPack, a pluggable allocator), or a tensor received from another process. The client
+        copies such a storage to host itself.
+        """
         key = storage._cdata
         with self._lock:
             known = self._by_storage.get(key)
         if (known is not None and known.storage() is storage and known.data_ptr == storage.data_ptr()
                 and known.nbytes == storage.nbytes()):
             return known.handle
-        handle = encode_handle(describe_cuda_storage(storage))
+        try:
+            handle = encode_handle(describe_cuda_storage(storage))
+        except RuntimeError as exc:
+            log.debug("a %d-byte CUDA storage cannot be shared (%s): copied to host instead", storage.nbytes(), exc)
+            return ""
         entry = _Shared(weakref.ref(storage, lambda _ref: self._freed(key, handle)), storage.data_ptr(),
                         storage.nbytes(), handle)
         with self._lock:
@@ -144,6 +153,11 @@ class SharedBlocks:
         with self._lock:
             retired, self._retired = self._retired, []
         return retired
+
+    def untake(self, retired: list[str]) -> None:
+        """Handles taken for a message that could not be sent: for the next one."""
+        with self._lock:
+            self._retired[:0] = retired
 
 
 GPU_CAPTURE = ("auto", "ipc", "host")

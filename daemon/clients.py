@@ -33,17 +33,25 @@ from datastates.protocol.liveness import process_start, shares_pids
 
 from .config import LOST_HISTORY
 from .sources import Owner, Region, open_region
-from .sources.cuda import adjust_ref_counter, decode_handle, release_unopened
+from .sources.cuda import adjust_ref_counter, check_ref_counter_name, decode_handle, open_cuda, release_unopened
 from .sources.vm import probe
 
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, str]
+_Slot = tuple[str, int]
+"""A CUDA storage's slot in its trainer's reference-counter file: (file name, offset)."""
 HEARTBEATS_PER_TIMEOUT = 6
 NAMES_CACHED = 16
 """File names whose latest snapshot's shared-memory mappings a client's region cache keeps."""
+MAX_GPUS = 64
+"""GPUs whose probe outcome ``status`` keeps per client (a bound on what a client's probes make it store)."""
 MAX_CUDA_HANDLES = 1 << 20
 """CUDA storages one client may name without retiring them (a bound on what a buggy client makes the daemon keep)."""
+
+
+def _slot(fields: dict[str, Any]) -> _Slot:
+    return fields["ref_counter"].lstrip("/"), fields["ref_counter_offset"]
 
 
 @dataclass
@@ -66,13 +74,14 @@ class ClientRecord:
     """Why the daemon cannot read this client's CPU memory in place; "" when it can (daemon/sources/vm.py)."""
     gpu_capture: dict[str, str] = field(default_factory=dict)
     """GPU UUID → "ipc", or "refused: <why>": what the client's CUDA probe of that device found."""
-    _cuda: dict[str, Region | None] = field(default_factory=dict)
-    """CUDA handles this client named and has not retired: the open region, or None once its slot was released
-    without one (a refused snapshot)."""
+    _cuda: dict[_Slot, tuple[str, Region | None]] = field(default_factory=dict)
+    """The CUDA storages this client named and has not retired, by their ref-counter slot: the handle, and its
+    open region, or None once the slot was released without one (a refused snapshot)."""
     _regions: dict[_Key, Region] = field(default_factory=dict)
     _by_name: collections.OrderedDict[str, set[_Key]] = field(default_factory=collections.OrderedDict)
     """The handles of the latest snapshot of each file name, for the ``NAMES_CACHED`` names used last."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards the caches; never held while a CUDA block is opened, which can take long."""
 
     def regions_for(self, path: str, sources: list[SourceDesc]) -> list[Region]:
         """The mapped region of each source, opening only those not mapped yet.
@@ -80,78 +89,109 @@ class ClientRecord:
         Shared-memory mappings are kept for the next snapshot of the same file name (its
         storages are the same segments), for the last ``NAMES_CACHED`` names only: a trainer
         that names each file anew (``epoch_{i}.pt``) with fresh tensors would otherwise keep
-        every segment it ever freed mapped in the daemon.
+        every segment it ever freed mapped in the daemon. CUDA regions are kept until retired.
         """
+        out = []
+        for i, desc in enumerate(sources):
+            if desc.kind == CUDA_IPC:
+                try:
+                    out.append(self._cuda_region(desc))
+                except BaseException:
+                    self.release_unopened(sources[i + 1:])
+                    raise
+            else:
+                with self._lock:
+                    out.append(self._shared_region(desc))
         with self._lock:
-            out = []
-            for i, desc in enumerate(sources):
-                if desc.kind == CUDA_IPC:
-                    try:
-                        out.append(self._cuda_region(desc))
-                    except BaseException:
-                        self._release_unopened(sources[i + 1:])
-                        raise
-                    continue
-                key = (desc.kind, desc.handle)
-                region = self._regions.get(key)
-                if region is None:
-                    region = open_region(desc, self.owner)
-                    if desc.handle and not region.in_trainer:
-                        self._regions[key] = region
-                elif region.nbytes != desc.nbytes:
-                    raise InvalidRequestError(
-                        f"source {desc.handle!r} was {region.nbytes} bytes and is now declared {desc.nbytes}"
-                    )
-                out.append(region)
             name = os.path.basename(path)
             self._by_name.pop(name, None)
-            self._by_name[name] = {(d.kind, d.handle) for d in sources if d.handle}
+            self._by_name[name] = {(d.kind, d.handle) for d in sources if d.handle and d.kind != CUDA_IPC}
             while len(self._by_name) > NAMES_CACHED:
                 self._by_name.popitem(last=False)
             live = set().union(*self._by_name.values())
             for key in [k for k in self._regions if k not in live]:
                 del self._regions[key]
-            return out
+        return out
 
-    def _cuda_region(self, desc: SourceDesc) -> Region:
-        """The open region of a CUDA handle, opening it on first use; whatever happens, its slot stays balanced."""
-        region = self._cuda.get(desc.handle)
-        if region is not None:
-            if region.nbytes != desc.nbytes:
-                raise InvalidRequestError(f"a CUDA source was {region.nbytes} bytes and is now declared {desc.nbytes}")
-            return region
-        if desc.handle in self._cuda:  # its slot was released unopened: back to one, for the open to own
-            fields = decode_handle(desc.handle)
-            adjust_ref_counter(fields["ref_counter"], fields["ref_counter_offset"], +1)
-        elif len(self._cuda) >= MAX_CUDA_HANDLES:
-            raise InvalidRequestError(f"a client may name at most {MAX_CUDA_HANDLES} CUDA storages it has not retired")
-        self._cuda[desc.handle] = None  # if the open raises, it released the slot
-        region = open_region(desc, self.owner)
-        self._cuda[desc.handle] = region
+    def _shared_region(self, desc: SourceDesc) -> Region:
+        key = (desc.kind, desc.handle)
+        region = self._regions.get(key)
+        if region is None:
+            region = open_region(desc, self.owner)
+            if desc.handle and not region.in_trainer:
+                self._regions[key] = region
+        elif region.nbytes != desc.nbytes:
+            raise InvalidRequestError(f"source {desc.handle!r} was {region.nbytes} bytes and is now declared {desc.nbytes}")
         return region
 
-    def _release_unopened(self, sources: list[SourceDesc]) -> None:
-        for desc in sources:
-            if desc.kind == CUDA_IPC and desc.handle not in self._cuda:
-                try:
-                    fields = decode_handle(desc.handle)
-                except InvalidRequestError:
-                    continue  # names no slot
-                if len(self._cuda) < MAX_CUDA_HANDLES:
-                    release_unopened(fields)
-                    self._cuda[desc.handle] = None
+    def _cuda_region(self, desc: SourceDesc) -> Region:
+        """The open region of a CUDA handle, opening it on first use; whatever happens, its slot stays balanced.
+
+        Admissions of one client never overlap (``JobTable.admitting``), so the open runs
+        outside the lock: the event loop's ``retire`` and ``release`` never wait on it.
+        """
+        fields = decode_handle(desc.handle)
+        slot = _slot(fields)
+        with self._lock:
+            known = self._cuda.get(slot)
+        if known is not None:
+            handle, region = known
+            if handle != desc.handle:
+                raise InvalidRequestError("two different CUDA handles name one reference-counter slot")
+            if region is not None:
+                if region.nbytes != desc.nbytes:
+                    raise InvalidRequestError(f"a CUDA source was {region.nbytes} bytes and is now declared "
+                                              f"{desc.nbytes}")
+                return region
+        elif len(self._cuda) >= MAX_CUDA_HANDLES:
+            raise InvalidRequestError(f"a client may name at most {MAX_CUDA_HANDLES} CUDA storages it has not retired")
+        if fields["nbytes"] != desc.nbytes:
+            if known is None:
+                self._release(slot, desc.handle, fields)
+            raise InvalidRequestError(f"CUDA IPC handle names {fields['nbytes']} bytes, the source {desc.nbytes}")
+        if known is not None:  # its slot was released unopened: back to one, for the open to own
+            check_ref_counter_name(fields["ref_counter"], self.pid)
+            adjust_ref_counter(fields["ref_counter"], fields["ref_counter_offset"], +1)
+        try:
+            region = open_cuda(fields, self.pid)
+        except BaseException:
+            with self._lock:  # the open released the slot (if it was this client's)
+                self._cuda[slot] = (desc.handle, None)
+            raise
+        with self._lock:
+            self._cuda[slot] = (desc.handle, region)
+        return region
+
+    def _release(self, slot: _Slot, handle: str, fields: dict[str, Any]) -> None:
+        release_unopened(fields, self.pid)
+        with self._lock:
+            self._cuda[slot] = (handle, None)
 
     def release_unopened(self, sources: list[SourceDesc]) -> None:
-        """A snapshot refused or skipped before its sources were opened: release the slots of its CUDA handles
+        """A snapshot refused or skipped before these sources were opened: release the slots of its CUDA handles
         not seen before, so the trainer frees their blocks when it frees the storages."""
-        with self._lock:
-            self._release_unopened(sources)
+        for desc in sources:
+            if desc.kind != CUDA_IPC:
+                continue
+            try:
+                fields = decode_handle(desc.handle)
+            except InvalidRequestError:
+                continue  # names no slot
+            slot = _slot(fields)
+            if slot not in self._cuda and len(self._cuda) < MAX_CUDA_HANDLES:
+                self._release(slot, desc.handle, fields)
 
     def retire(self, handles: list[str]) -> None:
         """The trainer freed these storages: drop their regions (which releases their slots)."""
+        slots = []
+        for handle in handles:
+            try:
+                slots.append(_slot(decode_handle(handle)))
+            except InvalidRequestError:
+                continue
         with self._lock:
-            for handle in handles:
-                self._cuda.pop(handle, None)
+            for slot in slots:
+                self._cuda.pop(slot, None)
 
     @property
     def owner(self) -> Owner:
@@ -189,7 +229,7 @@ class ClientRecord:
             "node_rank": self.ranks.node_rank,
             "job": self.ranks.job,
             "regions": len(self._regions),
-            "gpu_regions": sum(r is not None for r in self._cuda.values()),
+            "gpu_regions": sum(r is not None for _handle, r in list(self._cuda.values())),
             "gpu_capture": dict(self.gpu_capture),
         }
 
@@ -269,6 +309,11 @@ class ClientRegistry:
 
     def connected(self) -> int:
         return len(self._by_identity)
+
+    def release_all(self) -> None:
+        """Drop every client's regions (the daemon is stopping)."""
+        for record in list(self._by_identity.values()):
+            record.release()
 
     def status(self) -> list[dict[str, Any]]:
         return [c.status() for c in self._by_identity.values()]

@@ -43,6 +43,17 @@ def copy_piece(piece: Piece, chunk: Chunk, regions: Sequence[Region],
         if cursor < piece.length:
             dst[cursor:piece.length].zero_()
     finally:
-        for copy in pending:
-            copy.synchronize()
+        _wait_all(pending)
     return [(seg.source, seg.slot, checksum(chunk.view[seg.dst:seg.dst + seg.length])) for seg in piece.segments]
+
+
+def _wait_all(pending: list[Pending]) -> None:
+    """Wait for every copy, even after one of them failed; then raise the first failure."""
+    failure: BaseException | None = None
+    for copy in pending:
+        try:
+            copy.synchronize()
+        except BaseException as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure

@@ -92,8 +92,13 @@ class HostPool:
     async def acquire(self, owner: str = "") -> Chunk:
         if self._free and not self._queues:
             chunk = self._free.pop()
-        elif self._room() and not self._queues:
-            chunk = self._new(Chunk(self.chunk_size, self.pinned))
+        elif self._room() and not self._queues:  # mapped (and page-locked: a CUDA call) off the event loop
+            self._mapping += 1
+            try:
+                chunk = self._new(await asyncio.get_running_loop().run_in_executor(None, Chunk, self.chunk_size,
+                                                                                   self.pinned))
+            finally:
+                self._mapping -= 1
         else:
             fut = asyncio.get_running_loop().create_future()
             self._queues.setdefault(owner, collections.deque()).append(fut)

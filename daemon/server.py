@@ -37,7 +37,7 @@ from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.paths import check_path
 from datastates.protocol.version import PROTOCOL_VERSION
 
-from .clients import HEARTBEATS_PER_TIMEOUT, ClientRecord, ClientRegistry
+from .clients import HEARTBEATS_PER_TIMEOUT, MAX_GPUS, ClientRecord, ClientRegistry
 from .connections import Connections
 from .commit import CommitLedger, tag_folder
 from .config import NodeConfig
@@ -49,7 +49,7 @@ from .instances import Instance
 from .replicas import ReplicaStore, remove_gone
 from .tiers import TierTransfers
 from .versions import Versions
-from .sources.cuda import Fences, check_fences, decode_handle
+from .sources.cuda import Fences, check_fences, decode_handle, flush_releases
 from .sources.cuda import probe as cuda_probe
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ class Daemon:
         self.transfers.close()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=5)
+        # the trainers outlive this daemon: release every CUDA block it holds, or they stay parked in them
+        self.clients.release_all()
+        await asyncio.get_running_loop().run_in_executor(None, flush_releases, 30)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -161,7 +164,8 @@ class Daemon:
 
     async def _snapshot(self, identity: bytes, body: m.Snapshot) -> m.SnapshotAck:
         client = self.clients.get(identity)
-        client.retire(body.retired)
+        if body.retired:
+            client.retire(body.retired)
         async with self.jobs.admitting(client.id):
             try:
                 ack = await self._admit(client, body)
@@ -242,12 +246,14 @@ class Daemon:
     async def _cuda_probe(self, identity: bytes, body: m.CudaProbe) -> m.CudaProbeReply:
         """Open the client's probe handle and read it back, off the event loop: which path its GPU takes."""
         client = self.clients.get(identity)
-        refused = await asyncio.get_running_loop().run_in_executor(None, cuda_probe, body.handle, body.expect)
+        refused = await asyncio.get_running_loop().run_in_executor(None, cuda_probe, body.handle, body.expect,
+                                                                   client.pid)
         try:
             uuid = decode_handle(body.handle)["uuid"][:64]
         except InvalidRequestError:
             uuid = "?"
-        client.gpu_capture[uuid] = f"refused: {refused}" if refused else "ipc"
+        if uuid in client.gpu_capture or len(client.gpu_capture) < MAX_GPUS:
+            client.gpu_capture[uuid] = f"refused: {refused}" if refused else "ipc"
         if refused:
             log.warning("client %s's GPU %s goes through host memory: %s", client.id, uuid, refused)
         return m.CudaProbeReply(refused=refused)

@@ -30,7 +30,7 @@ NBYTES = 4096
 def fields(**change: Any) -> dict[str, Any]:
     """A well-formed description of a 4 KiB storage in a block of some GPU (its ref-counter file does not exist)."""
     good = {"uuid": "GPU-00000000-0000-0000-0000-000000000000", "block": b"\x03c" + b"\x01" * 64, "offset": 512,
-            "nbytes": NBYTES, "ref_counter": b"/torch_999_1_0", "ref_counter_offset": 3}
+            "nbytes": NBYTES, "ref_counter": f"/torch_{os.getpid()}_1_0".encode(), "ref_counter_offset": 3}
     return {**good, **change}
 
 
@@ -76,6 +76,8 @@ BAD = {
     "too long": ("A" * 9000, "longer than 8192"),
     # torch reads 64 bytes from a cudaMalloc block handle whatever its length
     "a short block handle": (encode_handle(fields(block=b"\x03c" + b"\x01" * 10)), "block handle is 66 bytes"),
+    "another process's ref counter": (encode_handle(fields(ref_counter=b"/torch_1_1_0")),
+                                      "not a ref-counter file of the client's own process"),
     "an unknown block type": (encode_handle(fields(block=b"\x03z" + b"\x01" * 64)), "unknown block handle type"),
 }
 
@@ -111,47 +113,57 @@ def test_a_fence_whose_event_handle_is_not_64_bytes_is_refused(peer: RawPeer, sh
 
 
 @pytest.fixture
-def ref_counter() -> Iterator[tuple[str, Path]]:
-    """A reference-counter file as torch makes one for a trainer's shares: 10,000 int64 slots in /dev/shm."""
-    name = f"torch_{os.getpid()}_dstest_{os.urandom(4).hex()}"
-    path = Path("/dev/shm") / name
-    path.write_bytes(bytes(8 * 10000))
-    yield "/" + name, path
-    path.unlink(missing_ok=True)
-
-
-def slot(path: Path, offset: int) -> int:
-    return struct.unpack_from("<q", path.read_bytes(), 8 * offset)[0]
-
-
-def set_slots(path: Path, *offsets: int) -> None:
-    """Slots set to 1, as ``_share_cuda_`` sets the one it hands out."""
-    data = bytearray(path.read_bytes())
-    for offset in offsets:
-        struct.pack_into("<q", data, 8 * offset, 1)
-    path.write_bytes(bytes(data))
+def ref_counter() -> Iterator[tuple[str, torch.Tensor]]:
+    """A reference-counter file as torch makes one for a trainer's CUDA shares (a RefcountedMapAllocator file of
+    10,000 int64 slots, named after this process), and its slots as torch itself sees them."""
+    storage = torch.UntypedStorage._new_using_filename_cpu(8 * 10000)
+    name = storage._share_filename_cpu_()[1].decode()
+    slots = torch.empty(0, dtype=torch.uint8).set_(storage).view(torch.int64)
+    slots.zero_()
+    yield name, slots
 
 
 def test_a_gpu_snapshot_the_daemon_never_opens_releases_each_slot_exactly_once(
-        peer: RawPeer, shared_daemon: DaemonProc, ref_counter: tuple[str, Path], tmp_path: Path) -> None:
+        peer: RawPeer, shared_daemon: DaemonProc, ref_counter: tuple[str, torch.Tensor], tmp_path: Path) -> None:
     """A slot left at 1 parks the trainer's block for ever once it frees the tensor; one at -1 too (torch reads
     it unsigned). Refused for want of a GPU (or, with one, for the forged block), refused before any open (a
-    path outside the roots), sent again, or probed: each handle's slot ends at exactly 0."""
-    name, path = ref_counter
-    set_slots(path, 3, 4, 5)
-    h3, h4 = (encode_handle(fields(ref_counter=name.encode(), ref_counter_offset=k)) for k in (3, 4))
+    path outside the roots), sent again, or probed: each handle's slot ends at exactly 0, as torch reads it,
+    and no other slot changes (the last one of the file too)."""
+    name, slots = ref_counter
+    for k in (3, 4, 5, 9999):
+        slots[k] = 1  # as _share_cuda_ sets the slot it hands out
+    h3, h4, last = (encode_handle(fields(ref_counter=name.encode(), ref_counter_offset=k)) for k in (3, 4, 9999))
     root = str(shared_daemon.root)
     assert snapshot(peer, root, h3, path="unopened1/model.pt", msg_id=2).get("code") == "shared_memory"
-    assert slot(path, 3) == 0
+    assert int(slots[3]) == 0
     assert snapshot(peer, root, h3, path="unopened2/model.pt", msg_id=3).get("code") == "shared_memory"
-    assert slot(path, 3) == 0, "a handle sent again was released twice"
+    assert int(slots[3]) == 0, "a handle sent again was released twice"
     outside = snapshot(peer, str(tmp_path), h4, path="elsewhere/model.pt", msg_id=4)
     assert outside.get("code") == "path_not_allowed", outside
-    assert slot(path, 4) == 0
-    _, reply = peer.request("cuda_probe", {"handle": encode_handle(fields(ref_counter=name.encode(),
-                                                                          ref_counter_offset=5)),
-                                           "expect": b"\x00" * NBYTES}, msg_id=5)
+    assert int(slots[4]) == 0
+    assert snapshot(peer, root, last, path="unopened3/model.pt", msg_id=5).get("code") == "shared_memory"
+    assert int(slots[9999]) == 0
+    probe = encode_handle(fields(ref_counter=name.encode(), ref_counter_offset=5, nbytes=64))
+    _, reply = peer.request("cuda_probe", {"handle": probe, "expect": b"\x00" * 64}, msg_id=6)
     assert reply.get("refused"), reply
-    assert slot(path, 5) == 0
+    assert int(slots[5]) == 0
+    assert int(slots.count_nonzero()) == 0, "the daemon wrote a slot it was not asked about"
     clients = daemon_status(shared_daemon.endpoint)["clients"]
     assert any(c["gpu_capture"].get(fields()["uuid"], "").startswith("refused: ") for c in clients)
+
+
+def test_a_handle_naming_another_processs_counters_is_refused_and_they_stay_untouched(
+        peer: RawPeer, shared_daemon: DaemonProc, ref_counter: tuple[str, torch.Tensor]) -> None:
+    """A client may only name its own ref-counter files: not another rank's, whose slots it would move."""
+    name, slots = ref_counter
+    slots[7] = 1
+    other = name.replace(f"torch_{os.getpid()}_", f"torch_{os.getpid() + 1}_")
+    os.link(f"/dev/shm{name}", f"/dev/shm{other}")  # the same file, as another process's name
+    try:
+        reply = snapshot(peer, str(shared_daemon.root), encode_handle(fields(ref_counter=other.encode(),
+                                                                               ref_counter_offset=7)),
+                         path="foreign/model.pt")
+        assert reply.get("code") in ("invalid_request", "shared_memory"), reply
+        assert int(slots[7]) == 1
+    finally:
+        os.unlink(f"/dev/shm{other}")

@@ -51,7 +51,6 @@ import base64
 import binascii
 import ctypes
 import functools
-import mmap
 import os
 import queue
 import re
@@ -72,12 +71,10 @@ from datastates.protocol.paths import SHM_DIR
 from .base import CopySource, Owner, Region, register_source
 
 MAX_HANDLE = 8192
-"""Characters of an encoded handle: a block handle is 66 bytes, an expandable segment's a few hundred."""
+"""Characters of an encoded handle (its block handle is 66 bytes)."""
 IPC_HANDLE = 64
 """CUDA_IPC_HANDLE_SIZE: a cudaIpcMemHandle_t or cudaIpcEventHandle_t. torch reads that many bytes from any
 handle it is given, so a shorter one would be read past its end."""
-MAX_EXPANDABLE = 4096
-"""Bytes of an expandable segment's handle (its shareable handles and ranges)."""
 REF_COUNTER_SLOTS = 10000
 """torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: int64 slots per ref-counter file; a larger offset writes out of bounds."""
 
@@ -117,19 +114,45 @@ def decode_handle(handle: str) -> dict[str, Any]:
 
 def _check_block(block: bytes) -> None:
     """torch's shareable handle: a version byte, a type byte, then a cudaIpcMemHandle_t ('c') or an
-    expandable segment ('e'). torch reads a 'c' handle's 64 bytes whatever its length."""
+    expandable segment ('e', never opened: see ``open_cuda``). torch reads a 'c' handle's 64 bytes
+    whatever its length."""
     kind = block[1:2]
+    if kind not in (b"c", EXPANDABLE):
+        raise InvalidRequestError(f"CUDA IPC handle: unknown block handle type {kind!r}")
     if kind == b"c" and len(block) != 2 + IPC_HANDLE:
         raise InvalidRequestError(f"CUDA IPC handle: a cudaMalloc block handle is {2 + IPC_HANDLE} bytes, "
                                   f"not {len(block)}")
-    if kind == b"e" and not 2 < len(block) <= MAX_EXPANDABLE:
-        raise InvalidRequestError(f"CUDA IPC handle: an expandable segment's handle of {len(block)} bytes")
-    if kind not in (b"c", b"e"):
-        raise InvalidRequestError(f"CUDA IPC handle: unknown block handle type {kind!r}")
+
+
+EXPANDABLE = b"e"
+"""The block handle type of an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
+
+Never opened: torch opens one with ``pidfd_getfd`` on a pid the handle itself names (a client
+could make the daemon take descriptors from any process of its user), divides by a segment
+size it never checks, and reserves 1.125 × the GPU's memory of address space per open. Such a
+trainer learns it from its probe and copies its GPU tensors to host itself."""
+
+
+REF_COUNTER_HEADER = 64
+"""torch's RefcountedMapAllocator keeps its own reference count in front of the data (``map_alloc_alignment``):
+slot ``k`` of a ref-counter file is the int64 at byte ``64 + 8k``."""
+REF_COUNTER_BYTES = REF_COUNTER_HEADER + 8 * REF_COUNTER_SLOTS
 
 
 def _ref_counter_path(name: str) -> str:
     return os.path.join(SHM_DIR, name.lstrip("/"))
+
+
+def check_ref_counter_name(name: str, pid: int) -> None:
+    """A ref-counter file is named by torch after the process that shares (``/torch_<pid>_<n>_<n>``): a client
+    may name only its own, never another rank's counters or segments."""
+    if not re.fullmatch(rf"/?torch_{pid}_\d+_\d+", name):
+        raise InvalidRequestError(f"CUDA IPC handle: {name[:300]!r} is not a ref-counter file of the client's own "
+                                  f"process {pid}")
+
+
+def _full_counter_file(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_size >= REF_COUNTER_BYTES
 
 
 def _check_ref_counter(name: str) -> None:
@@ -138,7 +161,7 @@ def _check_ref_counter(name: str) -> None:
         st = os.stat(_ref_counter_path(name), follow_symlinks=False)
     except OSError as exc:
         raise SharedMemoryError(f"cannot open CUDA IPC ref-counter file {name!r}: {exc.strerror}", handle=name) from None
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < 8 * REF_COUNTER_SLOTS:
+    if not _full_counter_file(st):
         raise SharedMemoryError(f"ref-counter file {name!r} is not a full regular file owned by the daemon's user",
                                 handle=name)
 
@@ -154,20 +177,23 @@ def adjust_ref_counter(name: str, offset: int, delta: int) -> None:
     except OSError:
         return
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < 8 * REF_COUNTER_SLOTS:
+        if not _full_counter_file(os.fstat(fd)):
             return
-        page = (8 * offset) // mmap.PAGESIZE * mmap.PAGESIZE
-        with _counter_lock, mmap.mmap(fd, mmap.PAGESIZE, offset=page) as slots:
-            at = 8 * offset - page
-            (value,) = struct.unpack_from("<q", slots, at)
-            struct.pack_into("<q", slots, at, value + delta)
+        at = REF_COUNTER_HEADER + 8 * offset
+        with _counter_lock:
+            (value,) = struct.unpack("<q", os.pread(fd, 8, at))
+            os.pwrite(fd, struct.pack("<q", value + delta), at)
     finally:
         os.close(fd)
 
 
-def release_unopened(fields: dict[str, Any]) -> None:
-    """Bring a handle the daemon will not open to zero: its trainer frees the block when it frees the storage."""
+def release_unopened(fields: dict[str, Any], pid: int) -> None:
+    """Bring a handle of client process ``pid`` that the daemon will not open to zero: its trainer frees the
+    block when it frees the storage. A slot in any other process's file is left alone."""
+    try:
+        check_ref_counter_name(fields["ref_counter"], pid)
+    except InvalidRequestError:
+        return
     adjust_ref_counter(fields["ref_counter"], fields["ref_counter_offset"], -1)
 
 
@@ -197,46 +223,87 @@ def _no_cuda(uuid: str) -> SharedMemoryError:
 
 
 class _Releaser:
-    """One thread that drops CUDA objects (regions, events): torch's deleter of an opened storage synchronizes
-    the dropping thread's stream, which must never be the event loop or a copy thread."""
+    """One thread that drops CUDA objects (opened storages, events), each under its own device: torch's deleter
+    of an opened storage synchronizes the current device's NULL stream, which must never be the event loop's,
+    a copy thread's, or another GPU's."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def drop(self, obj: Any) -> None:
+    def drop(self, device: int, obj: Any) -> None:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ds-cuda-release", daemon=True)
                 self._thread.start()
-        self._queue.put(obj)
+        self._queue.put((device, obj))
+
+    def flush(self, timeout: float) -> None:
+        """Wait until everything dropped so far is gone (the daemon's exit: the trainers' slots released)."""
+        with self._lock:
+            if self._thread is None:
+                return
+        done = threading.Event()
+        self._queue.put((-1, done))
+        done.wait(timeout)
 
     def _run(self) -> None:
         while True:
-            obj = self._queue.get()
-            del obj
+            device, obj = self._queue.get()
+            if isinstance(obj, threading.Event):
+                obj.set()
+                continue
+            with torch.cuda.device(device):
+                del obj
 
 
 _releaser = _Releaser()
 
 
+def flush_releases(timeout: float) -> None:
+    """Wait until every CUDA object dropped so far is gone: at exit, so the trainers' slots are released."""
+    _releaser.flush(timeout)
+
+
 @functools.cache
-def _address_range() -> Callable[[int], tuple[int, int]]:
-    """cuMemGetAddressRange: the base and size of the allocation holding a device address."""
-    driver = ctypes.CDLL("libcuda.so.1")
-    fn = driver.cuMemGetAddressRange_v2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    fn.restype = ctypes.c_int
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+    lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.c_uint64]
+    return lib
 
-    def query(address: int) -> tuple[int, int]:
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        err = fn(ctypes.byref(base), ctypes.byref(size), address)
-        if err != 0:
-            raise SharedMemoryError(f"no allocation holds the opened block's address (CUresult {err})")
-        return base.value, size.value
 
-    return query
+def _cu(err: int, what: str) -> None:
+    if err != 0:
+        raise RuntimeError(f"{what} failed (CUresult {err})")
+
+
+def allocation_range(device: int, address: int) -> tuple[int, int]:
+    """The base and size of the allocation that holds ``address`` on ``device`` (``cuMemGetAddressRange``).
+
+    The device's primary context is made current explicitly for the call: a thread whose
+    open hit torch's cache of opened blocks has made no CUDA call, and may have none current.
+    """
+    lib = _driver()
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _cu(lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+    _cu(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    try:
+        _cu(lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+        try:
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            _cu(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange")
+            return base.value, size.value
+        finally:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        lib.cuDevicePrimaryCtxRelease_v2(dev)
 
 
 class CudaIpcRegion(Region):
@@ -256,7 +323,7 @@ class CudaIpcRegion(Region):
     def __del__(self) -> None:
         tensor = self.__dict__.pop("tensor", None)
         if tensor is not None:
-            _releaser.drop(tensor)
+            _releaser.drop(self.device.index, tensor)
 
     def read_into(self, dst: torch.Tensor, src: int, length: int) -> torch.cuda.Event:
         return copy_to_host(self, src, dst, length, copy_stream(self.device))
@@ -349,15 +416,19 @@ class Fences:
             raise SnapshotFailedError(f"the trainer's fence cannot be waited for: {exc}") from None
 
     def __del__(self) -> None:
-        events = self.__dict__.pop("_events", None)
-        if events:
-            _releaser.drop(events)
+        for event in self.__dict__.pop("_events", None) or ():
+            _releaser.drop(event.device.index, event)
 
 
-def open_cuda(fields: dict[str, Any]) -> CudaIpcRegion:
-    """Open a decoded handle. Whenever this raises, the handle's slot has been released (decremented) if it
-    could be: before the open by ``release_unopened``, after it by dropping the opened storage here and now."""
+def open_cuda(fields: dict[str, Any], pid: int) -> CudaIpcRegion:
+    """Open a decoded handle of client process ``pid``. Whenever this raises, the handle's slot has been
+    released (decremented) if it names one of ``pid``'s: before the open by ``release_unopened``, after it by
+    dropping the opened storage here and now."""
+    check_ref_counter_name(fields["ref_counter"], pid)
     try:
+        if fields["block"][1:2] == EXPANDABLE:
+            raise SharedMemoryError("datastatesd does not open CUDA IPC handles of expandable segments "
+                                    "(expandable_segments:True): the trainer copies such tensors to host itself")
         if not torch.cuda.is_available():
             raise _no_cuda(fields["uuid"])
         _check_ref_counter(fields["ref_counter"])
@@ -368,35 +439,43 @@ def open_cuda(fields: dict[str, Any]) -> CudaIpcRegion:
                 fields["ref_counter_offset"], bytes(IPC_HANDLE), False,
             )
     except SharedMemoryError:
-        release_unopened(fields)
+        release_unopened(fields, pid)
         raise
     except RuntimeError as exc:
-        release_unopened(fields)
+        release_unopened(fields, pid)
         raise SharedMemoryError(f"cannot open a {fields['nbytes']}-byte CUDA IPC block on the GPU "
                                 f"{fields['uuid'][:64]}: {exc}") from None
     # opened: the slot is the storage's to decrement, which its deleter does wherever it goes
     tensor = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (fields["nbytes"],), (1,))
     del storage
     try:
-        with torch.cuda.device(device):
-            start = tensor.data_ptr() - fields["offset"]
-            base, size = _address_range()(start)
+        start = tensor.data_ptr() - fields["offset"]
+        base, size = allocation_range(device.index, start)
         failure: DatastatesError | None = None
         if not base <= start or start + fields["offset"] + fields["nbytes"] > base + size:
             failure = InvalidRequestError(f"CUDA IPC handle: {fields['nbytes']} bytes at offset {fields['offset']} "
                                           f"lie outside the {base + size - start}-byte allocation its block maps")
-    except (RuntimeError, OSError, SharedMemoryError) as exc:
+    except (RuntimeError, OSError) as exc:
         failure = SharedMemoryError(f"cannot check the CUDA IPC block opened on {device}: {exc}")
     if failure is not None:
-        del tensor  # here and now, not when the traceback goes: the slot is released before this raises
+        with torch.cuda.device(device):
+            del tensor  # here and now, not when the traceback goes: the slot is released before this raises
         raise failure
     return CudaIpcRegion(device, tensor)
 
 
-def probe(handle: str, expect: bytes) -> str:
-    """Open ``handle`` and read it back as a copy would: "" if that gave ``expect``, else why not."""
+PROBE_BYTES = 4096
+"""The most bytes a probe's tensor may have: the daemon copies all of them to host memory."""
+
+
+def probe(handle: str, expect: bytes, pid: int) -> str:
+    """Open client ``pid``'s ``handle`` and read it back as a copy would: "" if that gave ``expect``, else why not."""
     try:
-        region = open_cuda(decode_handle(handle))
+        fields = decode_handle(handle)
+        if not fields["nbytes"] == len(expect) <= PROBE_BYTES:
+            release_unopened(fields, pid)
+            raise InvalidRequestError(f"a probe is a tensor of at most {PROBE_BYTES} bytes, sent with its bytes")
+        region = open_cuda(fields, pid)
         host = torch.empty(region.nbytes, dtype=torch.uint8)
         copy_to_host(region, 0, host, region.nbytes, copy_stream(region.device)).synchronize()
         if host.numpy().tobytes() != expect:
@@ -412,9 +491,9 @@ class CudaIpcSource(CopySource):
     def open(self, desc: SourceDesc, owner: Owner) -> Region:
         fields = decode_handle(desc.handle)
         if fields["nbytes"] != desc.nbytes:
-            release_unopened(fields)
+            release_unopened(fields, owner.pid)
             raise InvalidRequestError(f"CUDA IPC handle names {fields['nbytes']} bytes, the source {desc.nbytes}")
-        return open_cuda(fields)
+        return open_cuda(fields, owner.pid)
 
 
 register_source(CudaIpcSource())
