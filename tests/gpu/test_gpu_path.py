@@ -382,3 +382,20 @@ def test_the_daemon_does_not_keep_freed_trainer_memory_alive(client: Any, daemon
         torch.cuda.ipc_collect()  # frees blocks whose ref-counter slot the daemon released
         torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() - base < 3 * size, (base, torch.cuda.memory_reserved())
+
+
+def test_a_storage_whose_snapshot_was_skipped_is_freed_when_the_trainer_frees_it(daemon: DaemonProc) -> None:
+    """A handle the daemon never opens (its snapshot skipped under ``on_busy="skip"``) has its slot released
+    at once: freeing the tensor then gives its memory back, instead of parking it for the trainer's lifetime."""
+    with Client(daemon.endpoint, timeout=120, on_busy="skip") as c:
+        big = torch.ones(1 << 28, device="cuda")  # 1 GiB, still being copied when the next snapshot arrives
+        c.snapshot({"big": big}, file_of(daemon.root, "busy"), tag="busy")
+        base = torch.cuda.memory_allocated()
+        x = torch.ones(1 << 24, device="cuda")  # 64 MiB
+        skipped = c.snapshot({"x": x}, file_of(daemon.root, "skipped"), tag="skipped")
+        c.wait()
+        assert skipped.skipped, "the second tag was taken, not skipped: the test proves nothing"
+        del x
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated() == base, "the skipped storage stayed parked in the trainer"
+        c.commit("busy").result(timeout=120)
