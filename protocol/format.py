@@ -19,7 +19,6 @@ is known before a byte is copied. docs/format.md describes the same thing for pe
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass
