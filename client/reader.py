@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,7 @@ def _read_data(path: str, start: int, end: int) -> torch.UntypedStorage:
     if _in_memory(path):
         return _map_private(path, start, end)
     buf = mmap.mmap(-1, end - start)
+    _advise(buf, mmap.MADV_HUGEPAGE)  # fresh pages in 2 MiB faults, not 4 KiB ones, where THP is on "madvise"
     view = memoryview(buf)
     fd = open_for_reading(path)
 
@@ -92,7 +94,34 @@ def _map_private(path: str, start: int, end: int) -> torch.UntypedStorage:
         buf = mmap.mmap(fd, end - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
     finally:
         os.close(fd)
+    _populate(buf)
     return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+"""Linux 5.14+: fault a range in for reading, in one call (Python 3.12 names it)."""
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _populate(buf: mmap.mmap) -> None:
+    """Map every page of ``buf`` now, in READ_THREADS parallel passes, instead of one fault per 4 KiB as the
+    state is checked and used: read faults only, so the daemon's pages stay shared until the trainer writes
+    one (MAP_POPULATE would copy them all). ctypes lets go of the GIL for each call, so the passes overlap."""
+    size = len(buf)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    part = -(-size // READ_THREADS // mmap.PAGESIZE) * mmap.PAGESIZE
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ds-map") as pool:
+        list(pool.map(lambda at: _libc.madvise(base + at, min(part, size - at), MADV_POPULATE_READ),
+                      range(0, size, part)))
+
+
+def _advise(buf: mmap.mmap, advice: int) -> None:
+    """A hint to the kernel; an older kernel that does not know it changes nothing."""
+    try:
+        buf.madvise(advice)
+    except OSError:
+        pass
 
 
 class _Restore:
