@@ -311,8 +311,8 @@ def main() -> None:
         t0 = time.perf_counter()
         first = ds.save(os.path.join(args.root, "warmup"))
         shutil.rmtree(os.path.join(args.root, "warmup"))
-        print(f"datastates first snapshot (moves {nbytes / 1e9:.2f} GB into shared memory, once): "
-              f"blocking {first[0]:.3f} s, durable {time.perf_counter() - t0:.3f} s")
+        print(f"datastates first snapshot of {nbytes / 1e9:.2f} GB (its one-time costs: the CUDA or in-place probe, "
+              f"the daemon's first regions): blocking {first[0]:.3f} s, durable {time.perf_counter() - t0:.3f} s")
         stager = DefaultStager(StagingOptions(False, True, True, False))
         contenders = [
             torch_save(state),

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import (
@@ -293,8 +294,8 @@ def summarize(results: list[RunResult], modes: list[str]) -> dict[str, dict[str,
             "checkpoints": rs[0].checkpoints,
             "ckpt_gb": rs[0].ckpt_bytes / 1e9,
             "save_call_ms": 1e3 * median([r.save_call_s for r in rs]) / n,
-            # the first one pays one-time costs: datastates moves the storages into /dev/shm,
-            # the reused DCP stager allocates its staging buffers
+            # the first one pays one-time costs: the reused DCP stager allocates its staging buffers (datastates
+            # reads the trainer in place, so its first costs what the later ones do)
             "first_save_call_ms": 1e3 * median([r.save_calls_s[0] for r in rs]) if rs[0].save_calls_s else 0.0,
             "later_save_call_ms": 1e3 * median([median(r.save_calls_s[1:]) for r in rs]) if len(rs[0].save_calls_s) > 1 else 0.0,
             "wait_prev_ms": 1e3 * median([r.wait_prev_s for r in rs]) / n,
@@ -319,6 +320,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)} (default all)")
     ap.add_argument("--dcp-default-stager", action="store_true", help="give async_save no stager (its default, "
                     "synchronous staging) instead of the async shared-memory DefaultStager")
+    ap.add_argument("--daemon", action="append", default=[], metavar="KEY=VALUE",
+                    help="a node config key for the daemon, e.g. memory_restore=none (repeatable)")
     ap.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh temp dir under /tmp, "
                     "removed afterwards); each mode and run writes into a fresh subfolder, removed after the run")
     ap.add_argument("--out", default=RESULTS, help=f"JSON results (default {os.path.relpath(RESULTS)})")
@@ -346,7 +349,8 @@ def main() -> None:
 
     results: list[RunResult] = []
     try:
-        with datastatesd(root) if "datastates" in modes else nullcontext() as endpoint:
+        config = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.daemon)}
+        with datastatesd(root, **config) if "datastates" in modes else nullcontext() as endpoint:
             if endpoint is not None:  # a fresh daemon prefaults its host pool: let it finish before timing anything
                 t0 = time.perf_counter()
                 wait_pool_mapped(endpoint)
