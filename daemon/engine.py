@@ -71,7 +71,7 @@ class Engine:
         plan = job.plan
         assert plan is not None
         token = f"{job.client_id}-{job.id}"
-        replicas = [] if job.replica is None else [(self.writer(job.replica.file), job.replica.file)]
+        replicas = [] if job.replica is None else [(self.writer(job.replica.file), job.replica.file, job.replica.spare)]
         sink = FileSink(self.writer(plan.path), plan.path, token, replicas)
         sums: list[list[bytes]] = [list(s.checksums) for s in plan.header.storages]
         failures: list[BaseException] = []

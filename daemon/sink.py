@@ -27,21 +27,23 @@ log = logging.getLogger(__name__)
 
 
 class _Replica:
-    def __init__(self, writer: StorageWriter, path: str) -> None:
+    def __init__(self, writer: StorageWriter, path: str, reuse: str = "") -> None:
         self.writer = writer
         self.path = path
+        self.reuse = reuse
+        """A file beside it whose pages it may write over (the replica it replaces), or ""."""
         self.handle: Any = None
         self.failed = False
 
 
 class FileSink:
     def __init__(self, writer: StorageWriter, path: str, token: str,
-                 replicas: list[tuple[StorageWriter, str]] | None = None) -> None:
+                 replicas: list[tuple[StorageWriter, str, str]] | None = None) -> None:
         self._writer = writer
         self.path = path
         self._token = token
         self._handle: Any = None
-        self._replicas = [_Replica(w, p) for w, p in replicas or []]
+        self._replicas = [_Replica(w, p, reuse) for w, p, reuse in replicas or []]
 
     @property
     def replicas_written(self) -> list[str]:
@@ -51,7 +53,7 @@ class FileSink:
     def create(self) -> None:
         self._handle = self._writer.create(self.path, self._token)
         for r in self._replicas:
-            self._contain(r, lambda: setattr(r, "handle", r.writer.create(r.path, self._token)))
+            self._contain(r, lambda: setattr(r, "handle", r.writer.create(r.path, self._token, r.reuse)))
 
     def write(self, offset: int, data: memoryview) -> None:
         self._writer.write(self._handle, offset, data)

@@ -185,3 +185,41 @@ def test_a_restarted_job_replaces_the_copies_of_the_run_it_restarts(start_daemon
         c.commit("step2").result(timeout=120)
         copies = c.status()["replicas"]["replicas"]
     assert [(k["tag"], k["job"], k["committed"]) for k in copies] == [("step2", "restarted-run", True)]
+
+
+RESIZING_TRAINER = """
+import sys, time, torch
+from datastates.client import Client
+root, steps = sys.argv[1], int(sys.argv[2])
+with Client(sys.argv[3], timeout=60) as c:
+    for step in range(1, steps + 1):
+        torch.manual_seed(step)
+        c.snapshot({"w": torch.randn(200_000 + 150_000 * (step % 3 == 0)), "step": step}, f"{root}/step{step}/rank0.pt")
+        c.wait()
+        c.commit(f"step{step}").result(timeout=120)
+    print("READY", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_replicas_written_over_the_last_ones_pages_restore_bitwise_and_hold_two_copies(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """Each new replica is written over the pages of the one it replaced (its spare) instead of fresh ones:
+    the restart still gets the newest step bitwise from a longer file cut to size, and /dev/shm holds the committed replica and one spare per rank file, never more."""
+    d = start_daemon()
+    proc = subprocess.Popen([sys.executable, "-c", RESIZING_TRAINER, str(d.root), "5", d.endpoint],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    # step 5 (200,000 floats) was written over step 3's replica (350,000): cut to size, or its load would fail
+    torch.manual_seed(5)
+    want = {"w": torch.randn(200_000), "step": 5}
+    with Client(d.endpoint, timeout=60) as c:
+        restored = c.restore(d.root, "rank0.pt")
+    assert restored is not None and (restored.tag, restored.source) == ("step5", "memory"), restored
+    assert_state_equal(want, restored.state)
+    status = daemon_status(d.endpoint)["replicas"]
+    files = sorted(os.listdir(status["folder"]))
+    assert len(files) == 2 and sum(f.startswith("spare-") for f in files) == 1, files
+    assert status["used_bytes"] == status["spare_bytes"] + sum(r["size"] for r in status["replicas"])

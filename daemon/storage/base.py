@@ -1,7 +1,9 @@
 """Storage writers: where and how checkpoint bytes become durable files.
 
 Call order, every call from a flush thread:
-1. ``create(path, token)`` opens a temporary file beside ``path``;
+1. ``create(path, token, reuse="")`` opens a temporary file beside ``path``; ``reuse`` names a file of the
+   same folder to take over instead (its pages are reused: the daemon's in-memory replicas); a writer
+   that cannot ignores it, and the caller removes it;
 2. ``write(handle, offset, data)`` any number of times, in any order;
 3. ``finalize(handle)`` makes the file durable and visible at ``path`` (fsync, rename,
    fsync of the folder), or ``abort(handle)`` removes every trace of it (it never raises: what it cannot
@@ -46,7 +48,7 @@ class StorageWriter(ABC):
         """Names this daemon in its temporary files (daemon/instances.py), so a later one knows whose they are."""
 
     @abstractmethod
-    def create(self, path: str, token: str) -> Any: ...
+    def create(self, path: str, token: str, reuse: str = "") -> Any: ...
 
     @abstractmethod
     def write(self, handle: Any, offset: int, data: memoryview) -> None: ...

@@ -17,7 +17,8 @@ import hashlib
 import logging
 import os
 import re
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Callable
 
 from datastates.protocol.fileio import PAGE, open_folder, remove
@@ -51,6 +52,11 @@ class _Handle:
     """The descriptor of the file's folder: every name below is opened, renamed and removed through it."""
     fd: int
     direct: bool
+    reused: bool = False
+    """It took over an older file, which may be longer: cut to where the writes end when finalized."""
+    end: int = 0
+    """Where the furthest write ended (flush threads write pieces in parallel: under ``lock``)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
     buffered_fd: int = -1
 
     def fd_for(self, offset: int, length: int) -> int:
@@ -80,7 +86,7 @@ class _Handle:
 class PosixWriter(StorageWriter):
     scheme = "file"
 
-    def create(self, path: str, token: str, direct: bool | None = None) -> _Handle:
+    def create(self, path: str, token: str, reuse: str = "", direct: bool | None = None) -> _Handle:
         if len(token) > TEMP_TOKEN_MAX:  # the name's limit counts on it (protocol/format.py TEMP_RESERVE)
             token = hashlib.blake2b(token.encode(), digest_size=TEMP_TOKEN_MAX // 2).hexdigest()
         temp = temp_path(path, f"{self.owner}-{token}")
@@ -91,15 +97,24 @@ class PosixWriter(StorageWriter):
         except OSError as exc:
             raise storage_error("cannot create", path, exc) from None
         try:
-            fd = os.open(os.path.basename(temp), flags | (os.O_DIRECT if want_direct else 0), 0o644, dir_fd=folder)
+            if reuse:  # its pages are written over, not allocated and zeroed again; cut to size at finalize
+                os.rename(os.path.basename(reuse), os.path.basename(temp), src_dir_fd=folder, dst_dir_fd=folder)
+                flags &= ~(os.O_CREAT | os.O_EXCL)
+            try:
+                fd = os.open(os.path.basename(temp), flags | (os.O_DIRECT if want_direct else 0), 0o644, dir_fd=folder)
+            except OSError as exc:
+                if not (want_direct and exc.errno == errno.EINVAL):
+                    raise
+                want_direct = False  # no O_DIRECT here (the file was not opened, nor created)
+                fd = os.open(os.path.basename(temp), flags, 0o644, dir_fd=folder)
         except OSError as exc:
             os.close(folder)
-            if not (want_direct and exc.errno == errno.EINVAL):
-                raise storage_error("cannot create", path, exc) from None
-            return self.create(path, token, direct=False)  # no O_DIRECT here: the temp was not created
-        return _Handle(path=path, temp=temp, folder=folder, fd=fd, direct=want_direct)
+            raise storage_error("cannot create", path, exc) from None
+        return _Handle(path=path, temp=temp, folder=folder, fd=fd, direct=want_direct, reused=bool(reuse))
 
     def write(self, handle: _Handle, offset: int, data: memoryview) -> None:
+        with handle.lock:
+            handle.end = max(handle.end, offset + len(data))
         try:
             fd = handle.fd_for(offset, len(data))
             done = 0
@@ -115,6 +130,8 @@ class PosixWriter(StorageWriter):
 
     def finalize(self, handle: _Handle) -> None:
         try:
+            if handle.reused:
+                os.ftruncate(handle.fd, handle.end)
             os.fsync(handle.fd)
             handle.close()
             os.replace(os.path.basename(handle.temp), os.path.basename(handle.path),
@@ -140,7 +157,7 @@ class PosixWriter(StorageWriter):
             handle.release()
 
     def publish(self, path: str, data: bytes, check: Callable[[int], None] | None = None) -> None:
-        handle = self.create(path, f"{os.getpid()}-{id(data):x}", direct=False)
+        handle = self.create(path, f"{os.getpid()}-{id(data):x}", "", direct=False)
         try:
             self.write(handle, 0, memoryview(data))
             if check is not None:
