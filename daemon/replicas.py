@@ -10,7 +10,7 @@ told apart by their rank file (the run folder above the tag folder, and the file
 rank3.pt under /ckpt), not by job id: a restarted job, with a new run id, still replaces
 the replicas of the run it restarts.
 
-A superseded replica is not deleted but kept as its rank file's *spare*: the next replica of
+A superseded replica that no restore was handed is not deleted but kept as its rank file's *spare*: the next replica of
 that file is written over the spare's pages (renamed to its temporary name by the writer),
 not into freshly allocated ones. Allocating, zeroing and later freeing /dev/shm pages was
 most of the daemon's CPU per checkpoint (0.40 of 0.64 CPU-s for a 0.76 GB state, measured);
@@ -55,6 +55,9 @@ class Replica:
     committed: bool = False
     spare: str = ""
     """A superseded replica's file of the same rank file, for the writer to write over (or "")."""
+    served: bool = False
+    """A restore was handed this file: a trainer may map it (copy-on-write, which still shows the file's later
+    changes on pages it has not written), so its pages are never written over, only unlinked."""
 
     @property
     def rank_file(self) -> tuple[str, str]:
@@ -142,7 +145,11 @@ class ReplicaStore:
             _unlink(replica.spare)  # still there if its write never started
 
     def _supersede(self, replica: Replica) -> None:
-        """A newer replica of its rank file is committed: keep its file as that rank file's spare."""
+        """A newer replica of its rank file is committed: keep its file as that rank file's spare, unless a
+        trainer may have it mapped."""
+        if replica.served:
+            self.discard(replica.job_id)
+            return
         self._held.pop(replica.job_id, None)
         old = self._spares.pop(replica.rank_file, None)
         if old is not None:
@@ -179,7 +186,9 @@ class ReplicaStore:
         match = [r for r in found if r.tag == tag and r.committed and r.size == size and os.path.exists(r.file)]
         if not match:
             return None, f"the daemon's replica is of another tag ({', '.join(sorted({r.tag for r in found}))})"
-        return max(match, key=lambda r: r.job_id), ""
+        replica = max(match, key=lambda r: r.job_id)
+        replica.served = True
+        return replica, ""
 
     def close(self) -> None:
         """A stopped daemon's replicas serve no one: the next daemon knows nothing of them."""

@@ -223,3 +223,35 @@ def test_replicas_written_over_the_last_ones_pages_restore_bitwise_and_hold_two_
     files = sorted(os.listdir(status["folder"]))
     assert len(files) == 2 and sum(f.startswith("spare-") for f in files) == 1, files
     assert status["used_bytes"] == status["spare_bytes"] + sum(r["size"] for r in status["replicas"])
+
+
+RESTORE_THEN_TRAIN = """
+import sys, torch
+from datastates.client import Client
+root, endpoint = sys.argv[1], sys.argv[2]
+with Client(endpoint, timeout=60) as c:
+    restored = c.restore(root, "rank0.pt")
+    assert restored.source == "memory", restored
+    frozen = restored.state["w"]  # restored and never written: its pages are the replica's
+    before = frozen.clone()
+    for step in range(6, 10):  # more checkpoints: replicas come and go, spares are written over
+        c.snapshot({"w": torch.full((200_000,), float(step)), "step": step}, f"{root}/step{step}/rank0.pt")
+        c.wait()
+        c.commit(f"step{step}").result(timeout=120)
+    print("SAME" if torch.equal(frozen, before) else "CHANGED", flush=True)
+"""
+
+
+def test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages(start_daemon: Callable[..., DaemonProc]) -> None:
+    """A trainer restored from memory maps the replica copy-on-write; pages it never writes still show the file.
+    The daemon must never write a later replica over a file it handed to a restore."""
+    d = start_daemon()
+    proc = subprocess.Popen([sys.executable, "-c", RESIZING_TRAINER, str(d.root), "5", d.endpoint],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    out = subprocess.run([sys.executable, "-c", RESTORE_THEN_TRAIN, str(d.root), d.endpoint],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "SAME", "a restored tensor changed under the trainer: its replica was written over"
