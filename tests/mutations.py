@@ -189,6 +189,14 @@ MUTATIONS: tuple[Mutation, ...] = (
               "                raise  # MUTATION: slots kept\n"),),
         ("tests/test_cuda_handles.py::test_a_gpu_snapshot_the_daemon_never_opens_releases_each_slot_exactly_once",),
     ),
+    Mutation(
+        "served-replica-reused",
+        "a replica handed to a restore is written over by a later one while the trainer maps it",
+        (Edit("daemon/replicas.py",
+              "        replica.served = True\n",
+              "        replica.served = False  # MUTATION: never marked\n"),),
+        ("tests/test_restore.py::test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages",),
+    ),
 )
 
 
