@@ -230,7 +230,7 @@ class _Releaser:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # drop() runs from finalizers, which the collector may run inside drop()
 
     def drop(self, device: int, obj: Any) -> None:
         with self._lock:
