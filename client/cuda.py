@@ -109,7 +109,7 @@ class SharedBlocks:
     def __init__(self) -> None:
         self._by_storage: dict[int, _Shared] = {}
         self._retired: list[str] = []
-        self._lock = threading.Lock()  # weakref callbacks run on whichever thread frees a storage
+        self._lock = threading.RLock()  # weakref callbacks run on whichever thread frees a storage, even inside handle()
         self.shares = 0
         """``_share_cuda_`` calls so far: one per storage lifetime, however many snapshots name it."""
 
