@@ -48,9 +48,9 @@ def expected(step: int) -> dict:
     return {"w": torch.randn(300_000), "b": torch.randn(77).to(torch.bfloat16), "step": step}
 
 
-def train_then_kill(d: DaemonProc, steps: int, commit_last: bool = True) -> None:
+def train_then_kill(d: DaemonProc, steps: int, commit_last: bool = True, trainer: str = TRAINER) -> None:
     """Run a trainer that checkpoints ``steps`` steps, then SIGKILL it, as a crash would."""
-    proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(d.root), str(steps), "1" if commit_last else "0",
+    proc = subprocess.Popen([sys.executable, "-c", trainer, str(d.root), str(steps), "1" if commit_last else "0",
                              d.endpoint], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
     proc.send_signal(signal.SIGKILL)
@@ -191,7 +191,7 @@ RESIZING_TRAINER = """
 import sys, time, torch
 from datastates.client import Client
 root, steps = sys.argv[1], int(sys.argv[2])
-with Client(sys.argv[3], timeout=60) as c:
+with Client(sys.argv[4], timeout=60) as c:
     for step in range(1, steps + 1):
         torch.manual_seed(step)
         c.snapshot({"w": torch.randn(200_000 + 150_000 * (step % 3 == 0)), "step": step}, f"{root}/step{step}/rank0.pt")
@@ -205,13 +205,10 @@ with Client(sys.argv[3], timeout=60) as c:
 def test_replicas_written_over_the_last_ones_pages_restore_bitwise_and_hold_two_copies(
         start_daemon: Callable[..., DaemonProc]) -> None:
     """Each new replica is written over the pages of the one it replaced (its spare) instead of fresh ones:
-    the restart still gets the newest step bitwise from a longer file cut to size, and /dev/shm holds the committed replica and one spare per rank file, never more."""
+    the restart still gets the newest step bitwise from a longer file cut to size, and /dev/shm holds the
+    committed replica and one spare per rank file, never more."""
     d = start_daemon()
-    proc = subprocess.Popen([sys.executable, "-c", RESIZING_TRAINER, str(d.root), "5", d.endpoint],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
+    train_then_kill(d, steps=5, trainer=RESIZING_TRAINER)
     # step 5 (200,000 floats) was written over step 3's replica (350,000): cut to size, or its load would fail
     torch.manual_seed(5)
     want = {"w": torch.randn(200_000), "step": 5}
@@ -246,11 +243,7 @@ def test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages(start_d
     """A trainer restored from memory maps the replica copy-on-write; pages it never writes still show the file.
     The daemon must never write a later replica over a file it handed to a restore."""
     d = start_daemon()
-    proc = subprocess.Popen([sys.executable, "-c", RESIZING_TRAINER, str(d.root), "5", d.endpoint],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
+    train_then_kill(d, steps=5, trainer=RESIZING_TRAINER)
     out = subprocess.run([sys.executable, "-c", RESTORE_THEN_TRAIN, str(d.root), d.endpoint],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
