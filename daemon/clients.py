@@ -145,15 +145,11 @@ class ClientRecord:
                 return region
         elif len(self._cuda) >= MAX_CUDA_HANDLES:
             raise InvalidRequestError(f"a client may name at most {MAX_CUDA_HANDLES} CUDA storages it has not retired")
-        if fields["nbytes"] != desc.nbytes:
-            if known is None:
-                self._release(slot, desc.handle, fields)
-            raise InvalidRequestError(f"CUDA IPC handle names {fields['nbytes']} bytes, the source {desc.nbytes}")
         if known is not None:  # its slot was released unopened: back to one, for the open to own
             check_ref_counter_name(fields["ref_counter"], self.pid)
             adjust_ref_counter(fields["ref_counter"], fields["ref_counter_offset"], +1)
         try:
-            region = open_cuda(fields, self.pid)
+            region = open_cuda(fields, desc.nbytes, self.pid)
         except BaseException:
             with self._lock:  # the open released the slot (if it was this client's)
                 self._cuda[slot] = (desc.handle, None)

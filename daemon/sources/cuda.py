@@ -420,11 +420,14 @@ class Fences:
             _releaser.drop(event.device.index, event)
 
 
-def open_cuda(fields: dict[str, Any], pid: int) -> CudaIpcRegion:
-    """Open a decoded handle of client process ``pid``. Whenever this raises, the handle's slot has been
-    released (decremented) if it names one of ``pid``'s: before the open by ``release_unopened``, after it by
-    dropping the opened storage here and now."""
+def open_cuda(fields: dict[str, Any], nbytes: int, pid: int) -> CudaIpcRegion:
+    """Open a decoded handle of client process ``pid``, whose source declares ``nbytes``. Whenever this raises,
+    the handle's slot has been released (decremented) if it names one of ``pid``'s: before the open by
+    ``release_unopened``, after it by dropping the opened storage here and now."""
     check_ref_counter_name(fields["ref_counter"], pid)
+    if fields["nbytes"] != nbytes:
+        release_unopened(fields, pid)
+        raise InvalidRequestError(f"CUDA IPC handle names {fields['nbytes']} bytes, the source {nbytes}")
     try:
         if fields["block"][1:2] == EXPANDABLE:
             raise SharedMemoryError("datastatesd does not open CUDA IPC handles of expandable segments "
@@ -472,10 +475,10 @@ def probe(handle: str, expect: bytes, pid: int) -> str:
     """Open client ``pid``'s ``handle`` and read it back as a copy would: "" if that gave ``expect``, else why not."""
     try:
         fields = decode_handle(handle)
-        if not fields["nbytes"] == len(expect) <= PROBE_BYTES:
+        if len(expect) > PROBE_BYTES:
             release_unopened(fields, pid)
             raise InvalidRequestError(f"a probe is a tensor of at most {PROBE_BYTES} bytes, sent with its bytes")
-        region = open_cuda(fields, pid)
+        region = open_cuda(fields, len(expect), pid)
         host = torch.empty(region.nbytes, dtype=torch.uint8)
         copy_to_host(region, 0, host, region.nbytes, copy_stream(region.device)).synchronize()
         if host.numpy().tobytes() != expect:
@@ -489,11 +492,7 @@ class CudaIpcSource(CopySource):
     kind = CUDA_IPC
 
     def open(self, desc: SourceDesc, owner: Owner) -> Region:
-        fields = decode_handle(desc.handle)
-        if fields["nbytes"] != desc.nbytes:
-            release_unopened(fields, owner.pid)
-            raise InvalidRequestError(f"CUDA IPC handle names {fields['nbytes']} bytes, the source {desc.nbytes}")
-        return open_cuda(fields, owner.pid)
+        return open_cuda(decode_handle(desc.handle), desc.nbytes, owner.pid)
 
 
 register_source(CudaIpcSource())
