@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -98,14 +97,28 @@ def print_medians(times: dict[str, list[float]], nbytes: int) -> dict[str, float
     return med
 
 
-def drop_caches() -> None:
-    """Empty the page cache (root only), so every restore reads from the disk."""
-    subprocess.run(["sync"], check=True)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        warnings.warn("cannot drop the page cache (not root?): restores of buffered writes read warm", stacklevel=1)
+def drop_caches(*folders: str) -> None:
+    """Evict every file under ``folders`` (on disk: never a tmpfs, see below) from the page cache.
+
+    Per file (fsync, then ``POSIX_FADV_DONTNEED``), not the global ``/proc/sys/vm/drop_caches``:
+    that one also deactivates every tmpfs page it cannot drop and marks it ``PG_reclaim``,
+    which turns off fault-around for those pages from then on. A restore from the daemon's
+    replicas in /dev/shm then takes one fault per 4 KiB page instead of one per 16 (measured
+    here on 1.5 GB: 24,641 faults and 0.10 s before a global drop, 394,240 and 0.38 s
+    after): a cost of the bench, which no trainer restarting after a crash meets.
+    """
+    for folder in folders:
+        for d, _, files in os.walk(folder):
+            for name in files:
+                try:
+                    fd = os.open(os.path.join(d, name), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
 
 
 def fsync_tree(folder: str) -> None:

@@ -215,7 +215,7 @@ def run_round(contenders: list[Contender], root: str) -> None:
         os.makedirs(folder)
         blocking, safe, durable = c.save(folder)
         fsync_tree(folder)
-        drop_caches()
+        drop_caches(folder)
         restore = c.restore(folder)
         c.samples.append(Sample(blocking, safe, durable, restore))
         print(f"  {c.name:<44} blocking {blocking:8.4f} s  safe {safe:7.3f} s  durable {durable:7.3f} s  restore {restore:7.3f} s", flush=True)

@@ -2,7 +2,7 @@
 
 Why: most faults are a dead trainer on a healthy node, and the restart's first cost is
 reading the checkpoint back. One GPT-shaped state is checkpointed once by each contender;
-then, per run, with a cold page cache each time (root only; warned otherwise):
+then, per run, with the checkpoints' files evicted from the page cache each time:
 
 - memory: ``Client.restore`` served from the daemon's replica (/dev/shm);
 - storage: ``datastates.load`` of the same committed file on disk;
@@ -13,7 +13,8 @@ Every restore touches each page of what it loaded. Two reference lines are measu
 the same runs: a raw O_DIRECT read of the datastates file with the reader's own threads
 and piece size, into a fresh buffer and into one reused across runs. It prints medians
 over ``--runs`` (contenders interleaved), the ratios the issue names, and where a storage
-restore's time goes (``phases``: header, data read, checksums, rebuilding the state, touching it).
+and a memory restore's time goes (``phases``: header, data read or mapped, checksums, rebuilding
+the state, touching it).
 """
 
 from __future__ import annotations
@@ -78,12 +79,17 @@ def raw_read(path: str, buf: mmap.mmap | None = None) -> mmap.mmap:
     return buf
 
 
-def phases(path: str) -> dict[str, float]:
-    """Where a storage restore's time goes, phase by phase, from a cold page cache."""
-    drop_caches()
+def phases(path: str, cold: str | None = None) -> dict[str, float]:
+    """Where a restore of ``path`` takes its time, phase by phase; the page cache of ``cold`` emptied first.
+
+    "data" is the read from disk for a file in storage, and mapping every page for a replica in /dev/shm.
+    """
+    gc.collect()  # the previous run's state is freed here, not inside this one's timing
+    if cold:
+        drop_caches(cold)
     out: dict[str, float] = {}
     out["header"], (header, base, size) = timed(reader._read_header, path)
-    out["read"], data = timed(reader._read_data, path, base, size)
+    out["data"], data = timed(reader._read_data, path, base, size)
     ctx = reader._Restore(path, data, header, True, None, True)
     out["checksums"], _ = timed(lambda: [ctx.storage(i) for i in range(len(header.storages))])
     out["rebuild"], state = timed(ctx.entry, header.root)
@@ -136,13 +142,15 @@ def main() -> int:
                 for r in range(args.runs):
                     for name, fn in contenders.items():
                         gc.collect()  # the previous contender's state is freed here, not inside the next timing
-                        drop_caches()
+                        drop_caches(root)
                         seconds, restored = timed(restore_and_touch, fn)
                         times[name].append(seconds)
                         del restored  # freed outside the timing: unmapping 1.5 GB is no part of a restore
                     print(f"run {r + 1}/{args.runs}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()),
                           flush=True)
-                profile = [phases(os.path.join(root, "step1", "rank0.pt")) for _ in range(args.runs)]
+                profile = {"storage": [phases(os.path.join(root, "step1", "rank0.pt"), root) for _ in range(args.runs)]}
+                replica = client.status()["replicas"]["replicas"][0]["file"]
+                profile["memory"] = [phases(replica) for _ in range(args.runs)]
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -154,8 +162,9 @@ def main() -> int:
     print(f"storage restore speed / raw O_DIRECT read into a fresh buffer: {raw / med['storage']:.3f}  (target >= 0.85)")
     for peer in ("torch.load", "dcp"):
         print(f"restore time: storage / {peer:<11} {med['storage'] / med[peer]:8.3f}  (target < 1)")
-    print("storage restore by phase (medians, s): " + ", ".join(
-        f"{k} {median([p[k] for p in profile]):.3f}" for k in profile[0]))
+    for kind, runs in profile.items():
+        print(f"{kind} restore by phase (medians, s): " + ", ".join(
+            f"{k} {median([p[k] for p in runs]):.3f}" for k in runs[0]))
     return 0
 
 

@@ -113,7 +113,7 @@ def main() -> int:
             for _ in range(args.runs):
                 for name, root in (("restore shm tier", shm), ("restore disk tier", os.path.join(disk, "tiered"))):
                     gc.collect()
-                    drop_caches()
+                    drop_caches(disk)
                     seconds, _ = timed(datastates.load, os.path.join(root, "run", tag, "rank0.pt"))
                     times[name].append(seconds)
                     del _

@@ -202,6 +202,6 @@ class ReplicaStore:
             "used_bytes": self.used,
             "spare_bytes": sum(sp.size for sp in self._spares.values()),
             "folder": self.folder,
-            "replicas": [{"tag": r.tag, "path": r.path, "size": r.size, "rank": r.rank[1], "job": r.rank[0],
+            "replicas": [{"tag": r.tag, "path": r.path, "file": r.file, "size": r.size, "rank": r.rank[1], "job": r.rank[0],
                           "committed": r.committed} for r in self._held.values()],
         }
