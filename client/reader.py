@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from datastates.protocol.fileio import open_for_reading
+from datastates.protocol.fileio import MADV_POPULATE_READ, open_for_reading
 from datastates.protocol.descriptors import EMPTY, SourceDesc
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError
 from datastates.protocol.format import (
@@ -98,8 +98,6 @@ def _map_private(path: str, start: int, end: int) -> torch.UntypedStorage:
     return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
 
 
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-"""Linux 5.14+: fault a range in for reading, in one call (Python 3.12 names it)."""
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 

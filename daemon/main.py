@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fcntl
+import gc
 import logging
 import os
 import resource
@@ -90,6 +91,7 @@ async def _serve(cfg: config.NodeConfig) -> None:
     from .server import Daemon  # torch, seconds to import: after the config is known to be good
 
     daemon = Daemon(cfg)
+    gc.freeze()  # torch's and the daemon's start-up objects, never garbage: full collections skip them from now on
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_shutdown)

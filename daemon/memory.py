@@ -20,12 +20,11 @@ from concurrent.futures import Executor
 
 import torch
 
+from datastates.protocol.fileio import MADV_POPULATE_WRITE
+
 from .pinning import pin
 
 log = logging.getLogger(__name__)
-
-
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def _huge_anonymous(size: int) -> mmap.mmap:
