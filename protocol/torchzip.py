@@ -1,0 +1,137 @@
+"""The zip container ``torch.save`` writes, laid out for O_DIRECT streaming (issue 17; not yet the daemon's format).
+
+``torch.load`` reads an uncompressed zip: ``<archive>/data.pkl`` (the skeleton, pickled with
+persistent ids that name storage records), one ``<archive>/data/<key>`` record per
+storage, and a few small records. It locates records through the central directory at the
+end, checks that the file begins with a local header, and never verifies a CRC-32. So a
+file can be planned before a byte of tensor data is copied: every record's size is known,
+each local header (CRC 0, as ``torch.serialization.set_crc32_options(False)`` writes) can be
+written into the padding before its record, each record's data can start on a 4 KiB
+boundary for O_DIRECT, and the central directory goes last. Sizes of 4 GiB or more take
+zip64 fields, which torch's reader (miniz) and Python's ``zipfile`` both read.
+
+``plan_zip`` places the records; ``local_header`` and ``central_directory`` are the bytes
+to write around them; ``torch_pickle`` is ``torch.save``'s skeleton with the caller's keys.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_EOCD = struct.Struct("<IHHHHIIH")
+_EOCD64 = struct.Struct("<IQHHIIQQQQ")
+_LOCATOR64 = struct.Struct("<IIQI")
+_EXTRA = struct.Struct("<HH")
+_ZIP64_ID = 0x0001
+_PAD_ID = 0x4246
+"""The extra field ``torch.save`` pads records with ("FB"): readers skip extra fields they do not know."""
+_U32 = 0xFFFFFFFF
+_U16 = 0xFFFF
+_UTF8 = 0x0800
+"""General-purpose flag bit 11: names are UTF-8."""
+_DOS_DATE = (1980 - 1980) << 9 | 1 << 5 | 1
+"""1980-01-01, the earliest date a zip can hold: a checkpoint's time lives in its index, not here."""
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    """The full name in the archive, ``<archive>/data/3`` say."""
+    size: int
+    header_offset: int
+    """Where its local header starts."""
+    data_offset: int
+    """Where its bytes start: the local header ends exactly here."""
+
+    def zip64(self) -> bool:
+        return self.size >= _U32 or self.header_offset >= _U32
+
+
+def _header_len(name: bytes, size: int) -> int:
+    return _LOCAL.size + len(name) + (_EXTRA.size + 16 if size >= _U32 else 0)
+
+
+def plan_zip(records: list[tuple[str, int, int]], start: int = 0) -> tuple[list[Record], int]:
+    """Place ``records`` (name, size, alignment of its data) one after the other from ``start``; the records
+    and where the central directory starts. Each local header ends exactly where its data begins: the gap
+    before it is filled by a padding extra field of at least 4 bytes."""
+    out, at = [], start
+    for name, size, align in records:
+        raw = name.encode()
+        if len(raw) > _U16:
+            raise ValueError(f"zip record name of {len(raw)} bytes")
+        bare = at + _header_len(raw, size)
+        data = -(-bare // align) * align
+        if 0 < data - bare < _EXTRA.size:  # a padding field cannot be shorter than its own header
+            data += align
+        out.append(Record(name, size, at, data))
+        at = data + size
+    return out, at
+
+
+def _padding(record: Record) -> bytes:
+    gap = record.data_offset - record.header_offset - _header_len(record.name.encode(), record.size)
+    return _EXTRA.pack(_PAD_ID, gap - _EXTRA.size) + bytes(gap - _EXTRA.size) if gap else b""
+
+
+def local_header(record: Record) -> bytes:
+    """The bytes from ``record.header_offset`` to ``record.data_offset``."""
+    name = record.name.encode()
+    big = record.size >= _U32
+    extra = (_EXTRA.pack(_ZIP64_ID, 16) + struct.pack("<QQ", record.size, record.size) if big else b"") + _padding(record)
+    size32 = _U32 if big else record.size
+    head = _LOCAL.pack(0x04034B50, 45 if big else 20, _UTF8, 0, 0, _DOS_DATE, 0, size32, size32, len(name), len(extra))
+    return head + name + extra
+
+
+def central_directory(records: list[Record], at: int, crcs: dict[str, int] | None = None) -> bytes:
+    """The central directory and end records, to be written at ``at`` (the end of the last record); the
+    file ends with them. ``crcs``: a CRC-32 per record name where known, else 0."""
+    crcs = crcs or {}
+    body = bytearray()
+    for r in records:
+        name = r.name.encode()
+        fields = [r.size, r.size] if r.size >= _U32 else []
+        fields += [r.header_offset] if r.header_offset >= _U32 else []
+        extra = _EXTRA.pack(_ZIP64_ID, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
+        size32 = _U32 if r.size >= _U32 else r.size
+        body += _CENTRAL.pack(0x02014B50, 45, 45 if r.zip64() else 20, _UTF8, 0, 0, _DOS_DATE, crcs.get(r.name, 0),
+                              size32, size32, len(name), len(extra), 0, 0, 0, 0, min(r.header_offset, _U32))
+        body += name + extra
+    n, size = len(records), len(body)
+    if n >= _U16 or at >= _U32 or size >= _U32:
+        body += _EOCD64.pack(0x06064B50, _EOCD64.size - 12, 45, 45, 0, 0, n, n, size, at)
+        body += _LOCATOR64.pack(0x07064B50, 0, at + size, 1)
+        body += _EOCD.pack(0x06054B50, 0, 0, min(n, _U16), min(n, _U16), min(size, _U32), min(at, _U32), 0)
+    else:
+        body += _EOCD.pack(0x06054B50, 0, 0, n, n, size, at, 0)
+    return bytes(body)
+
+
+def torch_pickle(obj: Any, key_of: Callable[[torch.UntypedStorage], str]) -> bytes:
+    """``obj`` pickled as ``torch.save`` pickles its ``data.pkl``, each storage named by ``key_of`` (its record
+    is ``data/<key>``). Mirrors ``torch.serialization._save``'s persistent ids; no storage is copied, on any
+    device: tensors reduce to their storage objects, which become ids here."""
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, torch.storage.TypedStorage):
+                storage = obj._untyped_storage
+                kind, numel = getattr(torch, obj._pickle_storage_type()), obj._size()
+            elif isinstance(obj, torch.UntypedStorage):
+                storage, kind, numel = obj, torch.UntypedStorage, obj.nbytes()
+            else:
+                return None
+            return ("storage", kind, key_of(storage), torch.serialization.location_tag(storage), numel)
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(obj)
+    return buf.getvalue()

@@ -1,0 +1,137 @@
+"""The torch-compatible zip layout (protocol/torchzip.py): files planned before their data is known, with every
+record's data on a 4 KiB boundary, that plain ``torch.load`` and Python's ``zipfile`` read.
+
+The files here are assembled in the test from the layout's own bytes, as a writer would
+stream them: local headers into the padding, each storage's raw bytes at its offset, the
+central directory last.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+import zipfile
+from typing import Any
+
+import pytest
+import torch
+
+from datastates.protocol.torchzip import central_directory, local_header, plan_zip, torch_pickle
+
+from datastates.protocol.providers.tensor import DTYPES
+
+from conftest import assert_state_equal
+from test_dtypes import random_tensor
+
+ALIGN = 4096
+
+
+def _views() -> dict[str, Any]:
+    base = torch.randn(8, 16)
+    return {"base": base, "row": base[3], "slice": base[2:6, 4:12], "transposed": base.t(),
+            "expanded": base[0, :4].expand(5, 4), "overlapping": base.as_strided((6, 6), (3, 1), 7)}
+
+
+def _torch_saves(dtype: torch.dtype) -> bool:
+    """Whether ``torch.save`` itself can save ``dtype`` (not the sub-byte ints: torch has no storage type for them)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex32 is "experimental"
+            torch.save(torch.empty(0, dtype=dtype), io.BytesIO())
+        return True
+    except (KeyError, RuntimeError):
+        return False
+
+
+STATES = {
+    "every dtype torch.save saves": lambda: {n: random_tensor(d) for n, d in DTYPES.items() if _torch_saves(d)},
+    "bf16 and a Parameter": lambda: {"w": torch.nn.Parameter(torch.randn(4, 4).bfloat16()),
+                                     "frozen": torch.nn.Parameter(torch.randn(3), requires_grad=False)},
+    "views of one storage": _views,
+    "non-contiguous": lambda: {"channels_last": torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+                               "column": torch.randn(10, 10)[:, 3]},
+    "zero-size": lambda: {"empty": torch.empty(0), "empty_3d": torch.empty(3, 0, 2, dtype=torch.int64),
+                          "empty_bf16": torch.zeros(0, 7, dtype=torch.bfloat16)},
+    "scalars, lists and strings": lambda: {"step": torch.tensor(7), "lr": 0.1, "names": ["a", "b"], "t": (1, 2)},
+}
+
+
+def write_torch_zip(path: str, state: Any) -> list:
+    """``state`` as a torch-compatible zip laid out by protocol/torchzip.py; its records."""
+    storages: dict[int, torch.UntypedStorage] = {}
+
+    def key_of(storage: torch.UntypedStorage) -> str:
+        storages.setdefault(storage._cdata, storage)
+        return str(list(storages).index(storage._cdata))
+
+    skeleton = torch_pickle(state, key_of)
+    small = {"data.pkl": skeleton, ".format_version": b"1", ".storage_alignment": str(ALIGN).encode(),
+             "byteorder": b"little", "version": b"3\n"}
+    plan = [(f"archive/{n}", len(b), 1) for n, b in small.items()]
+    plan += [(f"archive/data/{k}", s.nbytes(), ALIGN) for k, s in enumerate(storages.values())]
+    records, end = plan_zip(plan)
+    with open(path, "wb") as f:
+        for rec, data in zip(records, [*small.values(), *storages.values()]):
+            f.seek(rec.header_offset)
+            f.write(local_header(rec))
+            assert f.tell() == rec.data_offset
+            if isinstance(data, bytes):
+                f.write(data)
+            elif data.nbytes():
+                f.write(memoryview(torch.empty(0, dtype=torch.uint8).set_(data).numpy()))
+        f.seek(end)
+        f.write(central_directory(records, end))
+    return records
+
+
+@pytest.mark.parametrize("name", sorted(STATES))
+def test_plain_torch_load_reads_the_layout_bitwise(tmp_path, name: str) -> None:
+    state = STATES[name]()
+    path = str(tmp_path / "ckpt.pt")
+    records = write_torch_zip(path, state)
+    assert all(r.data_offset % ALIGN == 0 for r in records if "/data/" in r.name), "storage data not 4 KiB aligned"
+    assert_state_equal(state, torch.load(path, weights_only=True))
+    assert_state_equal(state, torch.load(path, weights_only=True, mmap=True))
+    with zipfile.ZipFile(path) as z:
+        assert [i.filename for i in z.infolist()] == [r.name for r in records]
+        assert [i.file_size for i in z.infolist()] == [r.size for r in records]
+
+
+def test_views_share_one_storage_record_after_torch_load(tmp_path) -> None:
+    base = torch.arange(24, dtype=torch.float32)
+    state = {"base": base, "row": base.view(4, 6)[1], "col": base.view(4, 6)[:, 2], "p": torch.nn.Parameter(base[:6])}
+    path = str(tmp_path / "views.pt")
+    records = write_torch_zip(path, state)
+    assert sum("/data/" in r.name for r in records) == 1
+    got = torch.load(path, weights_only=True)
+    assert_state_equal(state, got)
+    got["base"][7] = -1.0  # one storage after loading, as torch.save's own file gives
+    assert got["row"][1].item() == -1.0 and isinstance(got["p"], torch.nn.Parameter)
+
+
+def test_a_record_over_4_gib_takes_zip64_and_still_loads(tmp_path) -> None:
+    """A storage of 4 GiB + 8 KiB (a sparse file here: nothing is written into it but its last page)."""
+    big = torch.empty(2**32 + 2 * ALIGN, dtype=torch.uint8)  # never touched: no memory is used
+    state = {"big": big, "small": torch.arange(10)}
+    path = str(tmp_path / "big.pt")
+    storages = [big.untyped_storage(), state["small"].untyped_storage()]
+    skeleton = torch_pickle(state, lambda s: str(next(i for i, t in enumerate(storages) if t._cdata == s._cdata)))
+    plan = [("big/data.pkl", len(skeleton), 1), ("big/version", 2, 1), ("big/data/0", big.numel(), ALIGN),
+            ("big/data/1", state["small"].nbytes, ALIGN)]
+    records, end = plan_zip(plan)
+    assert records[2].zip64() and records[3].zip64()  # its size, and the next one's offset
+    with open(path, "wb") as f:
+        for rec, data in zip(records, [skeleton, b"3\n", None, state["small"].numpy().tobytes()]):
+            f.seek(rec.header_offset)
+            f.write(local_header(rec))
+            if data is not None:
+                f.write(data)
+        f.seek(records[2].data_offset + big.numel() - 3)
+        f.write(b"\x07\x08\x09")
+        f.seek(end)
+        f.write(central_directory(records, end))
+    got = torch.load(path, weights_only=True, mmap=True)
+    assert got["big"].numel() == big.numel() and got["big"][-3:].tolist() == [7, 8, 9] and got["big"][12345].item() == 0
+    assert torch.equal(got["small"], state["small"])
+    with zipfile.ZipFile(path) as z:
+        assert [i.file_size for i in z.infolist()] == [r.size for r in records]
