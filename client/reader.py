@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from datastates.protocol.fileio import MADV_POPULATE_READ, open_for_reading
+from datastates.protocol.fileio import MADV_POPULATE_READ, on_tmpfs, open_for_reading
 from datastates.protocol.descriptors import EMPTY, SourceDesc
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError
 from datastates.protocol.format import (
@@ -42,7 +42,7 @@ def _read_data(path: str, start: int, end: int) -> torch.UntypedStorage:
     """
     if end <= start:
         return torch.UntypedStorage(0)
-    if _in_memory(path):
+    if on_tmpfs(path):
         return _map_private(path, start, end)
     buf = mmap.mmap(-1, end - start)
     _advise(buf, mmap.MADV_HUGEPAGE)  # fresh pages in 2 MiB faults, not 4 KiB ones, where THP is on "madvise"
@@ -63,22 +63,6 @@ def _read_data(path: str, start: int, end: int) -> torch.UntypedStorage:
     finally:
         os.close(fd)
     return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-
-
-def _in_memory(path: str) -> bool:
-    """Whether ``path`` lives on a tmpfs (/dev/shm, say), by the longest mount point above it."""
-    real = os.path.realpath(path)
-    best, fstype = "", ""
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                fields = line.split()
-                point = fields[1].replace("\\040", " ")
-                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
-                    best, fstype = point, fields[2]
-    except OSError:
-        return False
-    return fstype == "tmpfs"
 
 
 def _map_private(path: str, start: int, end: int) -> torch.UntypedStorage:

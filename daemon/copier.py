@@ -16,11 +16,11 @@ from typing import Callable, Sequence
 from datastates.protocol.format import checksum
 from datastates.protocol.layout import Piece
 
-from .memory import Chunk
+from .memory import Chunk, Window
 from .sources import Pending, Region
 
 
-def copy_piece(piece: Piece, chunk: Chunk, regions: Sequence[Region],
+def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
                before: Callable[[Region], None] = lambda region: None) -> list[tuple[int, int, bytes]]:
     """Fill ``chunk`` with ``piece``; returns (storage, slot, checksum) for each segment.
 

@@ -1,7 +1,9 @@
 """The pipeline that moves a snapshot from the trainer's memory to a durable file.
 
 Per piece: take a pool chunk → copy into it on a copy thread → write it on a flush thread
-→ give the chunk back. Pieces of all snapshots queue for chunks in arrival order, so
+→ give the chunk back. A snapshot with an in-memory replica is copied into the replica's
+own pages instead (the chunk only paces it, and goes back once the copy is done), and
+its file is written from them: the replica costs no copy of its own. Pieces of all snapshots queue for chunks in arrival order, so
 copying, checksumming and writing overlap, and host memory never exceeds the pool. The
 header, now with every checksum, is written last, then the file is fsynced and renamed.
 Copies, writes and header encoding run on the two long-lived executors, never on the
@@ -12,15 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
+
+import torch
 
 from datastates.protocol.errors import DatastatesError, SnapshotFailedError
 
 from .copier import copy_piece
 from .instances import Gone
 from .job import SnapshotJob
-from .memory import HostPool
+from .memory import Chunk, HostPool, Window
 from datastates.protocol.layout import Piece
 
 from .sink import FileSink
@@ -77,31 +82,39 @@ class Engine:
         failures: list[BaseException] = []
         uncopied = len(plan.pieces)
         loop = asyncio.get_running_loop()
+        pages: memoryview | None = None
+        in_place: torch.Tensor | None = None
 
         async def one(piece: Piece) -> None:
             nonlocal uncopied
             if failures:
                 return
-            chunk = await self.pool.acquire(job.client_id)
+            chunk: Chunk | None = await self.pool.acquire(job.client_id)
+            at = plan.data_offset + piece.offset
             try:
                 if failures:
                     return
                 if job.abandoned is not None:
                     raise job.abandoned
-                copied = await loop.run_in_executor(self._copy, copy_piece, piece, chunk, job.regions, job.before_copy)
+                dst = chunk if in_place is None else Window(in_place, pages, at, piece.length)
+                copied = await loop.run_in_executor(self._copy, copy_piece, piece, dst, job.regions, job.before_copy)
                 for storage, slot, digest in copied:
                     sums[storage][slot] = digest
                 job.copied_bytes += sum(s.length for s in piece.segments)
                 uncopied -= 1
                 if uncopied == 0:
                     job.mark_copied()
-                await self.flush(sink.write, plan.data_offset + piece.offset, chunk.view[: piece.length])
+                if dst is not chunk:
+                    self.pool.release(chunk)  # the bytes are in the replica's pages now
+                    chunk = None
+                await self.flush(sink.write, at, dst.view[: piece.length], dst is not chunk)
                 job.flushed_bytes += sum(s.length for s in piece.segments)
             except BaseException as exc:
                 failures.append(exc)
                 raise
             finally:
-                self.pool.release(chunk)
+                if chunk is not None:
+                    self.pool.release(chunk)
 
         try:
             await self.flush(sink.create)
@@ -109,11 +122,19 @@ class Engine:
             job.mark_failed(exc)
             return
         try:
+            if job.replica is not None and not any(r.fenced for r in job.regions):  # GPU copies want pinned chunks
+                pages = await self.flush(sink.in_place, plan.file_size)
+                if pages is not None:
+                    job.replica.in_place = True
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # "non-writable buffer": it is writable
+                        in_place = torch.frombuffer(pages, dtype=torch.uint8)
             if job.fences is not None and any(r.fenced for r in job.regions):
                 await job.fences.wait(job.stop_reason, self._fence)
             if not plan.pieces:
                 job.mark_copied()
             await asyncio.gather(*(one(p) for p in plan.pieces), return_exceptions=True)
+            in_place = pages = None  # every copy and write is done: finalize may unmap the pages
             if failures:
                 raise failures[0]
             await self.flush(sink.header, plan.with_checksums(sums).encode(), plan.data_offset)

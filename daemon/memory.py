@@ -64,6 +64,15 @@ class Chunk:
                 self.pin_error = str(exc)
 
 
+class Window:
+    """Bytes ``at..at+length`` of memory the daemon writes a file from (a replica's own pages), in a chunk's
+    shape, so a copy fills them in place of a pool chunk."""
+
+    def __init__(self, tensor: torch.Tensor, view: memoryview, at: int, length: int) -> None:
+        self.tensor = tensor[at:at + length]
+        self.view = view[at:at + length]
+
+
 class HostPool:
     def __init__(self, chunk_size: int, chunks: int, pinned: bool = False) -> None:
         self.chunk_size = chunk_size

@@ -55,6 +55,8 @@ class Replica:
     committed: bool = False
     spare: str = ""
     """A superseded replica's file of the same rank file, for the writer to write over (or "")."""
+    in_place: bool = False
+    """Its pages were filled by the copies themselves, and the file on storage written from them (no copy of its own)."""
     served: bool = False
     """A restore was handed this file: a trainer may map it (copy-on-write, which still shows the file's later
     changes on pages it has not written), so its pages are never written over, only unlinked."""
@@ -203,5 +205,5 @@ class ReplicaStore:
             "spare_bytes": sum(sp.size for sp in self._spares.values()),
             "folder": self.folder,
             "replicas": [{"tag": r.tag, "path": r.path, "file": r.file, "size": r.size, "rank": r.rank[1], "job": r.rank[0],
-                          "committed": r.committed} for r in self._held.values()],
+                          "committed": r.committed, "in_place": r.in_place} for r in self._held.values()],
         }

@@ -7,7 +7,8 @@ snapshot). A replica's failure is contained: it drops that replica, logs why, an
 fails the primary file.
 
 Call order (every call from one flush thread at a time, pieces in any order):
-1. ``create()``; 2. ``write(offset, data)`` any number of times; 3. ``header(encoded,
+1. ``create()``, then ``in_place(size)`` at most once; 2. ``write(offset, data)`` any number of times
+(``in_place=True`` for data already in the pages ``in_place`` handed out); 3. ``header(encoded,
 size)`` once the checksums are known (a file without a separate header, a byte-for-byte
 transfer, skips it); 4. ``finalize()`` makes the replicas then the primary durable, or
 ``abort()`` removes every trace of all of them.
@@ -34,6 +35,8 @@ class _Replica:
         """A file beside it whose pages it may write over (the replica it replaces), or ""."""
         self.handle: Any = None
         self.failed = False
+        self.pages: memoryview | None = None
+        """Its own pages, filled in place by the copies (``FileSink.in_place``)."""
 
 
 class FileSink:
@@ -55,21 +58,45 @@ class FileSink:
         for r in self._replicas:
             self._contain(r, lambda: setattr(r, "handle", r.writer.create(r.path, self._token, r.reuse)))
 
-    def write(self, offset: int, data: memoryview) -> None:
+    def in_place(self, size: int) -> memoryview | None:
+        """The first ``size`` bytes of a replica whose pages are memory, for copies to fill directly: the
+        primary file is then written from them, and the replica costs no copy of its own. None if no replica
+        can (none, or its writer's files are not memory, or they cannot be allocated: the replica is dropped)."""
+        for r in self._replicas:
+            self._contain(r, lambda: setattr(r, "pages", r.writer.pages(r.handle, size)))
+            if r.pages is not None:
+                return r.pages
+        return None
+
+    def write(self, offset: int, data: memoryview, in_place: bool = False) -> None:
         self._writer.write(self._handle, offset, data)
         for r in self._replicas:
-            self._contain(r, lambda: r.writer.write(r.handle, offset, data))
+            if not (in_place and r.pages is not None):  # there already
+                self._contain(r, lambda: r.writer.write(r.handle, offset, data))
+
+    def _release_pages(self) -> None:
+        """Let go of the pages ``in_place`` handed out, so the writer can unmap them; where the caller still
+        holds a view of them (a failure cut its work short), they are unmapped with the last such view."""
+        for r in self._replicas:
+            if r.pages is not None:
+                try:
+                    r.pages.release()
+                except BufferError:
+                    pass
+                r.pages = None
 
     def header(self, encoded: bytes, size: int) -> None:
         """The encoded header, zero-padded to ``size`` (the data region's start), at offset 0."""
         self.write(0, aligned_block(encoded, size))
 
     def finalize(self) -> None:
+        self._release_pages()
         for r in self._replicas:
             self._contain(r, lambda: r.writer.finalize(r.handle))
         self._writer.finalize(self._handle)
 
     def abort(self) -> None:
+        self._release_pages()
         for r in self._replicas:
             self._drop(r)
         if self._handle is not None:

@@ -26,6 +26,22 @@ def open_for_reading(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
+def on_tmpfs(path: str) -> bool:
+    """Whether ``path`` lives on a tmpfs (/dev/shm, say), by the longest mount point above it: its pages are memory."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                point = fields[1].replace("\\040", " ")
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                    best, fstype = point, fields[2]
+    except OSError:
+        return False
+    return fstype == "tmpfs"
+
+
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 

@@ -220,6 +220,7 @@ def test_replicas_written_over_the_last_ones_pages_restore_bitwise_and_hold_two_
     files = sorted(os.listdir(status["folder"]))
     assert len(files) == 2 and sum(f.startswith("spare-") for f in files) == 1, files
     assert status["used_bytes"] == status["spare_bytes"] + sum(r["size"] for r in status["replicas"])
+    assert all(r["in_place"] for r in status["replicas"]), "the copies did not fill the replica's pages themselves"
 
 
 RESTORE_THEN_TRAIN = """
@@ -248,3 +249,8 @@ def test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages(start_d
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "SAME", "a restored tensor changed under the trainer: its replica was written over"
+    # the served replica was removed, not reused: the daemon's kept mapping of it went too (its pages are freed)
+    folder = daemon_status(d.endpoint)["replicas"]["folder"]
+    with open(f"/proc/{d.proc.pid}/maps") as f:
+        removed = [line.split()[-2] for line in f if folder in line and line.rstrip().endswith("(deleted)")]
+    assert not removed, f"the daemon still maps removed replicas: {removed}"

@@ -4,7 +4,8 @@ Call order, every call from a flush thread:
 1. ``create(path, token, reuse="")`` opens a temporary file beside ``path``; ``reuse`` names a file of the
    same folder to take over instead (its pages are reused: the daemon's in-memory replicas); a writer
    that cannot ignores it, and the caller removes it;
-2. ``write(handle, offset, data)`` any number of times, in any order;
+2. ``write(handle, offset, data)`` any number of times, in any order; before them, ``pages(handle, size)``
+   may hand out the file's own pages (a file that is memory) for the caller to fill in place instead;
 3. ``finalize(handle)`` makes the file durable and visible at ``path`` (fsync, rename,
    fsync of the folder), or ``abort(handle)`` removes every trace of it (it never raises: what it cannot
    remove, the next daemon's recovery does);
@@ -52,6 +53,13 @@ class StorageWriter(ABC):
 
     @abstractmethod
     def write(self, handle: Any, offset: int, data: memoryview) -> None: ...
+
+    def pages(self, handle: Any, size: int) -> memoryview | None:
+        """The file's first ``size`` bytes as writable memory, every page allocated, for the caller to fill
+        in place rather than ``write`` from a buffer of its own: one memcpy less. None where the file's pages
+        are not memory (a disk), as here; StorageError where they cannot be allocated (the file system is full).
+        The view must be released before ``finalize`` or ``abort``."""
+        return None
 
     @abstractmethod
     def finalize(self, handle: Any) -> None: ...

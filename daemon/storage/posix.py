@@ -15,13 +15,14 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from datastates.protocol.fileio import PAGE, open_folder, remove
+from datastates.protocol.fileio import MADV_POPULATE_WRITE, PAGE, on_tmpfs, open_folder, remove
 from datastates.protocol.format import TEMP_SUFFIX, TEMP_TOKEN_MAX
 from datastates.protocol.paths import shallow_walk
 
@@ -44,6 +45,30 @@ def temp_path(path: str, token: str) -> str:
 LEFTOVER_DEPTH = 3
 
 
+class _Mapped:
+    """A tmpfs file's pages, mapped shared, every page mapped now. Kept by the writer after the file is
+    finalized: the daemon's next replica of the same rank file takes this file over (a spare, renamed,
+    the same inode) and finds its pages mapped already, instead of mapping 4 KiB pages one by one again."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        """Kept open: its link count says when the file was removed, and the mapping must go."""
+        st = os.fstat(fd)
+        self.key = (st.st_dev, st.st_ino)
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.map.madvise(MADV_POPULATE_WRITE)
+
+    def removed(self) -> bool:
+        return os.fstat(self.fd).st_nlink == 0
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # a view of it lives on: the pages go unmapped with the last of them
+            pass
+        os.close(self.fd)
+
+
 @dataclass
 class _Handle:
     path: str
@@ -58,6 +83,8 @@ class _Handle:
     """Where the furthest write ended (flush threads write pieces in parallel: under ``lock``)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     buffered_fd: int = -1
+    mapped: _Mapped | None = None
+    """The file's pages (``PosixWriter.pages``)."""
 
     def fd_for(self, offset: int, length: int) -> int:
         if not self.direct or (offset % PAGE == 0 and length % PAGE == 0):
@@ -71,6 +98,9 @@ class _Handle:
         return self.buffered_fd
 
     def close(self) -> None:
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
         for fd in (self.fd, self.buffered_fd):
             if fd >= 0:
                 os.close(fd)
@@ -128,7 +158,49 @@ class PosixWriter(StorageWriter):
         except OSError as exc:
             raise storage_error("cannot write", handle.path, exc) from None
 
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._kept: dict[tuple[int, int], _Mapped] = {}
+        """The mappings of finalized tmpfs files, by inode, for ``pages`` to take again when one is reused."""
+        self._kept_lock = threading.Lock()
+
+    def pages(self, handle: _Handle, size: int) -> memoryview | None:
+        """A tmpfs file's own pages (the daemon's replicas). A file taken over (``reuse``) whose pages this
+        writer mapped before, at this size, gets that mapping back; any other is allocated first with
+        ``fallocate``, so a full /dev/shm is an error here, not a SIGBUS at a store into a page it cannot back."""
+        if not on_tmpfs(handle.temp):
+            return None
+        try:
+            fd = os.open(os.path.basename(handle.temp), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=handle.folder)
+            st = os.fstat(fd)
+            with self._kept_lock:
+                kept = self._kept.pop((st.st_dev, st.st_ino), None)
+                self._sweep()
+            if kept is not None and len(kept.map) == size:
+                os.close(fd)
+                handle.mapped = kept
+            else:
+                if kept is not None:
+                    kept.close()
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                    handle.mapped = _Mapped(fd, size)
+                except BaseException:
+                    os.close(fd)
+                    raise
+        except OSError as exc:
+            raise storage_error("cannot allocate", handle.path, exc) from None
+        with handle.lock:
+            handle.end = max(handle.end, size)
+        return memoryview(handle.mapped.map)
+
+    def _sweep(self) -> None:
+        """Unmap the kept files that were removed since (under ``_kept_lock``): their pages are freed only then."""
+        for key in [k for k, m in self._kept.items() if m.removed()]:
+            self._kept.pop(key).close()
+
     def finalize(self, handle: _Handle) -> None:
+        mapped, handle.mapped = handle.mapped, None
         try:
             if handle.reused:
                 os.ftruncate(handle.fd, handle.end)
@@ -138,9 +210,14 @@ class PosixWriter(StorageWriter):
                        src_dir_fd=handle.folder, dst_dir_fd=handle.folder)
             os.fsync(handle.folder)
         except OSError as exc:
+            handle.mapped = mapped
             self.abort(handle)
             raise storage_error("cannot make durable", handle.path, exc) from None
         handle.release()
+        if mapped is not None:
+            with self._kept_lock:
+                self._sweep()
+                self._kept[mapped.key] = mapped
 
     def abort(self, handle: _Handle) -> None:
         if handle.folder < 0:
