@@ -122,7 +122,9 @@ class Engine:
             job.mark_failed(exc)
             return
         try:
-            if job.replica is not None and not any(r.fenced for r in job.regions):  # GPU copies want pinned chunks
+            if job.replica is not None and job.replica.spare and not any(r.fenced for r in job.regions):
+                # only over a spare's pages: fresh ones would be allocated before the copy, where the trainer
+                # may wait on them, not on a flush thread after it; and GPU copies want pinned chunks
                 pages = await self.flush(sink.in_place, plan.file_size)
                 if pages is not None:
                     job.replica.in_place = True
