@@ -11,18 +11,13 @@ boundary for O_DIRECT, and the central directory goes last. Sizes of 4 GiB or mo
 zip64 fields, which torch's reader (miniz) and Python's ``zipfile`` both read.
 
 ``plan_zip`` places the records; ``local_header`` and ``central_directory`` are the bytes
-to write around them; ``torch_pickle`` is ``torch.save``'s skeleton with the caller's keys.
+to write around them.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -114,24 +109,3 @@ def central_directory(records: list[Record], at: int, crcs: dict[str, int] | Non
     else:
         body += _EOCD.pack(0x06054B50, 0, 0, n, n, size, at, 0)
     return bytes(body)
-
-
-def torch_pickle(obj: Any, key_of: Callable[[torch.UntypedStorage], str]) -> bytes:
-    """``obj`` pickled as ``torch.save`` pickles its ``data.pkl``, each storage named by ``key_of`` (its record
-    is ``data/<key>``). Mirrors ``torch.serialization._save``'s persistent ids; no storage is copied, on any
-    device: tensors reduce to their storage objects, which become ids here."""
-
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, torch.storage.TypedStorage):
-                storage = obj._untyped_storage
-                kind, numel = getattr(torch, obj._pickle_storage_type()), obj._size()
-            elif isinstance(obj, torch.UntypedStorage):
-                storage, kind, numel = obj, torch.UntypedStorage, obj.nbytes()
-            else:
-                return None
-            return ("storage", kind, key_of(storage), torch.serialization.location_tag(storage), numel)
-
-    buf = io.BytesIO()
-    Pickler(buf, protocol=2).dump(obj)
-    return buf.getvalue()

@@ -9,14 +9,15 @@ central directory last.
 from __future__ import annotations
 
 import io
+import pickle
 import warnings
 import zipfile
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
 
-from datastates.protocol.torchzip import central_directory, local_header, plan_zip, torch_pickle
+from datastates.protocol.torchzip import central_directory, local_header, plan_zip
 
 from datastates.protocol.providers.tensor import DTYPES
 
@@ -24,6 +25,27 @@ from conftest import assert_state_equal
 from test_dtypes import random_tensor
 
 ALIGN = 4096
+
+
+def torch_pickle(obj: Any, key_of: Callable[[torch.UntypedStorage], str]) -> bytes:
+    """``obj`` pickled as ``torch.save`` pickles its ``data.pkl``, each storage named by ``key_of`` (its record
+    is ``data/<key>``). Mirrors ``torch.serialization._save``'s persistent ids; no storage is copied, on any
+    device: tensors reduce to their storage objects, which become ids here."""
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, torch.storage.TypedStorage):
+                storage = obj._untyped_storage
+                kind, numel = getattr(torch, obj._pickle_storage_type()), obj._size()
+            elif isinstance(obj, torch.UntypedStorage):
+                storage, kind, numel = obj, torch.UntypedStorage, obj.nbytes()
+            else:
+                return None
+            return ("storage", kind, key_of(storage), torch.serialization.location_tag(storage), numel)
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(obj)
+    return buf.getvalue()
 
 
 def _views() -> dict[str, Any]:
