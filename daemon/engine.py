@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -96,7 +97,8 @@ class Engine:
                     return
                 if job.abandoned is not None:
                     raise job.abandoned
-                dst = chunk if in_place is None else Window(in_place, pages, at, piece.length)
+                filled_in_place = in_place is not None
+                dst = Window(in_place, pages, at, piece.length) if filled_in_place else chunk
                 copied = await loop.run_in_executor(self._copy, copy_piece, piece, dst, job.regions, job.before_copy)
                 for storage, slot, digest in copied:
                     sums[storage][slot] = digest
@@ -104,10 +106,10 @@ class Engine:
                 uncopied -= 1
                 if uncopied == 0:
                     job.mark_copied()
-                if dst is not chunk:
-                    self.pool.release(chunk)  # the bytes are in the replica's pages now
+                if filled_in_place:
+                    self.pool.release(chunk)  # it only paced this copy: the bytes are in the replica's pages
                     chunk = None
-                await self.flush(sink.write, at, dst.view[: piece.length], dst is not chunk)
+                await self.flush(sink.write, at, dst.view[: piece.length], filled_in_place)
                 job.flushed_bytes += sum(s.length for s in piece.segments)
             except BaseException as exc:
                 failures.append(exc)
@@ -137,6 +139,8 @@ class Engine:
                 job.mark_copied()
             await asyncio.gather(*(one(p) for p in plan.pieces), return_exceptions=True)
             in_place = pages = None  # every copy and write is done: finalize may unmap the pages
+            for exc in failures:  # their tracebacks hold the copies' frames, whose locals still view the pages
+                traceback.clear_frames(exc.__traceback__)
             if failures:
                 raise failures[0]
             await self.flush(sink.header, plan.with_checksums(sums).encode(), plan.data_offset)

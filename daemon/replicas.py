@@ -29,7 +29,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.paths import SHM_DIR
@@ -102,8 +102,10 @@ def remove_gone(gone: Gone) -> list[str]:
 
 
 class ReplicaStore:
-    def __init__(self, policy: str, budget: int, owner: str) -> None:
+    def __init__(self, policy: str, budget: int, owner: str, on_removed: Callable[[], None] = lambda: None) -> None:
         self.policy = policy
+        self._on_removed = on_removed
+        """Called once files were removed: the storage writer may still map them (their pages are freed then)."""
         self.budget = budget
         self.folder = _folder_prefix() + owner
         self._held: dict[int, Replica] = {}
@@ -122,7 +124,7 @@ class ReplicaStore:
         if spare is not None:
             self.used -= spare.size  # becomes this replica's file, or goes
         if self.used + size > self.budget:
-            _unlink(spare.file if spare else "")
+            self._remove(spare.file if spare else "")
             log.info("no replica of %s: %d bytes over memory_restore_budget (%d of %d used)",
                      path, size, self.used, self.budget)
             return None
@@ -131,7 +133,7 @@ class ReplicaStore:
         st = os.statvfs(self.folder)
         if st.f_bavail * st.f_frsize + (spare.size if spare else 0) < size + SHM_HEADROOM:
             log.info("no replica of %s: /dev/shm has too little room", path)
-            _unlink(spare.file if spare else "")
+            self._remove(spare.file if spare else "")
             return None
         replica = Replica(job_id, path, os.path.join(self.folder, f"{job_id}-{os.path.basename(path)}"), size,
                           tag, (ranks.job, ranks.rank), spare=spare.file if spare else "")
@@ -143,8 +145,7 @@ class ReplicaStore:
         replica = self._held.pop(job_id, None)
         if replica is not None:
             self.used -= replica.size
-            _unlink(replica.file)
-            _unlink(replica.spare)  # still there if its write never started
+            self._remove(replica.file, replica.spare)  # the spare is still there if its write never started
 
     def _supersede(self, replica: Replica) -> None:
         """A newer replica of its rank file is committed: keep its file as that rank file's spare, unless a
@@ -156,16 +157,22 @@ class ReplicaStore:
         old = self._spares.pop(replica.rank_file, None)
         if old is not None:
             self.used -= old.size
-            _unlink(old.file)
+            self._remove(old.file)
         spare = os.path.join(self.folder, f"spare-{replica.job_id}")
         try:
             os.rename(replica.file, spare)
         except OSError:  # never written (a failed snapshot), or removed under the daemon
             self.used -= replica.size
-            _unlink(replica.spare)
+            self._remove(replica.spare)
             return
-        _unlink(replica.spare)
+        self._remove(replica.spare)
         self._spares[replica.rank_file] = _Spare(spare, replica.size)
+
+    def _remove(self, *paths: str) -> None:
+        for path in paths:
+            _unlink(path)
+        if any(paths):
+            self._on_removed()
 
     def committed(self, tag: str, job_ids: Iterable[int]) -> None:
         """Snapshots ``job_ids`` (one client's, of ``tag``) are committed: their replicas serve restores, older ones of each file go."""

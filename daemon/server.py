@@ -72,7 +72,8 @@ class Daemon:
         self.versions = Versions(self.instance.owner)
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions)
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
-        self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner)
+        self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
+                                     on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed())
         self._tasks: set[asyncio.Task] = set()
         self._left: dict[str, str] = {}
         """Decision folders of clients that left, removed once none of their snapshots is pending."""

@@ -420,6 +420,12 @@ def read_only(folder: Path) -> Iterator[None]:
         assert sh("umount", folder).returncode == 0, f"cannot drop the read-only bind mount of {folder}"
 
 
+def mapped_files(d: DaemonProc, folder: str) -> list[str]:
+    """The files under ``folder`` the daemon maps, each ending in " (deleted)" if it was removed since."""
+    with open(f"/proc/{d.proc.pid}/maps") as f:
+        return sorted({line.split(None, 5)[5].rstrip() for line in f if f" {folder}/" in line})
+
+
 def temp_files(root: Path) -> list[Path]:
     """Half-written files the daemon left behind under ``root``."""
     from datastates.protocol.format import TEMP_SUFFIX

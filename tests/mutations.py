@@ -201,9 +201,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "removed-replica-kept-mapped",
         "the writer keeps its mapping of a replica file after the file is removed, so its pages are never freed",
         (Edit("daemon/storage/posix.py",
-              "        for key in [k for k, m in self._kept.items() if m.removed()]:\n",
-              "        for key in []:  # MUTATION: never swept\n"),),
+              "            for key in [k for k, m in self._kept.items() if m.removed()]:\n",
+              "            for key in []:  # MUTATION: never swept\n"),),
         ("tests/test_restore.py::test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages",),
+    ),
+    Mutation(
+        "failed-copy-frames-kept",
+        "a failed snapshot's tracebacks keep views of its replica's pages, which stay mapped after the file is removed",
+        (Edit("daemon/engine.py",
+              "                traceback.clear_frames(exc.__traceback__)\n",
+              "                pass  # MUTATION: frames kept\n"),),
+        ("tests/faults/test_storage_faults.py::test_disk_full_fails_the_tag_and_keeps_the_last_one",),
     ),
 )
 

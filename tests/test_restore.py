@@ -24,7 +24,7 @@ from datastates.client import Client, daemon_status
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import CommitError, CorruptCheckpointError, InvalidRequestError
 
-from conftest import DaemonProc, assert_state_equal, save
+from conftest import DaemonProc, assert_state_equal, mapped_files, save
 
 TRAINER = """
 import sys, time, torch
@@ -250,7 +250,5 @@ def test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages(start_d
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "SAME", "a restored tensor changed under the trainer: its replica was written over"
     # the served replica was removed, not reused: the daemon's kept mapping of it went too (its pages are freed)
-    folder = daemon_status(d.endpoint)["replicas"]["folder"]
-    with open(f"/proc/{d.proc.pid}/maps") as f:
-        removed = [line.split()[-2] for line in f if folder in line and line.rstrip().endswith("(deleted)")]
+    removed = [m for m in mapped_files(d, daemon_status(d.endpoint)["replicas"]["folder"]) if m.endswith("(deleted)")]
     assert not removed, f"the daemon still maps removed replicas: {removed}"

@@ -58,8 +58,11 @@ class StorageWriter(ABC):
         """The file's first ``size`` bytes as writable memory, every page allocated, for the caller to fill
         in place rather than ``write`` from a buffer of its own: one memcpy less. None where the file's pages
         are not memory (a disk), as here; StorageError where they cannot be allocated (the file system is full).
-        The view must be released before ``finalize`` or ``abort``."""
+        ``finalize`` or ``abort`` unmaps them once the caller's views of them are gone."""
         return None
+
+    def release_removed(self) -> None:
+        """Let go of what the writer still holds of files removed since (``pages``' mappings); nothing here."""
 
     @abstractmethod
     def finalize(self, handle: Any) -> None: ...

@@ -56,7 +56,10 @@ class _Mapped:
         st = os.fstat(fd)
         self.key = (st.st_dev, st.st_ino)
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self.map.madvise(MADV_POPULATE_WRITE)
+        try:
+            self.map.madvise(MADV_POPULATE_WRITE)
+        except OSError:  # before Linux 5.14: the copies fault the (allocated) pages in
+            pass
 
     def removed(self) -> bool:
         return os.fstat(self.fd).st_nlink == 0
@@ -85,6 +88,9 @@ class _Handle:
     buffered_fd: int = -1
     mapped: _Mapped | None = None
     """The file's pages (``PosixWriter.pages``)."""
+    kept: _Mapped | None = None
+    """The writer's kept mapping of the file this one took over (``reuse``), for ``pages`` to use; closed
+    at finalize if it did not: a file rewritten through ``write`` may be cut shorter than it maps."""
 
     def fd_for(self, offset: int, length: int) -> int:
         if not self.direct or (offset % PAGE == 0 and length % PAGE == 0):
@@ -98,9 +104,10 @@ class _Handle:
         return self.buffered_fd
 
     def close(self) -> None:
-        if self.mapped is not None:
-            self.mapped.close()
-            self.mapped = None
+        for mapped in (self.mapped, self.kept):
+            if mapped is not None:
+                mapped.close()
+        self.mapped = self.kept = None
         for fd in (self.fd, self.buffered_fd):
             if fd >= 0:
                 os.close(fd)
@@ -140,7 +147,12 @@ class PosixWriter(StorageWriter):
         except OSError as exc:
             os.close(folder)
             raise storage_error("cannot create", path, exc) from None
-        return _Handle(path=path, temp=temp, folder=folder, fd=fd, direct=want_direct, reused=bool(reuse))
+        handle = _Handle(path=path, temp=temp, folder=folder, fd=fd, direct=want_direct, reused=bool(reuse))
+        if reuse:
+            st = os.fstat(fd)
+            with self._kept_lock:
+                handle.kept = self._kept.pop((st.st_dev, st.st_ino), None)
+        return handle
 
     def write(self, handle: _Handle, offset: int, data: memoryview) -> None:
         with handle.lock:
@@ -161,7 +173,7 @@ class PosixWriter(StorageWriter):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._kept: dict[tuple[int, int], _Mapped] = {}
-        """The mappings of finalized tmpfs files, by inode, for ``pages`` to take again when one is reused."""
+        """The mappings of finalized tmpfs files, by inode, for the next ``create`` that takes one over."""
         self._kept_lock = threading.Lock()
 
     def pages(self, handle: _Handle, size: int) -> memoryview | None:
@@ -170,18 +182,13 @@ class PosixWriter(StorageWriter):
         ``fallocate``, so a full /dev/shm is an error here, not a SIGBUS at a store into a page it cannot back."""
         if not on_tmpfs(handle.temp):
             return None
+        kept, handle.kept = handle.kept, None
         try:
             fd = os.open(os.path.basename(handle.temp), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=handle.folder)
-            st = os.fstat(fd)
-            with self._kept_lock:
-                kept = self._kept.pop((st.st_dev, st.st_ino), None)
-                self._sweep()
-            if kept is not None and len(kept.map) == size:
+            if kept is not None and len(kept.map) == size and os.fstat(fd).st_size >= size:
                 os.close(fd)
-                handle.mapped = kept
+                handle.mapped, kept = kept, None
             else:
-                if kept is not None:
-                    kept.close()
                 try:
                     os.posix_fallocate(fd, 0, size)
                     handle.mapped = _Mapped(fd, size)
@@ -190,14 +197,18 @@ class PosixWriter(StorageWriter):
                     raise
         except OSError as exc:
             raise storage_error("cannot allocate", handle.path, exc) from None
+        finally:
+            if kept is not None:
+                kept.close()
         with handle.lock:
             handle.end = max(handle.end, size)
         return memoryview(handle.mapped.map)
 
-    def _sweep(self) -> None:
-        """Unmap the kept files that were removed since (under ``_kept_lock``): their pages are freed only then."""
-        for key in [k for k, m in self._kept.items() if m.removed()]:
-            self._kept.pop(key).close()
+    def release_removed(self) -> None:
+        """Unmap the kept files removed since: their pages are freed only then."""
+        with self._kept_lock:
+            for key in [k for k, m in self._kept.items() if m.removed()]:
+                self._kept.pop(key).close()
 
     def finalize(self, handle: _Handle) -> None:
         mapped, handle.mapped = handle.mapped, None
@@ -216,8 +227,10 @@ class PosixWriter(StorageWriter):
         handle.release()
         if mapped is not None:
             with self._kept_lock:
-                self._sweep()
+                old = self._kept.pop(mapped.key, None)
                 self._kept[mapped.key] = mapped
+            if old is not None:
+                old.close()
 
     def abort(self, handle: _Handle) -> None:
         if handle.folder < 0:
