@@ -14,13 +14,18 @@ from datastates.protocol.fileio import MADV_POPULATE_READ, on_tmpfs, open_for_re
 from datastates.protocol.descriptors import EMPTY, SourceDesc
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError
 from datastates.protocol.format import (
+    DATA_ALIGN,
+    INDEX_AT,
     PREAMBLE_SIZE,
     FileHeader,
+    align_up,
     checksum,
     data_offset,
+    index_at,
     parse_header,
     parse_preamble,
     segments,
+    zip_layout,
 )
 from datastates.protocol.providers import get_provider
 from datastates.protocol.tags import listing
@@ -207,31 +212,37 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: b
     """
     path = os.fspath(path)
     device = torch.device(map_location) if map_location is not None else None
-    header, base, size = _read_header(path)
+    header, base, end = _read_header(path)
     _check_identity(path, header)
-    return _Restore(path, _read_data(path, base, size), header, verify, device, weights_only).entry(header.root)
+    return _Restore(path, _read_data(path, base, end), header, verify, device, weights_only).entry(header.root)
 
 
 def _read_header(path: str) -> tuple[FileHeader, int, int]:
-    """The checked header of ``path``, where its data region starts, and the file's size."""
+    """The checked header of ``path``, and where its data region starts and ends (padded to DATA_ALIGN)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, 0), path)
-        if PREAMBLE_SIZE + header_len > size:
+        version, at = index_at(os.pread(fd, INDEX_AT, 0), path)
+        header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, at), path, version)
+        if at + PREAMBLE_SIZE + header_len > size:
             raise CorruptCheckpointError(f"{path}: file is truncated inside its header ({size} bytes)", path=path)
-        header = parse_header(os.pread(fd, header_len, PREAMBLE_SIZE), header_hash, path)
+        header = parse_header(os.pread(fd, header_len, at + PREAMBLE_SIZE), header_hash, path)
     finally:
         os.close(fd)
-    base = data_offset(header_len)
-    expected = header.file_size(base)
+    if version == 1:
+        base, expected = data_offset(header_len), header.file_size(data_offset(header_len))
+    else:
+        layout = zip_layout(header, PREAMBLE_SIZE + header_len)
+        if [s.offset for s in header.storages] != [r.data_offset for r in layout.storages]:
+            raise CorruptCheckpointError(f"{path}: header places storages where its zip layout does not", path=path)
+        base, expected = layout.data_offset, layout.file_size
     if size != expected:
         raise CorruptCheckpointError(
             f"{path}: file is {size} bytes but its header declares {expected}"
             + (" (truncated)" if size < expected else " (bytes appended)"),
             path=path,
         )
-    return header, base, size
+    return header, base, base + align_up(header.data_len, DATA_ALIGN)
 
 
 def _check_identity(path: str, header: FileHeader) -> None:
@@ -250,9 +261,9 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     Returns (entries, data bytes); raises CorruptCheckpointError or UnsupportedFormatError.
     """
     path = os.fspath(path)
-    header, base, size = _read_header(path)
+    header, base, end = _read_header(path)
     _check_identity(path, header)
-    ctx = _Restore(path, _read_data(path, base, size), header, True, None)
+    ctx = _Restore(path, _read_data(path, base, end), header, True, None)
     for index in range(len(header.storages)):
         ctx.storage(index)
     return len(header.entries), header.data_len

@@ -5,7 +5,8 @@ run in parallel; device regions queue theirs on the thread's own CUDA stream, an
 thread waits for them all at once. Every copy queued is waited for before this returns or
 raises, so a chunk goes back to the pool only once no device copy can still land in it
 (the next snapshot's bytes would be overwritten). The bytes between storages are zeroed,
-so a reused chunk never leaks an older snapshot into a new file, and each segment is
+then the piece's fills (the zip local headers before storages) written into them, so a
+reused chunk never leaks an older snapshot into a new file, and each segment is
 checksummed on the daemon's own copy, the bytes written.
 """
 
@@ -42,6 +43,8 @@ def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
             cursor = seg.dst + seg.length
         if cursor < piece.length:
             dst[cursor:piece.length].zero_()
+        for at, data in piece.fills:
+            chunk.view[at:at + len(data)] = data
     finally:
         _wait_all(pending)
     return [(seg.source, seg.slot, checksum(chunk.view[seg.dst:seg.dst + seg.length])) for seg in piece.segments]

@@ -143,7 +143,7 @@ class Engine:
                 traceback.clear_frames(exc.__traceback__)
             if failures:
                 raise failures[0]
-            await self.flush(sink.header, plan.with_checksums(sums).encode(), plan.data_offset)
+            await self.flush(sink.header, plan.head(sums), plan.data_offset, plan.layout.tail_at, plan.layout.tail)
             if after:
                 await asyncio.wait(after)
             await self.flush(_finalize, job, sink)

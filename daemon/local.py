@@ -84,7 +84,7 @@ class LocalSaver:
                 for storage, slot, digest in copy_piece(piece, self._chunk, regions):
                     sums[storage][slot] = digest
                 sink.write(plan.data_offset + piece.offset, self._chunk.view[: piece.length])
-            sink.header(plan.with_checksums(sums).encode(), plan.data_offset)
+            sink.header(plan.head(sums), plan.data_offset, plan.layout.tail_at, plan.layout.tail)
             sink.finalize()
         except BaseException:
             sink.abort()

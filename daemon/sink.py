@@ -8,8 +8,8 @@ fails the primary file.
 
 Call order (every call from one flush thread at a time, pieces in any order):
 1. ``create()``, then ``in_place(size)`` at most once; 2. ``write(offset, data)`` any number of times
-(``in_place=True`` for data already in the pages ``in_place`` handed out); 3. ``header(encoded,
-size)`` once the checksums are known (a file without a separate header, a byte-for-byte
+(``in_place=True`` for data already in the pages ``in_place`` handed out); 3. ``header(head,
+size, tail_at, tail)`` once the checksums are known (a file without a separate header, a byte-for-byte
 transfer, skips it); 4. ``finalize()`` makes the replicas then the primary durable, or
 ``abort()`` removes every trace of all of them.
 """
@@ -85,9 +85,12 @@ class FileSink:
                     pass
                 r.pages = None
 
-    def header(self, encoded: bytes, size: int) -> None:
-        """The encoded header, zero-padded to ``size`` (the data region's start), at offset 0."""
-        self.write(0, aligned_block(encoded, size))
+    def header(self, head: bytes, size: int, tail_at: int = 0, tail: bytes = b"") -> None:
+        """The head (the index, now with every checksum, and what precedes the data), zero-padded to ``size``
+        (the data region's start), at offset 0; and ``tail`` (a zip's central directory) at ``tail_at``."""
+        self.write(0, aligned_block(head, size))
+        if tail:
+            self.write(tail_at, memoryview(tail))
 
     def finalize(self) -> None:
         self._release_pages()

@@ -1,6 +1,10 @@
 """The on-disk structures, defined once: the checkpoint file and the commit marker.
 
-A checkpoint file (one per ``snapshot()`` call) is::
+A checkpoint file (one per ``snapshot()`` call) of format 2 is a zip ``torch.load`` reads
+(``ZipLayout``): the index below (preamble and header) as its first record at
+``INDEX_AT``, then ``data.pkl`` and torch's small records, zeros to DATA_ALIGN, the data
+region, whose storages are zip records each preceded by its local header, and the
+central directory. Format 1, which ``datastates.load`` still reads, is::
 
     preamble   32 bytes  magic, format version, flags, header length, xxh64 of the header
     header     msgpack   FileHeader: tag, storage index with checksums, entries, root
@@ -29,7 +33,8 @@ import xxhash
 from .descriptors import EntryDesc
 from .errors import CorruptCheckpointError, DatastatesError, InvalidRequestError, UnsupportedFormatError
 from .schema import from_dict, pack, plain
-from .version import COMMIT_VERSION, FORMAT_VERSION
+from .torchzip import Record, central_directory, local_header, local_header_size, plan_zip
+from .version import COMMIT_VERSION, FORMAT_VERSION, READABLE_FORMATS
 
 MAGIC = b"DSTATES\x00"
 PREAMBLE = struct.Struct("<8sIIQQ")
@@ -87,11 +92,14 @@ class FileHeader:
     snapshot: str = ""
     """Which snapshot wrote this file: ``<daemon owner>/<client>/<snapshot id>``. Its tag's marker lists the
     same for it, so a file swapped for another snapshot's (same size, sound checksums) is refused on read."""
+    torch_pkl: int = 0
+    """Format 2: bytes of the ``data.pkl`` record ``torch.load`` reads; 0 if the file has none (its skeleton
+    names leaves that are not tensors: ``datastates.load`` alone reads it)."""
 
-    def encode(self) -> bytes:
+    def encode(self, version: int = FORMAT_VERSION) -> bytes:
         """Preamble + header; its length does not depend on the checksum values."""
         body = pack(self)
-        return PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(body), xxhash.xxh64_intdigest(body)) + body
+        return PREAMBLE.pack(MAGIC, version, 0, len(body), xxhash.xxh64_intdigest(body)) + body
 
     def file_size(self, data_offset: int) -> int:
         return data_offset + align_up(self.data_len, DATA_ALIGN)
@@ -139,18 +147,93 @@ def segments(offset: int, nbytes: int, piece_size: int) -> list[tuple[int, int]]
     return out
 
 
-def parse_preamble(raw: bytes, path: str) -> tuple[int, int]:
-    """(header length, header xxh64) from the first PREAMBLE_SIZE bytes of ``path``."""
+def parse_preamble(raw: bytes, path: str, version: int = 1) -> tuple[int, int]:
+    """(header length, header xxh64) from the PREAMBLE_SIZE bytes of ``path``'s index, which must be of
+    format ``version`` (``index_at`` tells which the file's first bytes say)."""
     if len(raw) < PREAMBLE_SIZE:
         raise CorruptCheckpointError(f"{path}: file is truncated ({len(raw)} bytes, no full preamble)", path=path)
-    magic, version, _flags, header_len, header_hash = PREAMBLE.unpack(raw[:PREAMBLE_SIZE])
+    magic, found, _flags, header_len, header_hash = PREAMBLE.unpack(raw[:PREAMBLE_SIZE])
     if magic != MAGIC:
         raise UnsupportedFormatError(f"{path}: not a datastates checkpoint (bad magic {magic!r})", path=path)
-    if version != FORMAT_VERSION:
+    if found not in READABLE_FORMATS:
         raise UnsupportedFormatError(
-            f"{path}: format version {version} is not supported (this reader knows {FORMAT_VERSION})", path=path
-        )
+            f"{path}: format version {found} is not supported (this reader knows {', '.join(map(str, READABLE_FORMATS))})",
+            path=path)
+    if found != version:
+        raise CorruptCheckpointError(f"{path}: an index of format {found} in a file laid out as format {version}",
+                                     path=path)
     return header_len, header_hash
+
+
+ARCHIVE = "archive"
+"""The folder every record of a format-2 file is named under (torch takes the first record's)."""
+INDEX_RECORD = f"{ARCHIVE}/.data/datastates/index"
+PICKLE_RECORD = f"{ARCHIVE}/data.pkl"
+TORCH_RECORDS = ((".format_version", b"1"), (".storage_alignment", str(STORAGE_ALIGN).encode()),
+                 ("byteorder", b"little"), ("version", b"3\n"))
+"""The small records ``torch.save`` writes, with its values: ``torch.load`` needs ``version``."""
+INDEX_AT = local_header_size(INDEX_RECORD)
+"""Where a format-2 file's index (preamble and header) starts: right after its record's local header."""
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def index_at(first: bytes, path: str) -> tuple[int, int]:
+    """(format, offset of the index) from the first INDEX_AT bytes of ``path``."""
+    if first[:len(MAGIC)] == MAGIC:
+        return 1, 0
+    if first[:len(ZIP_MAGIC)] != ZIP_MAGIC:
+        raise UnsupportedFormatError(f"{path}: not a datastates checkpoint (it starts {first[:8]!r})", path=path)
+    if first[local_header_size(""):INDEX_AT] != INDEX_RECORD.encode():
+        raise UnsupportedFormatError(f"{path}: a zip without a datastates index (a torch.save file? read it with "
+                                     "torch.load, or convert it with datastatesctl convert)", path=path)
+    return 2, INDEX_AT
+
+
+def storage_records(sizes: list[int]) -> tuple[list[Record], int]:
+    """Format 2: each storage's record, offsets relative to the data region, and the region's length. The
+    region starts on DATA_ALIGN, which every alignment divides, so they do not depend on what comes before."""
+    return plan_zip([(f"{ARCHIVE}/data/{k}", n, STORAGE_ALIGN) for k, n in enumerate(sizes)])
+
+
+@dataclass(frozen=True)
+class ZipLayout:
+    """Where everything of a format-2 file lies, from its header alone: the writer plans by it, the reader checks by it."""
+
+    head: list[Record]
+    """The index, ``data.pkl`` and torch's small records, in that order, from offset 0."""
+    storages: list[Record]
+    """Relative to the data region."""
+    data_offset: int
+    tail_at: int
+    """Where the central directory starts: the data region's end, padded to DATA_ALIGN."""
+    tail: bytes
+
+    @property
+    def file_size(self) -> int:
+        return self.tail_at + len(self.tail)
+
+    def storage_headers(self) -> list[tuple[int, bytes]]:
+        """Each storage's local header, at its offset relative to the data region: bytes of the data region."""
+        return [(r.header_offset, local_header(r)) for r in self.storages]
+
+    def head_bytes(self, index: bytes, pickle: bytes) -> bytes:
+        """Bytes ``0..data_offset``: every head record with its local header, zeros to the data region."""
+        out = bytearray()
+        for rec, data in zip(self.head, [index, pickle, *(b for _, b in TORCH_RECORDS)] if pickle
+                             else [index, *(b for _, b in TORCH_RECORDS)]):
+            out += local_header(rec) + data
+        return bytes(out) + bytes(self.data_offset - len(out))
+
+
+def zip_layout(header: FileHeader, index_len: int) -> ZipLayout:
+    """The format-2 layout of a file whose index is ``index_len`` bytes (preamble included)."""
+    head, end = plan_zip([(INDEX_RECORD, index_len, 1)] + [(PICKLE_RECORD, header.torch_pkl, 1)] * bool(header.torch_pkl)
+                         + [(f"{ARCHIVE}/{name}", len(value), 1) for name, value in TORCH_RECORDS])
+    storages, _ = storage_records([s.nbytes for s in header.storages])
+    base = align_up(end, DATA_ALIGN)
+    tail_at = base + align_up(header.data_len, DATA_ALIGN)
+    placed = [Record(r.name, r.size, r.header_offset + base, r.data_offset + base) for r in storages]
+    return ZipLayout(head, storages, base, tail_at, central_directory(head + placed, tail_at))
 
 
 def parse_header(body: bytes, expected_hash: int, path: str) -> FileHeader:

@@ -16,12 +16,15 @@ from datastates.protocol.errors import InvalidRequestError
 from datastates.protocol.format import (
     CHECKSUM_BYTES,
     DATA_ALIGN,
-    STORAGE_ALIGN,
     FileHeader,
     StorageRecord,
+    ZipLayout,
     align_up,
     segments,
+    storage_records,
+    zip_layout,
 )
+from datastates.protocol.torchzip import torch_data_pkl
 
 from .providers import get_provider, provider_names
 
@@ -47,6 +50,8 @@ class Piece:
     length: int
     """Bytes written, padded to DATA_ALIGN."""
     segments: tuple[Segment, ...]
+    fills: tuple[tuple[int, bytes], ...] = ()
+    """Bytes that are not storage bytes, at their offset in the piece: the zip local headers before storages."""
 
 
 @dataclass(frozen=True)
@@ -56,14 +61,18 @@ class FilePlan:
     data_offset: int
     pieces: tuple[Piece, ...]
     total_bytes: int
+    layout: ZipLayout
+    torch_pkl: bytes
+    """``data.pkl``, made from the skeleton (``torch_data_pkl``); empty if it names leaves that are not tensors."""
 
     @property
     def file_size(self) -> int:
-        return self.header.file_size(self.data_offset)
+        return self.layout.file_size
 
-    def with_checksums(self, sums: list[list[bytes]]) -> FileHeader:
+    def head(self, sums: list[list[bytes]]) -> bytes:
+        """Bytes ``0..data_offset``, the index now with every checksum: written once every piece is."""
         storages = [replace(s, checksums=c) for s, c in zip(self.header.storages, sums)]
-        return replace(self.header, storages=storages)
+        return self.layout.head_bytes(replace(self.header, storages=storages).encode(), self.torch_pkl)
 
 
 def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "") -> FilePlan:
@@ -79,18 +88,18 @@ def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "
             raise InvalidRequestError(f"entry {entry.name!r}: unknown provider {entry.provider!r} (known: {provider_names()})")
         entries.append(provider.plan(entry, msg.sources))
 
-    storages, cursor = [], 0
-    for src in msg.sources:
-        cursor = align_up(cursor, STORAGE_ALIGN)
-        n = len(segments(cursor, src.nbytes, piece_size))
-        storages.append(StorageRecord(offset=cursor, nbytes=src.nbytes, checksums=[b"\0" * CHECKSUM_BYTES] * n))
-        cursor += src.nbytes
+    records, data_len = storage_records([src.nbytes for src in msg.sources])
+    storages = [StorageRecord(offset=r.data_offset, nbytes=r.size,
+                              checksums=[b"\0" * CHECKSUM_BYTES] * len(segments(r.data_offset, r.size, piece_size)))
+                for r in records]
+    pkl = _torch_pkl(entries, msg)
     header = FileHeader(
-        tag=msg.tag, created_ns=time.time_ns(), piece_size=piece_size, data_len=cursor, snapshot=snapshot,
-        storages=storages, entries=entries, root=msg.root,
+        tag=msg.tag, created_ns=time.time_ns(), piece_size=piece_size, data_len=data_len, snapshot=snapshot,
+        storages=storages, entries=entries, root=msg.root, torch_pkl=len(pkl),
     )
+    layout = zip_layout(header, len(header.encode()))
 
-    padded = align_up(cursor, DATA_ALIGN)
+    padded = align_up(data_len, DATA_ALIGN)
     by_piece: list[list[Segment]] = [[] for _ in range(0, padded, piece_size)]
     for index, rec in enumerate(storages):
         for slot, (start, length) in enumerate(segments(rec.offset, rec.nbytes, piece_size)):
@@ -98,11 +107,26 @@ def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "
             by_piece[start // piece_size].append(
                 Segment(source=index, src=start - rec.offset, dst=start - base, length=length, slot=slot)
             )
+    fills: list[list[tuple[int, bytes]]] = [[] for _ in by_piece]
+    for at, data in layout.storage_headers():  # a header may straddle two pieces
+        for start, length in segments(at, len(data), piece_size):
+            fills[start // piece_size].append((start % piece_size, data[start - at:start - at + length]))
     pieces = tuple(
-        Piece(offset=k * piece_size, length=min(piece_size, padded - k * piece_size), segments=tuple(segs))
+        Piece(offset=k * piece_size, length=min(piece_size, padded - k * piece_size), segments=tuple(segs),
+              fills=tuple(fills[k]))
         for k, segs in enumerate(by_piece)
     )
     return FilePlan(
-        path=path, header=header, data_offset=align_up(len(header.encode()), DATA_ALIGN),
-        pieces=pieces, total_bytes=sum(s.nbytes for s in msg.sources),
+        path=path, header=header, data_offset=layout.data_offset, pieces=pieces,
+        total_bytes=sum(s.nbytes for s in msg.sources), layout=layout, torch_pkl=pkl,
     )
+
+
+def _torch_pkl(entries: list, msg: m.Snapshot) -> bytes:
+    """``data.pkl`` for ``torch.load``, from the skeleton (the root entry, pickled) and the tensor entries."""
+    root = entries[msg.root]
+    if root.provider != "pickle" or not isinstance(root.meta.get("data"), bytes):
+        return b""
+    tensors = {i: {**e.meta, "nbytes": msg.sources[e.meta["storage"]].nbytes}
+               for i, e in enumerate(entries) if e.provider == "tensor"}
+    return torch_data_pkl(root.meta["data"], tensors) or b""

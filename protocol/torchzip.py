@@ -16,6 +16,7 @@ to write around them.
 
 from __future__ import annotations
 
+import pickletools
 import struct
 from dataclasses import dataclass
 
@@ -52,6 +53,11 @@ class Record:
 
 def _header_len(name: bytes, size: int) -> int:
     return _LOCAL.size + len(name) + (_EXTRA.size + 16 if size >= _U32 else 0)
+
+
+def local_header_size(name: str) -> int:
+    """Bytes of the local header of a record named ``name`` under 4 GiB with no padding: where its data starts."""
+    return _header_len(name.encode(), 0)
 
 
 def plan_zip(records: list[tuple[str, int, int]], start: int = 0) -> tuple[list[Record], int]:
@@ -109,3 +115,79 @@ def central_directory(records: list[Record], at: int, crcs: dict[str, int] | Non
     else:
         body += _EOCD.pack(0x06054B50, 0, 0, n, n, size, at, 0)
     return bytes(body)
+
+
+def _int(n: int) -> bytes:
+    if 0 <= n < 256:
+        return b"K" + bytes([n])
+    if 0 <= n < 65536:
+        return b"M" + struct.pack("<H", n)
+    if -(2**31) <= n < 2**31:
+        return b"J" + struct.pack("<i", n)
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _str(s: str) -> bytes:
+    raw = s.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _tuple(items: list[bytes]) -> bytes:
+    return b"(" + b"".join(items) + b"t" if items else b")"
+
+
+_NO_HOOKS = b"ccollections\nOrderedDict\n)R"
+_INT_PUSH = {"BININT1", "BININT2", "BININT", "LONG1"}
+
+
+def _tensor(meta: dict, requires_grad: bool) -> bytes:
+    """torch.save's pickle of one tensor: ``_rebuild_tensor_v3`` of an untyped storage record, whatever its dtype."""
+    storage = _tuple([_str("storage"), b"ctorch.storage\nUntypedStorage\n", _str(str(meta["storage"])), _str("cpu"),
+                      _int(meta["nbytes"])]) + b"Q"
+    return (b"ctorch._utils\n_rebuild_tensor_v3\n(" + storage + _int(meta["storage_offset"])
+            + _tuple([_int(n) for n in meta["shape"]]) + _tuple([_int(n) for n in meta["stride"]])
+            + (b"\x88" if requires_grad else b"\x89") + _NO_HOOKS + f"ctorch\n{meta['dtype']}\n".encode() + b"tR")
+
+
+def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
+    """The ``data.pkl`` ``torch.load`` reads, made from a datastates skeleton without running it.
+
+    ``skeleton`` is the client's pickle of the state, each leaf replaced by a persistent id:
+    its entry's index (``<int> BINPERSID``). ``tensors`` has, for each tensor entry, its
+    provider's metadata plus ``nbytes``, its storage's size. Each ``<int> BINPERSID`` becomes
+    the opcodes ``torch.save`` writes for that tensor, naming its storage as record
+    ``data/<storage index>``; the first one is memoized, so one object in is one object out
+    again. None if the skeleton does not parse, or names an entry that is not a tensor.
+    """
+    try:
+        ops = list(pickletools.genops(skeleton))
+    except Exception:  # a malformed pickle: genops raises ValueError, or anything its parsing of args meets
+        return None
+    memo = [arg for op, arg, _ in ops if op.name in ("BINPUT", "LONG_BINPUT", "PUT")]
+    next_memo = max([int(m) for m in memo], default=-1) + 1
+    seen: dict[int, int] = {}
+    out, copied = bytearray(), 0
+    for i, (op, arg, pos) in enumerate(ops):
+        if op.name != "BINPERSID":
+            continue
+        if i == 0 or ops[i - 1][0].name not in _INT_PUSH:
+            return None
+        index, start = ops[i - 1][1], ops[i - 1][2]
+        out += skeleton[copied:start]
+        copied = pos + 1
+        if index in seen:
+            out += b"j" + struct.pack("<I", seen[index])
+            continue
+        meta = tensors.get(index)
+        if meta is None:
+            return None
+        if meta["parameter"]:
+            out += (b"ctorch._utils\n_rebuild_parameter\n(" + _tensor(meta, False)
+                    + (b"\x88" if meta["requires_grad"] else b"\x89") + _NO_HOOKS + b"tR")
+        else:
+            out += _tensor(meta, meta["requires_grad"])
+        seen[index] = next_memo
+        out += b"r" + struct.pack("<I", next_memo)
+        next_memo += 1
+    return bytes(out + skeleton[copied:])

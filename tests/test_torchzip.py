@@ -8,16 +8,14 @@ central directory last.
 
 from __future__ import annotations
 
-import io
-import pickle
-import warnings
 import zipfile
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
-from datastates.protocol.torchzip import central_directory, local_header, plan_zip
+from datastates.client.capture import capture
+from datastates.protocol.torchzip import central_directory, local_header, plan_zip, torch_data_pkl
 
 from datastates.protocol.providers.tensor import DTYPES
 
@@ -27,46 +25,14 @@ from test_dtypes import random_tensor
 ALIGN = 4096
 
 
-def torch_pickle(obj: Any, key_of: Callable[[torch.UntypedStorage], str]) -> bytes:
-    """``obj`` pickled as ``torch.save`` pickles its ``data.pkl``, each storage named by ``key_of`` (its record
-    is ``data/<key>``). Mirrors ``torch.serialization._save``'s persistent ids; no storage is copied, on any
-    device: tensors reduce to their storage objects, which become ids here."""
-
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, torch.storage.TypedStorage):
-                storage = obj._untyped_storage
-                kind, numel = getattr(torch, obj._pickle_storage_type()), obj._size()
-            elif isinstance(obj, torch.UntypedStorage):
-                storage, kind, numel = obj, torch.UntypedStorage, obj.nbytes()
-            else:
-                return None
-            return ("storage", kind, key_of(storage), torch.serialization.location_tag(storage), numel)
-
-    buf = io.BytesIO()
-    Pickler(buf, protocol=2).dump(obj)
-    return buf.getvalue()
-
-
 def _views() -> dict[str, Any]:
     base = torch.randn(8, 16)
     return {"base": base, "row": base[3], "slice": base[2:6, 4:12], "transposed": base.t(),
             "expanded": base[0, :4].expand(5, 4), "overlapping": base.as_strided((6, 6), (3, 1), 7)}
 
 
-def _torch_saves(dtype: torch.dtype) -> bool:
-    """Whether ``torch.save`` itself can save ``dtype`` (not the sub-byte ints: torch has no storage type for them)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # complex32 is "experimental"
-            torch.save(torch.empty(0, dtype=dtype), io.BytesIO())
-        return True
-    except (KeyError, RuntimeError):
-        return False
-
-
 STATES = {
-    "every dtype torch.save saves": lambda: {n: random_tensor(d) for n, d in DTYPES.items() if _torch_saves(d)},
+    "every dtype, sub-byte ones too": lambda: {n: random_tensor(d) for n, d in DTYPES.items()},
     "bf16 and a Parameter": lambda: {"w": torch.nn.Parameter(torch.randn(4, 4).bfloat16()),
                                      "frozen": torch.nn.Parameter(torch.randn(3), requires_grad=False)},
     "views of one storage": _views,
@@ -78,28 +44,33 @@ STATES = {
 }
 
 
+def torch_records(state: Any) -> tuple[list[tuple[str, bytes | torch.UntypedStorage | None]], Any]:
+    """``state`` as the records of a torch zip, its ``data.pkl`` made from the client's capture by
+    ``torch_data_pkl``, as the daemon makes it; and the capture, which holds the storages."""
+    cap = capture(state)
+    tensors = {i: {**e.meta, "nbytes": cap.sources[e.meta["storage"]].nbytes}
+               for i, e in enumerate(cap.entries) if e.provider == "tensor"}
+    pkl = torch_data_pkl(cap.entries[cap.root].meta["data"], tensors)
+    assert pkl is not None
+    small = {"data.pkl": pkl, ".format_version": b"1", ".storage_alignment": b"64", "byteorder": b"little",
+             "version": b"3\n"}
+    return [*small.items(), *((f"data/{k}", s) for k, s in enumerate(cap.storages))], cap
+
+
 def write_torch_zip(path: str, state: Any) -> list:
     """``state`` as a torch-compatible zip laid out by protocol/torchzip.py; its records."""
-    storages: dict[int, torch.UntypedStorage] = {}
-
-    def key_of(storage: torch.UntypedStorage) -> str:
-        storages.setdefault(storage._cdata, storage)
-        return str(list(storages).index(storage._cdata))
-
-    skeleton = torch_pickle(state, key_of)
-    small = {"data.pkl": skeleton, ".format_version": b"1", ".storage_alignment": str(ALIGN).encode(),
-             "byteorder": b"little", "version": b"3\n"}
-    plan = [(f"archive/{n}", len(b), 1) for n, b in small.items()]
-    plan += [(f"archive/data/{k}", s.nbytes(), ALIGN) for k, s in enumerate(storages.values())]
-    records, end = plan_zip(plan)
+    contents, _cap = torch_records(state)
+    size = [len(c) if isinstance(c, bytes) else c.nbytes() if c is not None else 0 for _, c in contents]
+    records, end = plan_zip([(f"archive/{n}", n_bytes, ALIGN if n.startswith("data/") else 1)
+                             for (n, _), n_bytes in zip(contents, size)])
     with open(path, "wb") as f:
-        for rec, data in zip(records, [*small.values(), *storages.values()]):
+        for rec, (_, data) in zip(records, contents):
             f.seek(rec.header_offset)
             f.write(local_header(rec))
             assert f.tell() == rec.data_offset
             if isinstance(data, bytes):
                 f.write(data)
-            elif data.nbytes():
+            elif data is not None and data.nbytes():
                 f.write(memoryview(torch.empty(0, dtype=torch.uint8).set_(data).numpy()))
         f.seek(end)
         f.write(central_directory(records, end))
@@ -136,14 +107,14 @@ def test_a_record_over_4_gib_takes_zip64_and_still_loads(tmp_path) -> None:
     big = torch.empty(2**32 + 2 * ALIGN, dtype=torch.uint8)  # never touched: no memory is used
     state = {"big": big, "small": torch.arange(10)}
     path = str(tmp_path / "big.pt")
-    storages = [big.untyped_storage(), state["small"].untyped_storage()]
-    skeleton = torch_pickle(state, lambda s: str(next(i for i, t in enumerate(storages) if t._cdata == s._cdata)))
-    plan = [("big/data.pkl", len(skeleton), 1), ("big/version", 2, 1), ("big/data/0", big.numel(), ALIGN),
+    contents, _cap = torch_records(state)
+    pkl = dict(contents)["data.pkl"]
+    plan = [("big/data.pkl", len(pkl), 1), ("big/version", 2, 1), ("big/data/0", big.numel(), ALIGN),
             ("big/data/1", state["small"].nbytes, ALIGN)]
     records, end = plan_zip(plan)
     assert records[2].zip64() and records[3].zip64()  # its size, and the next one's offset
     with open(path, "wb") as f:
-        for rec, data in zip(records, [skeleton, b"3\n", None, state["small"].numpy().tobytes()]):
+        for rec, data in zip(records, [pkl, b"3\n", None, state["small"].numpy().tobytes()]):
             f.seek(rec.header_offset)
             f.write(local_header(rec))
             if data is not None:
