@@ -88,7 +88,7 @@ def phases(path: str, cold: str | None = None) -> dict[str, float]:
     if cold:
         drop_caches(cold)
     out: dict[str, float] = {}
-    out["header"], (header, base, size) = timed(reader._read_header, path)
+    out["header"], (header, base, size, _) = timed(reader._read_header, path)
     out["data"], data = timed(reader._read_data, path, base, size)
     ctx = reader._Restore(path, data, header, True, None, True)
     out["checksums"], _ = timed(lambda: [ctx.storage(i) for i in range(len(header.storages))])

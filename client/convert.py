@@ -1,7 +1,8 @@
 """Converting a committed tag out of the datastates format, so other tools can read it.
 
 ``torch``: each file becomes a plain ``torch.save`` file of the same state, at the same
-relative path. ``safetensors``: each file becomes ``<name>.safetensors`` holding every
+relative path: a file of format 2 is one already, so it is checked and copied as it is; a
+file of format 1 is loaded and saved with ``torch.save``. ``safetensors``: each file becomes ``<name>.safetensors`` holding every
 tensor, under its dotted key path (``model.layers.0.weight``), plus ``<name>.json``, the
 state's tree with each tensor replaced by ``{"__tensor__": key}``. Values JSON cannot hold
 are written as ``{"__repr__": ..., "__type__": ...}``, so nothing is silently dropped, but
@@ -12,16 +13,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
 
 import torch
 
 from datastates.protocol.errors import CommitError, CorruptCheckpointError, InvalidRequestError
-from datastates.protocol.format import marker_name
+from datastates.protocol.format import INDEX_AT, index_at, marker_name
 from datastates.protocol.paths import within
 from datastates.protocol.tags import read_marker
 
-from .reader import load
+from .reader import load, verify
 
 FORMATS = ("torch", "safetensors")
 
@@ -50,15 +52,23 @@ def convert_tag(folder: str, to: str, out: str, weights_only: bool = True) -> li
                                          "tag's folder: nothing converted", path=folder)
     written = []
     for rec in marker.files:
-        state = load(os.path.join(folder, rec.path), weights_only=weights_only)
-        base = os.path.join(out, rec.path)
+        src, base = os.path.join(folder, rec.path), os.path.join(out, rec.path)
         os.makedirs(os.path.dirname(base), exist_ok=True)
-        written += _write_torch(state, base) if to == "torch" else _write_safetensors(state, os.path.splitext(base)[0])
+        if to == "torch":
+            written += _write_torch(src, base, weights_only)
+        else:
+            written += _write_safetensors(load(src, weights_only=weights_only), os.path.splitext(base)[0])
     return written
 
 
-def _write_torch(state: Any, path: str) -> list[str]:
-    torch.save(state, path)
+def _write_torch(src: str, path: str, weights_only: bool) -> list[str]:
+    with open(src, "rb") as f:
+        version, _ = index_at(f.read(INDEX_AT), src)
+    if version >= 2:  # torch.load reads it as it is: its checksums checked, it is copied
+        verify(src)
+        shutil.copyfile(src, path)
+    else:
+        torch.save(load(src, weights_only=weights_only), path)
     return [path]
 
 

@@ -14,10 +14,14 @@ from datastates.protocol.fileio import MADV_POPULATE_READ, on_tmpfs, open_for_re
 from datastates.protocol.descriptors import EMPTY, SourceDesc
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError
 from datastates.protocol.format import (
+    ARCHIVE,
     DATA_ALIGN,
     INDEX_AT,
+    PICKLE_RECORD,
     PREAMBLE_SIZE,
+    TORCH_RECORDS,
     FileHeader,
+    ZipLayout,
     align_up,
     checksum,
     data_offset,
@@ -28,6 +32,7 @@ from datastates.protocol.format import (
     zip_layout,
 )
 from datastates.protocol.providers import get_provider
+from datastates.protocol.torchzip import local_header
 from datastates.protocol.tags import listing
 
 MapLocation = str | torch.device | None
@@ -212,13 +217,14 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: b
     """
     path = os.fspath(path)
     device = torch.device(map_location) if map_location is not None else None
-    header, base, end = _read_header(path)
+    header, base, end, _ = _read_header(path)
     _check_identity(path, header)
     return _Restore(path, _read_data(path, base, end), header, verify, device, weights_only).entry(header.root)
 
 
-def _read_header(path: str) -> tuple[FileHeader, int, int]:
-    """The checked header of ``path``, and where its data region starts and ends (padded to DATA_ALIGN)."""
+def _read_header(path: str) -> tuple[FileHeader, int, int, ZipLayout | None]:
+    """The checked header of ``path``, where its data region starts and ends (padded to DATA_ALIGN), and
+    its zip layout (None for format 1)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
@@ -229,6 +235,7 @@ def _read_header(path: str) -> tuple[FileHeader, int, int]:
         header = parse_header(os.pread(fd, header_len, at + PREAMBLE_SIZE), header_hash, path)
     finally:
         os.close(fd)
+    layout = None
     if version == 1:
         base, expected = data_offset(header_len), header.file_size(data_offset(header_len))
     else:
@@ -242,7 +249,7 @@ def _read_header(path: str) -> tuple[FileHeader, int, int]:
             + (" (truncated)" if size < expected else " (bytes appended)"),
             path=path,
         )
-    return header, base, base + align_up(header.data_len, DATA_ALIGN)
+    return header, base, base + align_up(header.data_len, DATA_ALIGN), layout
 
 
 def _check_identity(path: str, header: FileHeader) -> None:
@@ -261,10 +268,43 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     Returns (entries, data bytes); raises CorruptCheckpointError or UnsupportedFormatError.
     """
     path = os.fspath(path)
-    header, base, end = _read_header(path)
+    header, base, end, layout = _read_header(path)
     _check_identity(path, header)
-    ctx = _Restore(path, _read_data(path, base, end), header, True, None)
+    data = _read_data(path, base, end)
+    ctx = _Restore(path, data, header, True, None)
     for index in range(len(header.storages)):
         ctx.storage(index)
+    if layout is not None:
+        _check_zip(path, header, layout, memoryview(torch.empty(0, dtype=torch.uint8).set_(data).numpy()))
     return len(header.entries), header.data_len
+
+
+def _check_zip(path: str, header: FileHeader, layout: ZipLayout, data: memoryview) -> None:
+    """What ``torch.load`` reads and the checksums do not cover: every local header, ``data.pkl``, torch's
+    small records and the central directory, each as the index implies it. A damaged one would have
+    ``torch.load`` fail, or read another record's bytes, where ``datastates.load`` reads the file fine."""
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: {what} is not what its index implies (torch.load would misread it)",
+                                      path=path)
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        head = os.pread(fd, layout.data_offset, 0)
+        tail = os.pread(fd, len(layout.tail), layout.tail_at)
+    finally:
+        os.close(fd)
+    small = dict(TORCH_RECORDS)
+    for rec in layout.head:
+        if head[rec.header_offset:rec.data_offset] != local_header(rec):
+            raise bad(f"the local header of {rec.name}")
+        body = head[rec.data_offset:rec.data_offset + rec.size]
+        if rec.name == PICKLE_RECORD and checksum(body) != header.torch_pkl_sum:
+            raise bad("data.pkl")
+        if rec.name.removeprefix(ARCHIVE + "/") in small and body != small[rec.name.removeprefix(ARCHIVE + "/")]:
+            raise bad(rec.name)
+    for at, expected in layout.storage_headers():
+        if data[at:at + len(expected)] != expected:
+            raise bad(f"the local header at byte {at} of the data region")
+    if tail != layout.tail:
+        raise bad("the central directory")
 

@@ -95,6 +95,8 @@ class FileHeader:
     torch_pkl: int = 0
     """Format 2: bytes of the ``data.pkl`` record ``torch.load`` reads; 0 if the file has none (its skeleton
     names leaves that are not tensors: ``datastates.load`` alone reads it)."""
+    torch_pkl_sum: bytes = b""
+    """Format 2: the xxh3-64 of ``data.pkl``, which ``verify`` checks (``torch.load`` checks nothing)."""
 
     def encode(self, version: int = FORMAT_VERSION) -> bytes:
         """Preamble + header; its length does not depend on the checksum values."""
@@ -181,11 +183,13 @@ def index_at(first: bytes, path: str) -> tuple[int, int]:
     """(format, offset of the index) from the first INDEX_AT bytes of ``path``."""
     if first[:len(MAGIC)] == MAGIC:
         return 1, 0
+    if len(first) < INDEX_AT and (MAGIC.startswith(first) or first.startswith(ZIP_MAGIC) or ZIP_MAGIC.startswith(first)):
+        raise CorruptCheckpointError(f"{path}: file is truncated ({len(first)} bytes, before its index)", path=path)
     if first[:len(ZIP_MAGIC)] != ZIP_MAGIC:
         raise UnsupportedFormatError(f"{path}: not a datastates checkpoint (it starts {first[:8]!r})", path=path)
     if first[local_header_size(""):INDEX_AT] != INDEX_RECORD.encode():
-        raise UnsupportedFormatError(f"{path}: a zip without a datastates index (a torch.save file? read it with "
-                                     "torch.load, or convert it with datastatesctl convert)", path=path)
+        raise UnsupportedFormatError(f"{path}: not a datastates checkpoint: a zip without a datastates index "
+                                     "(a torch.save file? read it with torch.load)", path=path)
     return 2, INDEX_AT
 
 
@@ -218,11 +222,11 @@ class ZipLayout:
 
     def head_bytes(self, index: bytes, pickle: bytes) -> bytes:
         """Bytes ``0..data_offset``: every head record with its local header, zeros to the data region."""
-        out = bytearray()
-        for rec, data in zip(self.head, [index, pickle, *(b for _, b in TORCH_RECORDS)] if pickle
-                             else [index, *(b for _, b in TORCH_RECORDS)]):
-            out += local_header(rec) + data
-        return bytes(out) + bytes(self.data_offset - len(out))
+        contents = [index, *([pickle] if len(self.head) > 1 + len(TORCH_RECORDS) else []), *(v for _, v in TORCH_RECORDS)]
+        if [len(c) for c in contents] != [r.size for r in self.head]:
+            raise ValueError("the head's contents do not have the sizes its layout was planned for")
+        out = b"".join(local_header(rec) + data for rec, data in zip(self.head, contents))
+        return out + bytes(self.data_offset - len(out))
 
 
 def zip_layout(header: FileHeader, index_len: int) -> ZipLayout:

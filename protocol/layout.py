@@ -20,6 +20,7 @@ from datastates.protocol.format import (
     StorageRecord,
     ZipLayout,
     align_up,
+    checksum,
     segments,
     storage_records,
     zip_layout,
@@ -58,12 +59,15 @@ class Piece:
 class FilePlan:
     path: str
     header: FileHeader
-    data_offset: int
     pieces: tuple[Piece, ...]
     total_bytes: int
     layout: ZipLayout
     torch_pkl: bytes
     """``data.pkl``, made from the skeleton (``torch_data_pkl``); empty if it names leaves that are not tensors."""
+
+    @property
+    def data_offset(self) -> int:
+        return self.layout.data_offset
 
     @property
     def file_size(self) -> int:
@@ -96,6 +100,7 @@ def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "
     header = FileHeader(
         tag=msg.tag, created_ns=time.time_ns(), piece_size=piece_size, data_len=data_len, snapshot=snapshot,
         storages=storages, entries=entries, root=msg.root, torch_pkl=len(pkl),
+        torch_pkl_sum=checksum(pkl) if pkl else b"",
     )
     layout = zip_layout(header, len(header.encode()))
 
@@ -117,7 +122,7 @@ def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "
         for k, segs in enumerate(by_piece)
     )
     return FilePlan(
-        path=path, header=header, data_offset=layout.data_offset, pieces=pieces,
+        path=path, header=header, pieces=pieces,
         total_bytes=sum(s.nbytes for s in msg.sources), layout=layout, torch_pkl=pkl,
     )
 

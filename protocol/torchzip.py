@@ -20,6 +20,8 @@ import pickletools
 import struct
 from dataclasses import dataclass
 
+import torch
+
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _EOCD = struct.Struct("<IHHHHIIH")
@@ -141,13 +143,33 @@ _NO_HOOKS = b"ccollections\nOrderedDict\n)R"
 _INT_PUSH = {"BININT1", "BININT2", "BININT", "LONG1"}
 
 
-def _tensor(meta: dict, requires_grad: bool) -> bytes:
-    """torch.save's pickle of one tensor: ``_rebuild_tensor_v3`` of an untyped storage record, whatever its dtype."""
-    storage = _tuple([_str("storage"), b"ctorch.storage\nUntypedStorage\n", _str(str(meta["storage"])), _str("cpu"),
-                      _int(meta["nbytes"])]) + b"Q"
-    return (b"ctorch._utils\n_rebuild_tensor_v3\n(" + storage + _int(meta["storage_offset"])
-            + _tuple([_int(n) for n in meta["shape"]]) + _tuple([_int(n) for n in meta["stride"]])
-            + (b"\x88" if requires_grad else b"\x89") + _NO_HOOKS + f"ctorch\n{meta['dtype']}\n".encode() + b"tR")
+_TYPED = {str(d).removeprefix("torch."): (name, d.itemsize) for d, name in torch.storage._dtype_to_storage_type_map().items()}
+"""The dtypes ``torch.save`` names a typed storage for (``FloatStorage``...), with their item sizes."""
+
+
+def _tensor(meta: dict, requires_grad: bool, typed: bool) -> bytes:
+    """torch.save's pickle of one tensor: ``_rebuild_tensor_v2`` of a typed storage record where its storage is
+    viewed as that one dtype (torch.load caches a storage by record, typed as it first meets it), else
+    ``_rebuild_tensor_v3`` of an untyped one, which takes any dtype, as torch.save does for the newer ones."""
+    name, itemsize = _TYPED.get(meta["dtype"], ("", 0))
+    kind, numel = (f"ctorch\n{name}\n", meta["nbytes"] // itemsize) if typed else ("ctorch.storage\nUntypedStorage\n", meta["nbytes"])
+    storage = _tuple([_str("storage"), kind.encode(), _str(str(meta["storage"])), _str("cpu"), _int(numel)]) + b"Q"
+    view = (storage + _int(meta["storage_offset"]) + _tuple([_int(n) for n in meta["shape"]])
+            + _tuple([_int(n) for n in meta["stride"]]) + (b"\x88" if requires_grad else b"\x89") + _NO_HOOKS)
+    if typed:
+        return b"ctorch._utils\n_rebuild_tensor_v2\n(" + view + b"tR"
+    return b"ctorch._utils\n_rebuild_tensor_v3\n(" + view + f"ctorch\n{meta['dtype']}\n".encode() + b"tR"
+
+
+def _typed_storages(tensors: dict[int, dict]) -> set[int]:
+    """The storages every tensor views as one dtype that has a typed storage, of a whole number of items."""
+    dtypes: dict[int, set[str]] = {}
+    nbytes: dict[int, int] = {}
+    for meta in tensors.values():
+        dtypes.setdefault(meta["storage"], set()).add(meta["dtype"])
+        nbytes[meta["storage"]] = meta["nbytes"]
+    return {k for k, d in dtypes.items()
+            if len(d) == 1 and (dt := next(iter(d))) in _TYPED and nbytes[k] % _TYPED[dt][1] == 0}
 
 
 def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
@@ -161,21 +183,17 @@ def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
     again. None if the skeleton does not parse, or names an entry that is not a tensor.
     """
     try:
-        ops = list(pickletools.genops(skeleton))
+        persids, next_memo = _scan(skeleton)
     except Exception:  # a malformed pickle: genops raises ValueError, or anything its parsing of args meets
         return None
-    memo = [arg for op, arg, _ in ops if op.name in ("BINPUT", "LONG_BINPUT", "PUT")]
-    next_memo = max([int(m) for m in memo], default=-1) + 1
+    if persids is None:
+        return None
     seen: dict[int, int] = {}
+    typed = _typed_storages(tensors)
     out, copied = bytearray(), 0
-    for i, (op, arg, pos) in enumerate(ops):
-        if op.name != "BINPERSID":
-            continue
-        if i == 0 or ops[i - 1][0].name not in _INT_PUSH:
-            return None
-        index, start = ops[i - 1][1], ops[i - 1][2]
+    for start, end, index in persids:
         out += skeleton[copied:start]
-        copied = pos + 1
+        copied = end
         if index in seen:
             out += b"j" + struct.pack("<I", seen[index])
             continue
@@ -183,11 +201,28 @@ def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
         if meta is None:
             return None
         if meta["parameter"]:
-            out += (b"ctorch._utils\n_rebuild_parameter\n(" + _tensor(meta, False)
+            out += (b"ctorch._utils\n_rebuild_parameter\n(" + _tensor(meta, False, meta["storage"] in typed)
                     + (b"\x88" if meta["requires_grad"] else b"\x89") + _NO_HOOKS + b"tR")
         else:
-            out += _tensor(meta, meta["requires_grad"])
+            out += _tensor(meta, meta["requires_grad"], meta["storage"] in typed)
         seen[index] = next_memo
         out += b"r" + struct.pack("<I", next_memo)
         next_memo += 1
     return bytes(out + skeleton[copied:])
+
+
+def _scan(skeleton: bytes) -> tuple[list[tuple[int, int, int]] | None, int]:
+    """One pass over the opcodes (streamed: millions of them make no list): each ``<int> BINPERSID`` as
+    (start, end, entry index), None if a persistent id is not an int; and the first memo index unused."""
+    persids: list[tuple[int, int, int]] = []
+    memo = -1
+    prev: tuple = (None, None, 0)
+    for op, arg, pos in pickletools.genops(skeleton):
+        if op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo = max(memo, int(arg))
+        elif op.name == "BINPERSID":
+            if prev[0] is None or prev[0].name not in _INT_PUSH:
+                return None, 0
+            persids.append((prev[2], pos + 1, prev[1]))
+        prev = (op, arg, pos)
+    return persids, memo + 1

@@ -11,6 +11,7 @@ import re
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -424,6 +425,40 @@ def mapped_files(d: DaemonProc, folder: str) -> list[str]:
     """The files under ``folder`` the daemon maps, each ending in " (deleted)" if it was removed since."""
     with open(f"/proc/{d.proc.pid}/maps") as f:
         return sorted({line.split(None, 5)[5].rstrip() for line in f if f" {folder}/" in line})
+
+
+def file_index(raw: bytes) -> tuple[Any, int, int, int]:
+    """(header, where the index starts, the header's length, where the data region starts) of a checkpoint
+    file's bytes, either format, as the reader finds them."""
+    from datastates.protocol.format import (INDEX_AT, PREAMBLE_SIZE, data_offset, index_at, parse_header,
+                                            parse_preamble, zip_layout)
+
+    version, at = index_at(raw[:INDEX_AT], "file")
+    header_len, header_hash = parse_preamble(raw[at:at + PREAMBLE_SIZE], "file", version)
+    header = parse_header(raw[at + PREAMBLE_SIZE:at + PREAMBLE_SIZE + header_len], header_hash, "file")
+    base = data_offset(header_len) if version == 1 else zip_layout(header, PREAMBLE_SIZE + header_len).data_offset
+    return header, at, header_len, base
+
+
+def with_index(raw: bytes, header: Any, data: bytes | None = None) -> bytes:
+    """The format-2 file ``raw`` with ``header`` for its index (re-encoded, checksum and all), laid out again:
+    its ``data.pkl`` and its data region (or ``data``) kept, the central directory made for ``header``."""
+    from datastates.protocol.format import DATA_ALIGN, INDEX_AT, INDEX_RECORD, PREAMBLE_SIZE, align_up, zip_layout
+    from datastates.protocol.torchzip import Record, local_header
+
+    old, _, header_len, base = file_index(raw)
+    old_layout = zip_layout(old, PREAMBLE_SIZE + header_len)
+    pkl = b""
+    if old.torch_pkl:
+        rec = old_layout.head[1]
+        pkl = raw[rec.data_offset:rec.data_offset + rec.size]
+    encoded = header.encode()
+    body = raw[base:base + align_up(old.data_len, DATA_ALIGN)] if data is None else data
+    try:
+        layout = zip_layout(header, len(encoded))
+    except (struct.error, ValueError):  # no zip can hold what it says (a negative size): the index, then the rest
+        return local_header(Record(INDEX_RECORD, len(encoded), 0, INDEX_AT)) + encoded + raw[base:]
+    return layout.head_bytes(encoded, pkl) + body + layout.tail
 
 
 def temp_files(root: Path) -> list[Path]:

@@ -7,6 +7,7 @@ the daemon's start, not the cases.
 from __future__ import annotations
 
 import warnings
+import zipfile
 from typing import Any
 
 import pytest
@@ -33,11 +34,20 @@ def random_tensor(dtype: torch.dtype, n: int = N) -> torch.Tensor:
 
 @pytest.fixture
 def roundtrip(shared_client: Client, shared_daemon: DaemonProc, request: pytest.FixtureRequest) -> Any:
-    """save(state) -> loaded state, in a folder of its own per test case."""
+    """save(state) -> loaded state, in a folder of its own per test case. The file is also a zip that plain
+    ``torch.load`` reads (format 2): ``torch.load(weights_only=True)``, with and without ``mmap``, gives the
+    same state bitwise, and Python's ``zipfile`` lists it."""
     def run(state: Any) -> Any:
         tag = "".join(c if c.isalnum() else "-" for c in request.node.name).strip("-")
         committed = save(shared_client, state, shared_daemon.root / tag / "state.pt", tag=tag)
-        return datastates.load(committed.files[0])
+        ours = datastates.load(committed.files[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex32 is "experimental"
+            for mmap in (False, True):
+                assert_state_equal(ours, torch.load(committed.files[0], weights_only=True, mmap=mmap), f"mmap={mmap}")
+        with zipfile.ZipFile(committed.files[0]) as z:
+            assert "archive/data.pkl" in z.namelist()
+        return ours
 
     return run
 

@@ -31,10 +31,10 @@ from datastates.protocol.errors import (
     PathNotAllowedError,
     UnsupportedFormatError,
 )
-from datastates.protocol.format import PREAMBLE, PREAMBLE_SIZE, data_offset, parse_header, parse_preamble
+from datastates.protocol.format import PREAMBLE_SIZE
 from datastates.protocol.version import PROTOCOL_VERSION
 
-from conftest import (DATASTATESCTL, DATASTATESD, DaemonProc, RawPeer, assert_state_equal, refused_run, run_datastatesd,
+from conftest import (DATASTATESCTL, DATASTATESD, DaemonProc, RawPeer, assert_state_equal, file_index, refused_run,
                       run_datastatesd_many, save, wait_ready)
 
 # -- (a) the wire ------------------------------------------------------------------------
@@ -194,11 +194,9 @@ def copy_of(good: Path, tmp_path: Path) -> Path:
 
 def data_offset_of(path: Path, key: str) -> int:
     """File offset of the first byte of the tensor named ``key``, read from the file's own header."""
-    raw = path.read_bytes()
-    header_len, header_hash = parse_preamble(raw[:PREAMBLE_SIZE], str(path))
-    header = parse_header(raw[PREAMBLE_SIZE:PREAMBLE_SIZE + header_len], header_hash, str(path))
+    header, _, _, base = file_index(path.read_bytes())
     (entry,) = [e for e in header.entries if e.name == key]
-    return data_offset(header_len) + header.storages[entry.meta["storage"]].offset
+    return base + header.storages[entry.meta["storage"]].offset
 
 
 def flip(path: Path, offset: int) -> None:
@@ -257,8 +255,8 @@ def test_flipped_byte_in_tensor_data(good_file: tuple[Path, dict[str, Any]], tmp
 def test_flipped_byte_in_header(good_file: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     """The header has its own checksum: a damaged index is refused before it is trusted."""
     path = copy_of(good_file[0], tmp_path)
-    header_len = PREAMBLE.unpack(path.read_bytes()[:PREAMBLE_SIZE])[3]
-    flip(path, PREAMBLE_SIZE + header_len // 2)
+    _, at, header_len, _ = file_index(path.read_bytes())
+    flip(path, at + PREAMBLE_SIZE + header_len // 2)
     with pytest.raises(CorruptCheckpointError, match="header") as exc:
         datastates.load(path)
     assert str(path) in str(exc.value)
@@ -279,8 +277,9 @@ def test_not_a_datastates_file(good_file: tuple[Path, dict[str, Any]], tmp_path:
 def test_newer_format_version(good_file: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     """A file from a newer writer is refused by version, so the user knows to upgrade the reader."""
     path = copy_of(good_file[0], tmp_path)
+    _, at, _, _ = file_index(path.read_bytes())
     with path.open("r+b") as f:
-        f.seek(8)
+        f.seek(at + 8)  # the preamble's version
         f.write(struct.pack("<I", 99))
     with pytest.raises(UnsupportedFormatError, match="99"):
         datastates.load(path)

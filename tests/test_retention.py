@@ -114,7 +114,8 @@ def test_convert_refuses_an_uncommitted_tag(daemon: DaemonProc, tmp_path: Path, 
 
 def test_convert_writes_only_inside_out_and_loads_safely_unless_told(daemon: DaemonProc, tmp_path: Path) -> None:
     """A marker entry that climbs out of the tag's folder is refused before anything is written; a file holding an
-    arbitrary object is refused by the safe default, and converted with --no-weights-only."""
+    arbitrary object is refused by the safe default where converting unpickles it, and converted with
+    --no-weights-only."""
     import fractions
 
     d = daemon
@@ -138,8 +139,13 @@ def test_convert_writes_only_inside_out_and_loads_safely_unless_told(daemon: Dae
     risky = {"w": torch.ones(3), "ratio": fractions.Fraction(1, 3)}
     with Client(d.endpoint, timeout=60) as c:
         save(c, risky, d.root / "risky" / "rank0.pt")
-    out = d.ctl("convert", str(d.root / "risky"), "--to", "torch", "--out", str(tmp_path / "r"))
+    out = d.ctl("convert", str(d.root / "risky"), "--to", "safetensors", "--out", str(tmp_path / "r"))
     assert out.returncode != 0 and "safe loader" in out.stderr, out.stderr
-    out = d.ctl("convert", str(d.root / "risky"), "--to", "torch", "--out", str(tmp_path / "r"), "--no-weights-only")
+    out = d.ctl("convert", str(d.root / "risky"), "--to", "safetensors", "--out", str(tmp_path / "r"), "--no-weights-only")
     assert out.returncode == 0, out.stderr
-    assert torch.load(tmp_path / "r" / "rank0.pt", weights_only=False)["ratio"] == risky["ratio"]
+    assert json.loads((tmp_path / "r" / "rank0.json").read_text())["ratio"]["__repr__"] == "Fraction(1, 3)"
+    # to torch, a format-2 file is checked and copied: nothing in it is unpickled, so nothing needs allowing
+    out = d.ctl("convert", str(d.root / "risky"), "--to", "torch", "--out", str(tmp_path / "t"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "t" / "rank0.pt").read_bytes() == (d.root / "risky" / "rank0.pt").read_bytes()
+    assert torch.load(tmp_path / "t" / "rank0.pt", weights_only=False)["ratio"] == risky["ratio"]

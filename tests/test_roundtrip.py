@@ -23,6 +23,7 @@ from torch import nn
 
 import datastates
 from datastates.client import Client
+from datastates.protocol.providers.pickled import training_globals
 
 from conftest import DaemonProc, assert_state_equal, assert_tensor_bitwise, same_storage, temp_files
 
@@ -137,6 +138,11 @@ def test_trainer_state_roundtrips_bitwise(client: Client, daemon: DaemonProc) ->
     assert_state_equal(state, loaded)
     assert same_storage(loaded["module"]["embed.weight"], loaded["module"]["lm_head.weight"])
     assert not same_storage(loaded["module"]["embed.weight"], loaded["bf16_module"]["embed.weight"])
+    with torch.serialization.safe_globals(training_globals()):  # numpy's RNG state, as for a torch.save file
+        for mmap in (False, True):  # the file is a zip plain torch.load reads, the same state bitwise
+            plain = torch.load(path, weights_only=True, mmap=mmap)
+            assert_state_equal(state, plain)
+            assert same_storage(plain["module"]["embed.weight"], plain["module"]["lm_head.weight"])
     assert datastates.latest(daemon.root) == "global_step10"
     assert temp_files(daemon.root) == []
 

@@ -8,18 +8,26 @@ central directory last.
 
 from __future__ import annotations
 
+import json
 import zipfile
+from pathlib import Path
 from typing import Any
+
+import msgpack
+import xxhash
 
 import pytest
 import torch
 
+import datastates
 from datastates.client.capture import capture
+from datastates.protocol.format import DATA_ALIGN, INDEX_RECORD, MAGIC, PREAMBLE, align_up, data_offset
+from datastates.protocol.schema import plain
 from datastates.protocol.torchzip import central_directory, local_header, plan_zip, torch_data_pkl
 
 from datastates.protocol.providers.tensor import DTYPES
 
-from conftest import assert_state_equal
+from conftest import assert_state_equal, file_index, save
 from test_dtypes import random_tensor
 
 ALIGN = 4096
@@ -128,3 +136,36 @@ def test_a_record_over_4_gib_takes_zip64_and_still_loads(tmp_path) -> None:
     assert torch.equal(got["small"], state["small"])
     with zipfile.ZipFile(path) as z:
         assert [i.file_size for i in z.infolist()] == [r.size for r in records]
+
+
+def test_a_format_1_file_still_loads_and_converts(shared_client, shared_daemon, tmp_path) -> None:
+    """Files written before format 2 (no zip, no ``torch_pkl`` keys in the header) load through ``datastates.load``,
+    and ``datastatesctl convert --to torch`` makes a ``torch.save`` file of them; a format-2 file it copies."""
+    state = {"w": torch.randn(64, 8), "step": 3, "p": torch.nn.Parameter(torch.randn(5))}
+    committed = save(shared_client, state, shared_daemon.root / "v1" / "rank0.pt")
+    path, folder = Path(committed.files[0]), str(Path(committed.marker).parent)
+    raw = path.read_bytes()
+    header, _, _, base = file_index(raw)
+    fields = {k: v for k, v in plain(header).items() if k not in ("torch_pkl", "torch_pkl_sum")}
+    body = msgpack.packb(fields, default=plain, use_bin_type=True)
+    index = PREAMBLE.pack(MAGIC, 1, 0, len(body), xxhash.xxh64_intdigest(body)) + body
+    old = index + bytes(data_offset(len(body)) - len(index)) + raw[base:base + align_up(header.data_len, DATA_ALIGN)]
+    v2 = path.with_suffix(".v2")
+    path.rename(v2)
+    path.write_bytes(old)
+    marker = json.loads(Path(committed.marker).read_text())  # as an older daemon committed it: the v1 file's size
+    marker["files"][0]["size"] = len(old)
+    Path(committed.marker).write_text(json.dumps(marker))
+    assert_state_equal(state, datastates.load(path))
+
+    out = shared_daemon.ctl("convert", folder, "--to", "torch", "--out", str(tmp_path / "pt"))
+    assert out.returncode == 0, out.stderr
+    assert_state_equal(state, torch.load(tmp_path / "pt" / "rank0.pt", weights_only=True))
+    assert INDEX_RECORD.encode() not in (tmp_path / "pt" / "rank0.pt").read_bytes()[:64], "a format-1 file copied, not converted"
+
+    v2.rename(path)
+    marker["files"][0]["size"] = path.stat().st_size
+    Path(committed.marker).write_text(json.dumps(marker))
+    out = shared_daemon.ctl("convert", folder, "--to", "torch", "--out", str(tmp_path / "copied"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "copied" / "rank0.pt").read_bytes() == path.read_bytes()

@@ -18,9 +18,9 @@ import datastates
 from datastates.client import Client
 from datastates.client.reader import verify
 from datastates.protocol.errors import CorruptCheckpointError
-from datastates.protocol.format import PREAMBLE_SIZE, FileHeader, data_offset, parse_header, parse_preamble
+from datastates.protocol.format import FileHeader
 
-from conftest import DaemonProc, save
+from conftest import DaemonProc, file_index, save, with_index
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +33,7 @@ def good(shared_daemon: DaemonProc) -> Path:
 def craft(good: Path, dst: Path, change: Callable[[FileHeader], FileHeader]) -> Path:
     """``good`` with its header changed by ``change``, re-encoded with a matching checksum, data kept."""
     raw = good.read_bytes()
-    header_len, header_hash = parse_preamble(raw[:PREAMBLE_SIZE], str(good))
-    header = parse_header(raw[PREAMBLE_SIZE:PREAMBLE_SIZE + header_len], header_hash, str(good))
-    encoded = change(header).encode()
-    base = data_offset(len(encoded) - PREAMBLE_SIZE)
-    dst.write_bytes(encoded + bytes(base - len(encoded)) + raw[data_offset(header_len):])
+    dst.write_bytes(with_index(raw, change(file_index(raw)[0])))
     return dst
 
 

@@ -28,9 +28,9 @@ from datastates.client import Client
 from datastates.client.reader import verify
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import DatastatesError
-from datastates.protocol.format import PREAMBLE_SIZE, FileHeader, StorageRecord, data_offset, parse_header, parse_preamble
+from datastates.protocol.format import DATA_ALIGN, FileHeader, StorageRecord, align_up
 
-from conftest import DaemonProc, save
+from conftest import DaemonProc, file_index, save, with_index
 
 CASES = int(os.environ.get("DATASTATES_FUZZ_CASES", "5000"))
 SEED = int(os.environ.get("DATASTATES_FUZZ_SEED", "14"))
@@ -100,9 +100,8 @@ def apply(h: FileHeader, change: tuple[str, Any]) -> FileHeader:
 def craft(raw: bytes, header: FileHeader, changes: list[tuple[str, Any]], body: tuple[str, int, int]) -> bytes:
     for change in changes:
         header = apply(header, change)
-    encoded = header.encode()
-    base = data_offset(len(encoded) - PREAMBLE_SIZE)
-    data = bytearray(raw[data_offset(len(raw_header_bytes(raw))):])
+    _, _, _, base = file_index(raw)
+    data = bytearray(raw[base:base + align_up(file_index(raw)[0].data_len, DATA_ALIGN)])
     how, at, value = body
     if data and how == "flip":
         data[at % len(data)] ^= (value % 255) + 1
@@ -110,12 +109,7 @@ def craft(raw: bytes, header: FileHeader, changes: list[tuple[str, Any]], body: 
         data = data[: at % (len(data) + 1)]
     elif how == "append":
         data += bytes(value % 8192)
-    return encoded + bytes(base - len(encoded)) + bytes(data)
-
-
-def raw_header_bytes(raw: bytes) -> bytes:
-    header_len, _ = parse_preamble(raw[:PREAMBLE_SIZE], "good")
-    return raw[PREAMBLE_SIZE:PREAMBLE_SIZE + header_len]
+    return with_index(raw, header, bytes(data))
 
 
 def read_both(path: Path) -> None:
@@ -131,8 +125,7 @@ def read_both(path: Path) -> None:
 
 def test_crafted_headers_and_bodies_are_refused_with_the_formats_own_error(good: Path, tmp_path: Path) -> None:
     raw = good.read_bytes()
-    header_len, header_hash = parse_preamble(raw[:PREAMBLE_SIZE], str(good))
-    header = parse_header(raw[PREAMBLE_SIZE:PREAMBLE_SIZE + header_len], header_hash, str(good))
+    header = file_index(raw)[0]
     path = tmp_path / "model_states.pt"
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     tried = {"n": 0}
@@ -155,8 +148,7 @@ def test_crafted_headers_and_bodies_are_refused_with_the_formats_own_error(good:
 def test_the_control_the_unchanged_file_loads(good: Path, tmp_path: Path) -> None:
     """The fuzzer's own plumbing, unchanged, gives back a good file (so refusals above are the reader's)."""
     raw = good.read_bytes()
-    header_len, header_hash = parse_preamble(raw[:PREAMBLE_SIZE], str(good))
-    header = parse_header(raw[PREAMBLE_SIZE:PREAMBLE_SIZE + header_len], header_hash, str(good))
+    header = file_index(raw)[0]
     path = tmp_path / "model_states.pt"
     path.write_bytes(craft(raw, header, [], ("none", 0, 0)))
     state = datastates.load(path)

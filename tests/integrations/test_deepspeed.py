@@ -192,12 +192,12 @@ def ds_dist() -> Iterator[None]:
         torch.distributed.destroy_process_group()
 
 
-def ds_initialize(seed: int) -> Any:
-    """A tiny model under ZeRO stage 1 with torch's Adam (DeepSpeed's FusedAdam would compile a CPU op)."""
+def ds_initialize(seed: int, stage: int = 1) -> Any:
+    """A tiny model under ZeRO ``stage`` with torch's Adam (DeepSpeed's FusedAdam would compile a CPU op)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    config = {"train_batch_size": 1, "zero_optimization": {"stage": 1}, "steps_per_print": 1 << 30}
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": stage}, "steps_per_print": 1 << 30}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -245,3 +245,23 @@ def test_deepspeed_save_and_load_checkpoint(ds_dist: None, daemon: DaemonProc, d
     assert_state_equal(saved, snapshot_of(fresh))
     fresh.checkpoint_engine.cleanup()
     fresh.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeeds_zero_to_fp32_consolidates_what_we_wrote(ds_dist: None, daemon: DaemonProc, stage: int) -> None:
+    """DeepSpeed's own offline tool (``zero_to_fp32.py``, which it copies into every checkpoint folder) reads our
+    files with plain ``torch.load``: the fp32 weights it consolidates are the ones the engine held."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    save_dir = daemon.root / f"zero{stage}"
+    engine = ds_initialize(seed=0, stage=stage)
+    engine.checkpoint_engine = DatastatesCheckpointEngine(endpoint=daemon.endpoint, timeout=60)
+    train_step(engine, seed=0)
+    weights = {k: v.detach().clone().float() for k, v in engine.module.state_dict().items()}
+    engine.save_checkpoint(str(save_dir), tag="global_step1")
+    engine.checkpoint_engine.cleanup()
+    engine.destroy()
+    assert datastates.latest(save_dir) == "global_step1"
+
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag="global_step1")
+    assert_state_equal(weights, {k: v.detach() for k, v in consolidated.items()})
