@@ -176,9 +176,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "chunk-released-in-flight",
         "a piece that fails halfway returns while device copies it queued can still land in its chunk",
         (Edit("daemon/copier.py",
-              "    finally:\n        for copy in pending:\n            copy.synchronize()\n",
+              "    finally:\n        _wait_all(pending)\n",
               "    except BaseException:  # MUTATION: no wait on failure\n        raise\n"
-              "    for copy in pending:\n        copy.synchronize()\n"),),
+              "    _wait_all(pending)\n"),),
         ("tests/faults/test_copier.py::test_copies_queued_before_a_failing_segment_have_landed_when_the_piece_fails",),
     ),
     Mutation(
@@ -212,6 +212,14 @@ MUTATIONS: tuple[Mutation, ...] = (
               "                traceback.clear_frames(exc.__traceback__)\n",
               "                pass  # MUTATION: frames kept\n"),),
         ("tests/faults/test_storage_faults.py::test_disk_full_fails_the_tag_and_keeps_the_last_one",),
+    ),
+    Mutation(
+        "zip-headers-not-filled",
+        "the copy threads leave the gaps before storages zeroed: torch.load finds no local header where the central directory points",
+        (Edit("daemon/copier.py",
+              "        for at, data in piece.fills:\n            chunk.view[at:at + len(data)] = data\n",
+              "        pass  # MUTATION: no fills\n"),),
+        ("tests/test_roundtrip.py::test_trainer_state_roundtrips_bitwise",),
     ),
 )
 
