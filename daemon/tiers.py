@@ -29,8 +29,8 @@ from typing import Any
 
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import DatastatesError, StorageError
-from datastates.protocol.fileio import open_for_reading
-from datastates.protocol.format import marker_name
+from datastates.protocol.fileio import PAGE, open_for_reading
+from datastates.protocol.format import align_up, marker_name
 from datastates.protocol.tags import CommittedTag, committed_tags, read_marker
 
 from .commit import CommitEvent, CommitLedger
@@ -84,14 +84,14 @@ class TagTransfers:
 
 def _transfer_range(src_fd: int, sink: FileSink, buf: mmap.mmap, offset: int, length: int) -> None:
     """``length`` bytes at ``offset`` from the source file into the sink, through one aligned buffer."""
-    view = memoryview(buf)[:length]
+    view = memoryview(buf)[:align_up(length, PAGE)]  # O_DIRECT reads whole pages: a file's tail is read short
     done = 0
     while done < length:
         n = os.preadv(src_fd, [view[done:]], offset + done)
         if n == 0:
             raise StorageError(f"the source file ended at byte {offset + done}, before its committed size", errno=errno.EIO)
         done += n
-    sink.write(offset, view)
+    sink.write(offset, view[:length])
 
 
 def _newest_per_run(root: str) -> list[CommittedTag]:

@@ -66,6 +66,8 @@ def align_up(n: int, a: int) -> int:
 
 CHECKSUM_SIZE = 8
 """Bytes of one piece's checksum (xxh3-64)."""
+MAX_FILE = 1 << 62
+"""More bytes than any file holds: a header's sizes beyond it are crafted (and would not fit a zip's fields)."""
 
 
 def checksum(data: memoryview | bytes) -> bytes:
@@ -119,8 +121,10 @@ class FileHeader:
 
         if self.piece_size < DATA_ALIGN or self.piece_size % DATA_ALIGN:
             raise bad(f"piece_size {self.piece_size} is not a positive multiple of {DATA_ALIGN}")
-        if self.data_len < 0:
-            raise bad(f"data_len {self.data_len} is negative")
+        if not 0 <= self.data_len < MAX_FILE:
+            raise bad(f"data_len {self.data_len} is negative or beyond any file")
+        if not 0 <= self.torch_pkl < MAX_FILE or len(self.torch_pkl_sum) not in (0, CHECKSUM_SIZE):
+            raise bad(f"torch_pkl {self.torch_pkl} or its checksum ({len(self.torch_pkl_sum)} bytes) is malformed")
         for i, rec in enumerate(self.storages):
             if rec.offset < 0 or rec.nbytes < 0 or rec.offset + rec.nbytes > self.data_len:
                 raise bad(f"storage {i} (bytes {rec.offset}..{rec.offset + rec.nbytes}) lies outside the data "

@@ -1,4 +1,4 @@
-"""The zip container ``torch.save`` writes, laid out for O_DIRECT streaming (issue 17; not yet the daemon's format).
+"""The zip container ``torch.save`` writes, laid out for O_DIRECT streaming: the container of checkpoint format 2.
 
 ``torch.load`` reads an uncompressed zip: ``<archive>/data.pkl`` (the skeleton, pickled with
 persistent ids that name storage records), one ``<archive>/data/<key>`` record per
@@ -16,11 +16,10 @@ to write around them.
 
 from __future__ import annotations
 
+import functools
 import pickletools
 import struct
 from dataclasses import dataclass
-
-import torch
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -143,15 +142,20 @@ _NO_HOOKS = b"ccollections\nOrderedDict\n)R"
 _INT_PUSH = {"BININT1", "BININT2", "BININT", "LONG1"}
 
 
-_TYPED = {str(d).removeprefix("torch."): (name, d.itemsize) for d, name in torch.storage._dtype_to_storage_type_map().items()}
-"""The dtypes ``torch.save`` names a typed storage for (``FloatStorage``...), with their item sizes."""
+@functools.cache
+def _typed() -> dict[str, tuple[str, int]]:
+    """The dtypes ``torch.save`` names a typed storage for (``FloatStorage``...), with their item sizes. Asked of
+    torch when first needed: reading a file never needs torch's import, only writing one."""
+    import torch
+
+    return {str(d).removeprefix("torch."): (name, d.itemsize) for d, name in torch.storage._dtype_to_storage_type_map().items()}
 
 
 def _tensor(meta: dict, requires_grad: bool, typed: bool) -> bytes:
     """torch.save's pickle of one tensor: ``_rebuild_tensor_v2`` of a typed storage record where its storage is
     viewed as that one dtype (torch.load caches a storage by record, typed as it first meets it), else
     ``_rebuild_tensor_v3`` of an untyped one, which takes any dtype, as torch.save does for the newer ones."""
-    name, itemsize = _TYPED.get(meta["dtype"], ("", 0))
+    name, itemsize = _typed().get(meta["dtype"], ("", 0))
     kind, numel = (f"ctorch\n{name}\n", meta["nbytes"] // itemsize) if typed else ("ctorch.storage\nUntypedStorage\n", meta["nbytes"])
     storage = _tuple([_str("storage"), kind.encode(), _str(str(meta["storage"])), _str("cpu"), _int(numel)]) + b"Q"
     view = (storage + _int(meta["storage_offset"]) + _tuple([_int(n) for n in meta["shape"]])
@@ -169,7 +173,7 @@ def _typed_storages(tensors: dict[int, dict]) -> set[int]:
         dtypes.setdefault(meta["storage"], set()).add(meta["dtype"])
         nbytes[meta["storage"]] = meta["nbytes"]
     return {k for k, d in dtypes.items()
-            if len(d) == 1 and (dt := next(iter(d))) in _TYPED and nbytes[k] % _TYPED[dt][1] == 0}
+            if len(d) == 1 and (dt := next(iter(d))) in _typed() and nbytes[k] % _typed()[dt][1] == 0}
 
 
 def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:

@@ -461,6 +461,27 @@ def with_index(raw: bytes, header: Any, data: bytes | None = None) -> bytes:
     return layout.head_bytes(encoded, pkl) + body + layout.tail
 
 
+def load_both(path: str | os.PathLike) -> Any:
+    """``datastates.load(path)``, once plain ``torch.load`` (weights only, with and without ``mmap``) has read
+    the same state from the same file, bitwise, and Python's ``zipfile`` has listed it (format 2)."""
+    import warnings
+    import zipfile
+
+    import datastates
+    import torch
+    from datastates.protocol.format import PICKLE_RECORD
+    from datastates.protocol.providers.pickled import training_globals
+
+    ours = datastates.load(path)
+    with warnings.catch_warnings(), torch.serialization.safe_globals(training_globals()):
+        warnings.simplefilter("ignore")  # complex32 is "experimental"
+        for mmap in (False, True):
+            assert_state_equal(ours, torch.load(path, weights_only=True, mmap=mmap), f"torch.load(mmap={mmap})")
+    with zipfile.ZipFile(path) as z:
+        assert PICKLE_RECORD in z.namelist()
+    return ours
+
+
 def temp_files(root: Path) -> list[Path]:
     """Half-written files the daemon left behind under ``root``."""
     from datastates.protocol.format import TEMP_SUFFIX

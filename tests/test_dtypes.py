@@ -7,17 +7,15 @@ the daemon's start, not the cases.
 from __future__ import annotations
 
 import warnings
-import zipfile
 from typing import Any
 
 import pytest
 import torch
 
-import datastates
 from datastates.client import Client
 from datastates.protocol.providers.tensor import DTYPES
 
-from conftest import DaemonProc, assert_state_equal, same_storage, save
+from conftest import DaemonProc, assert_state_equal, load_both, same_storage, save
 
 N = 24  # elements; divisible by 2, 3, 4 and 6 so every dtype gets the same 2-D views
 
@@ -40,14 +38,7 @@ def roundtrip(shared_client: Client, shared_daemon: DaemonProc, request: pytest.
     def run(state: Any) -> Any:
         tag = "".join(c if c.isalnum() else "-" for c in request.node.name).strip("-")
         committed = save(shared_client, state, shared_daemon.root / tag / "state.pt", tag=tag)
-        ours = datastates.load(committed.files[0])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # complex32 is "experimental"
-            for mmap in (False, True):
-                assert_state_equal(ours, torch.load(committed.files[0], weights_only=True, mmap=mmap), f"mmap={mmap}")
-        with zipfile.ZipFile(committed.files[0]) as z:
-            assert "archive/data.pkl" in z.namelist()
-        return ours
+        return load_both(committed.files[0])
 
     return run
 

@@ -13,6 +13,7 @@ import functools
 import io
 import pickle
 import pickletools
+import struct
 import sys
 from typing import Any, Sequence
 
@@ -60,7 +61,7 @@ class PickleProvider(StateProvider):
         except DatastatesError:
             raise
         except (EOFError, ValueError, IndexError, KeyError, TypeError, AttributeError, RuntimeError, OverflowError,
-                MemoryError, RecursionError) as exc:  # bytes no pickler wrote: a crafted or damaged skeleton
+                MemoryError, RecursionError, struct.error) as exc:  # bytes no pickler wrote: crafted or damaged
             raise CorruptCheckpointError(f"{ctx.path}: the skeleton {entry.name!r} is not a valid pickle: "
                                          f"{type(exc).__name__}: {str(exc)[:200]}", path=ctx.path) from None
         except pickle.UnpicklingError as exc:

@@ -53,7 +53,22 @@ CASES: dict[str, tuple[Callable[[FileHeader], FileHeader], str]] = {
     "missing checksums": (lambda h: storage0(h, checksums=[]), "checksums for the"),
     "short checksum": (lambda h: storage0(h, checksums=[b"x"] * len(h.storages[0].checksums)), "checksums for the"),
     "root out of range": (lambda h: dataclasses.replace(h, root=len(h.entries)), "root entry"),
+    "negative data.pkl size": (lambda h: dataclasses.replace(h, torch_pkl=-1), "torch_pkl -1"),
+    "data.pkl checksum of 3 bytes": (lambda h: dataclasses.replace(h, torch_pkl_sum=b"abc"), "torch_pkl"),
 }
+
+
+def test_a_skeleton_cut_inside_an_opcode_is_a_corrupt_file(good: Path, tmp_path: Path) -> None:
+    """``r`` (LONG_BINPUT) with no argument: torch's safe unpickler meets it as a struct.error, which is refused
+    as the format's own error (found by the fuzzer of tests/faults/test_fuzz_reader.py)."""
+    def cut(h: FileHeader) -> FileHeader:
+        entries = list(h.entries)
+        entries[h.root] = dataclasses.replace(entries[h.root], meta={"data": b"r"})
+        return dataclasses.replace(h, entries=entries)
+
+    path = craft(good, tmp_path / "model_states.pt", cut)
+    with pytest.raises(CorruptCheckpointError, match="not a valid pickle"):
+        datastates.load(path)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -10,7 +10,7 @@ import torch
 
 from datastates.client import Client
 
-from conftest import DATASTATESCTL, DaemonProc, save
+from conftest import DATASTATESCTL, DaemonProc, file_index, save
 
 
 @pytest.fixture
@@ -46,7 +46,9 @@ def test_verify_names_the_corrupt_file_and_tensor(daemon: DaemonProc) -> None:
     folder = committed_tag(daemon)
     path = folder / "optim_states.pt"
     raw = bytearray(path.read_bytes())
-    raw[-4096 - 100] ^= 0xFF  # inside the last storage's bytes, before the final padding page
+    header, _, _, base = file_index(bytes(raw))
+    last = header.storages[-1]
+    raw[base + last.offset + last.nbytes - 100] ^= 0xFF  # inside the last storage's bytes
     path.write_bytes(bytes(raw))
     out = ctl_verify(str(folder))
     assert out.returncode == 1
