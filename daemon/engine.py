@@ -1,11 +1,12 @@
 """The pipeline that moves a snapshot from the trainer's memory to a durable file.
 
 Per piece: take a pool chunk → copy into it on a copy thread → write it on a flush thread
-→ give the chunk back. A snapshot with an in-memory replica is copied into the replica's
-own pages instead (the chunk only paces it, and goes back once the copy is done), and
-its file is written from them: the replica costs no copy of its own. Pieces of all snapshots queue for chunks in arrival order, so
-copying, checksumming and writing overlap, and host memory never exceeds the pool. The
-header, now with every checksum, is written last, then the file is fsynced and renamed.
+→ give the chunk back. Pieces of all snapshots queue for chunks in arrival order, so
+copying, checksumming and writing overlap, and host memory never exceeds the pool. A
+snapshot with an in-memory replica is copied into the replica's own pages instead (the
+chunk only paces it, and goes back once the copy is done), and its file is written from
+them: the replica costs no copy of its own. The head, now with every checksum, and the
+zip's central directory are written last, then the file is fsynced and renamed.
 Copies, writes and header encoding run on the two long-lived executors, never on the
 event loop.
 """
