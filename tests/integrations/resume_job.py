@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from datastates.client import Client
-from datastates.client.integrations.manager import CheckpointManager
+from datastates.integrations.manager import CheckpointManager
 
 SAMPLES, FEATURES, TARGETS, BATCH = 256, 16, 4, 16
 

@@ -21,7 +21,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
 
 import datastates  # noqa: E402
-from datastates.client.integrations.deepspeed import DatastatesCheckpointEngine  # noqa: E402
+from datastates.integrations.deepspeed import DatastatesCheckpointEngine  # noqa: E402
 from datastates.protocol.errors import CommitError, InvalidRequestError  # noqa: E402
 
 from conftest import DaemonProc, assert_state_equal  # noqa: E402
@@ -161,9 +161,9 @@ def test_datastates_never_needs_deepspeed() -> None:
     """Without DeepSpeed, datastates imports and this module says what is missing."""
     code = (
         "import sys; sys.modules['deepspeed'] = None\n"
-        "import datastates, datastates.client, datastates.client.integrations\n"
+        "import datastates, datastates.client, datastates.integrations\n"
         "try:\n"
-        "    import datastates.client.integrations.deepspeed\n"
+        "    import datastates.integrations.deepspeed\n"
         "except ImportError as exc:\n"
         "    print(exc)\n"
     )

@@ -15,7 +15,7 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.client.integrations.manager import CheckpointManager
+from datastates.integrations.manager import CheckpointManager
 from datastates.protocol.errors import CommitError, InvalidRequestError
 from datastates.protocol.format import MARKER_PREFIX, marker_name
 

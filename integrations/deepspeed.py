@@ -31,7 +31,7 @@ try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 except ImportError as exc:  # datastates itself never needs DeepSpeed; only this module does
     raise ImportError(
-        f"datastates.client.integrations.deepspeed needs DeepSpeed (pip install deepspeed): {exc}"
+        f"datastates.integrations.deepspeed needs DeepSpeed (pip install deepspeed): {exc}"
     ) from exc
 
 from datastates.client.client import Client
