@@ -1,11 +1,11 @@
 """DeepSpeed's checkpoint engine, through datastatesd: ``engine.save_checkpoint`` hands the state to the daemon.
 
-DeepSpeed (0.19) builds its checkpoint engine from the config alone and knows no
-third-party engine: ``checkpoint.writer`` picks its own fast or decoupled writers, and
-``datastates_ckpt`` imports ``datastates.CheckpointEngine``, the API of the separate
-DataStates-LLM package, which this package does not provide (``deepspeed.initialize``
-then fails). So a job switches with one assignment after ``deepspeed.initialize``, before
-its first ``save_checkpoint``::
+Most jobs need none of this module: ``"datastates_ckpt": {}`` in the DeepSpeed config
+switches a job through DeepSpeed's own wrapper and ``datastates.CheckpointEngine``
+(integrations/datastates_llm.py). This engine is the alternative for jobs that want
+DeepSpeed's own call order on every rank (``create``, ``commit``; DeepSpeed without ZeRO,
+where only rank 0 saves): a job switches with one assignment after ``deepspeed.initialize``,
+before its first ``save_checkpoint``::
 
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config, ...)
     engine.checkpoint_engine = DatastatesCheckpointEngine(decoupled=True)
@@ -23,9 +23,7 @@ beside the tag folder itself, after the tag's marker, whatever ``save_latest`` s
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -35,11 +33,10 @@ except ImportError as exc:  # datastates itself never needs DeepSpeed; only this
     ) from exc
 
 from datastates.client.client import Client
-from datastates.client.reader import load
 from datastates.protocol.errors import CommitError, InvalidRequestError
-from datastates.protocol.format import MAGIC, check_tag
+from datastates.protocol.format import check_tag
 
-MapLocation = str | torch.device | Callable[[torch.UntypedStorage, str], torch.UntypedStorage] | None
+from .files import MapLocation, load_file
 
 
 class DatastatesCheckpointEngine(CheckpointEngine):
@@ -117,21 +114,12 @@ class DatastatesCheckpointEngine(CheckpointEngine):
         """The state at ``path``, a datastates file or one ``torch.save`` wrote.
 
         DeepSpeed copies what it loads into the live tensors, so a snapshot still being
-        copied is waited for first. A callable ``map_location`` (DeepSpeed passes
-        ``lambda storage, loc: storage``) is asked where it puts a CPU storage, and the
-        tensors are moved there.
+        copied is waited for first. DeepSpeed's states hold its own objects (LossScaler,
+        ZeroStageEnum), and DeepSpeed trusts its checkpoint folder as its TorchCheckpointEngine
+        does (``weights_only=False``): so does this engine, as DeepSpeed's.
         """
         self.wait()
-        with open(path, "rb") as f:
-            ours = f.read(len(MAGIC)) == MAGIC
-        if not ours:
-            return torch.load(path, map_location=map_location, weights_only=False)
-        if callable(map_location):
-            device = map_location(torch.UntypedStorage(0), "cpu").device
-            map_location = None if device.type == "cpu" else device
-        # DeepSpeed's states hold its own objects (LossScaler, ZeroStageEnum), and DeepSpeed trusts its checkpoint
-        # folder as its TorchCheckpointEngine does (weights_only=False): so does this engine, as DeepSpeed's.
-        return load(path, map_location, weights_only=False)
+        return load_file(path, map_location, weights_only=False)
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
         """What DeepSpeed's next step commits, when decoupled."""

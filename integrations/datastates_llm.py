@@ -1,0 +1,244 @@
+"""DataStates-LLM's checkpoint API, through datastatesd: what DeepSpeed's ``datastates_ckpt`` config entry builds.
+
+With ``"datastates_ckpt": {...}`` in a DeepSpeed config, DeepSpeed (0.18.1 and later)
+does ``from datastates import CheckpointEngine``, builds ``CheckpointEngine(ds_config, rank)``
+and drives it through its own wrapper (``DataStatesCheckpointEngine``): ``save(state, path)``
+for each file, ``load(path, map_location)``, and ``wait(persist=True)`` at ``cleanup()``
+only. That wrapper never fences the optimizer step and never commits before cleanup
+(its ``get_commit_info()`` is None), so this engine does both itself:
+
+- a global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
+  waits until the daemon holds its copy of everything saved, the fence, then commits
+  the tags saved so far; a save of a new tag, or of a file already saved in the open
+  tag, commits the open tag first; exit commits what is left;
+- the tag of a file is its ``global_step<N>`` (or Megatron ``iter_<N>``) folder, else its
+  parent folder: the daemon writes the tag's marker there and the ``latest`` tracker
+  beside it, which ``load_checkpoint(save_dir)`` reads.
+
+Every rank that saves a file of a tag commits it; the daemon marks a tag of a job of
+many ranks committed once all of them have. DeepSpeed without ZeRO saves the model on
+data-parallel rank 0 only, so the other ranks never learn of the tag and it is never
+committed: use ZeRO (stage 1 or more), or ``datastates.integrations.deepspeed``, whose
+engine DeepSpeed calls on every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import functools
+import logging
+import os
+import re
+import time
+import weakref
+from concurrent.futures import Future
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from datastates.client.client import Client
+from datastates.protocol.errors import CommitError, InvalidRequestError
+from datastates.protocol.format import check_tag
+
+from .files import MapLocation, load_file
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+CLIENT_KEYS = ("endpoint", "timeout", "liveness", "name", "on_busy", "fallback", "cpu_capture", "gpu_capture")
+"""datastates' own keys in the config: ``Client``'s options."""
+NO_MEANING = {
+    "parser_threads": "the trainer parses nothing here: the daemon serializes and writes on its own threads "
+                      "(copy_threads and flush_threads in node.yaml)",
+    "pin_host_cache": "the daemon pins its own host memory (pin_host_memory in node.yaml)",
+    "fast_cache_init": "the daemon's host memory is allocated once, at its start, not by the trainer",
+}
+"""DataStates-LLM keys that configure its in-process engine, which does not exist here."""
+_TAG_FOLDER = re.compile(r"global_step\d+|iter_\d+")
+POLL_S = 0.05
+
+
+def datastates_options(runtime_config: Any) -> dict[str, Any]:
+    """The ``datastates_ckpt`` dict, from a DeepSpeed config object, a full DeepSpeed config dict, or the dict itself."""
+    if runtime_config is None:
+        return {}
+    if hasattr(runtime_config, "datastates_config"):  # DeepSpeedConfig, or DataStates-LLM's test double of it
+        runtime_config = runtime_config.datastates_config.config
+    if isinstance(runtime_config, dict) and "datastates_ckpt" in runtime_config:
+        runtime_config = runtime_config["datastates_ckpt"]
+    if runtime_config is None or isinstance(runtime_config, bool):  # "datastates_ckpt": true
+        return {}
+    if not isinstance(runtime_config, dict):
+        raise InvalidRequestError(f"datastates config: expected a dict or a DeepSpeed config, got {type(runtime_config).__name__}")
+    known = {"host_cache_size", *NO_MEANING, *CLIENT_KEYS}
+    unknown = sorted(set(runtime_config) - known)
+    if unknown:
+        raise InvalidRequestError(f"datastates config: unknown key(s) {unknown}; known: {sorted(known)}")
+    return dict(runtime_config)
+
+
+def tag_of(path: str) -> str:
+    """The checkpoint a file belongs to: its nearest ``global_step<N>``/``iter_<N>`` folder, else its parent folder."""
+    folder = os.path.dirname(path)
+    for name in reversed(folder.split(os.sep)):
+        if _TAG_FOLDER.fullmatch(name):
+            return name
+    return check_tag(os.path.basename(folder))
+
+
+class CheckpointEngine:
+    """DataStates-LLM's engine: ``save`` returns at once, the daemon copies while training goes on.
+
+    ``runtime_config``: a DeepSpeed config (its ``datastates_ckpt`` entry is read) or a
+    plain dict of the same keys. ``host_cache_size`` (GiB) is checked against the node
+    daemon's host memory, which all ranks share (``host_memory`` in node.yaml);
+    ``parser_threads``, ``pin_host_cache`` and ``fast_cache_init`` have no meaning here
+    and are ignored with a warning; ``endpoint``, ``timeout``, ``liveness``, ``name``,
+    ``on_busy``, ``fallback`` and the capture keys are ``Client``'s options. The client
+    connects at construction, so a missing daemon fails ``deepspeed.initialize`` at once.
+
+    Call order: ``save`` any number of times, then either the next optimizer step (its
+    pre-hook fences and commits), ``wait()`` (the state may change again), ``wait(True)``
+    or ``commit(tag)`` (durable and committed), and finally ``shutdown()``.
+    """
+
+    def __init__(self, runtime_config: Any = None, rank: int = 0, *, client: Client | None = None) -> None:
+        self._closed = True  # until built: the finalizer of a half-built engine does nothing
+        options = datastates_options(runtime_config)
+        self.rank = int(rank)
+        for key in sorted(set(options) & set(NO_MEANING)):
+            log.warning("datastates config: %r is ignored: %s", key, NO_MEANING[key])
+        self._own_client = client is None
+        self.client = client or Client(**{k: options[k] for k in CLIENT_KEYS if k in options})
+        if "host_cache_size" in options:
+            try:
+                self._check_host_cache(float(options["host_cache_size"]))
+            except BaseException:
+                if self._own_client:
+                    self.client.close()
+                raise
+        self._open: dict[str, set[str]] = {}
+        """Tags saved and not yet committed → the paths saved for each."""
+        self._commits: list[tuple[str, Future]] = []
+        """Commits sent and not yet taken in: their failures are raised by the next save, wait(True) or shutdown."""
+        ref = weakref.ref(self)
+        self._hook = register_optimizer_step_pre_hook(
+            lambda _opt, _args, _kwargs: _fence(ref))  # a weak reference: the hook never keeps the engine alive
+        self._at_exit = functools.partial(_fence, ref, True)
+        atexit.register(self._at_exit)  # commits what is left before the interpreter tears modules down
+        self._closed = False
+
+    def _check_host_cache(self, gib: float) -> None:
+        budget = self.client.status()["daemon"]["host_memory"]["budget_bytes"]
+        if budget < gib * GiB:
+            log.warning("datastates config: host_cache_size %.4g GiB asks for more host memory than the node's daemon "
+                        "holds (%.4g GiB, shared by all ranks): copies wait for memory; raise host_memory in node.yaml",
+                        gib, budget / GiB)
+
+    def save(self, state_dict: Any, path: str | os.PathLike) -> bool:
+        """Hand ``state_dict`` to the daemon, to be written to ``path``; True once the message is sent.
+
+        Tensors must not change in place until the next optimizer step, ``wait()`` or
+        ``commit``: the daemon copies them while the next forward and backward run.
+        """
+        self._settle()
+        path = os.path.abspath(os.fspath(path))
+        tag = tag_of(path)
+        for open_tag, paths in list(self._open.items()):
+            if open_tag != tag or path in paths:  # a newer checkpoint begins, or this one is saved again
+                self._commit_open()
+                break
+        self.client.snapshot(state_dict, path, tag=tag)
+        self._open.setdefault(tag, set()).add(path)
+        return True
+
+    def wait(self, persist: bool = False) -> None:
+        """``persist=False``: block until the daemon holds its copy of everything saved, so the state may change.
+        ``persist=True``: also commit every tag saved so far and block until each is durable and committed."""
+        self.client.wait()
+        if persist:
+            self._commit_open()
+            concurrent.futures.wait([f for _, f in self._commits])
+            self._settle()
+
+    def commit(self, tag: str) -> bool:
+        """Commit ``tag`` (every file saved under its folder) and block until it is durable and committed; True."""
+        if check_tag(tag) not in self._open:
+            raise CommitError(f"commit({tag!r}): no file was saved for it; a file's tag is its global_step<N> or "
+                              f"parent folder, and the tags saved and not committed are {sorted(self._open)}", tag=tag)
+        self.wait(persist=True)
+        return True
+
+    def load(self, path: str | os.PathLike, map_location: MapLocation = None) -> Any:
+        """The state at ``path``, once no snapshot of it is still being written, by this rank or any other of the node.
+
+        Reads datastates files and, for a job that switched, files ``torch.save`` wrote.
+        DeepSpeed trusts its own checkpoint folder (its torch engine loads with
+        ``weights_only=False``), and so does this engine, for DeepSpeed's own objects.
+        """
+        path = os.path.abspath(os.fspath(path))
+        self.client.wait()  # the caller copies what it loads into tensors a snapshot may still be reading
+        while any(_same_file(s["path"], path) and s["state"] in ("copying", "flushing")
+                  for s in self.client.status()["snapshots"]):
+            time.sleep(POLL_S)
+        return load_file(path, map_location, weights_only=False)
+
+    def shutdown(self) -> None:
+        """Commit what is saved, wait until it is durable, and close the client (unless it was given)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._hook.remove()
+        atexit.unregister(self._at_exit)
+        try:
+            self.wait(persist=True)
+        finally:
+            if self._own_client:
+                self.client.close()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except BaseException as exc:  # never raise from a finalizer; the failure is the log's
+            log.error("datastates: shutting down the checkpoint engine of rank %d failed: %s", self.rank, exc)
+
+    def _commit_open(self) -> None:
+        """Fence, then commit every open tag; their outcomes are taken in later."""
+        if not self._open:
+            return
+        self.client.wait()
+        for tag in list(self._open):
+            self._commits.append((tag, self.client.commit(tag)))
+            del self._open[tag]
+
+    def _settle(self) -> None:
+        """Raise the first failed commit among those resolved, as CommitError naming the tag."""
+        done = [(t, f) for t, f in self._commits if f.done()]
+        self._commits = [(t, f) for t, f in self._commits if not f.done()]
+        for tag, fut in done:
+            exc = fut.exception()
+            if exc is not None:
+                raise CommitError(f"checkpoint {tag} was not committed: {exc}", tag=tag) from exc
+
+
+def _fence(ref: weakref.ref, persist: bool = False) -> None:
+    """The optimizer step pre-hook (and the exit handler, ``persist=True``) of the engine ``ref`` names, if alive."""
+    engine = ref()
+    if engine is None or engine._closed:
+        return
+    if persist:
+        engine.shutdown()
+    elif engine._open:
+        engine._commit_open()
+    else:
+        engine.client.wait()
+
+
+def _same_file(written: str, path: str) -> bool:
+    """Whether the daemon's ``written`` path is ``path``, or its new version in the tag's hidden staging folder."""
+    if written == path:
+        return True
+    staged, tag_folder = os.path.dirname(written), os.path.dirname(path)
+    return (os.path.basename(written) == os.path.basename(path) and os.path.basename(staged).startswith(".")
+            and os.path.dirname(staged) == os.path.dirname(tag_folder))
