@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import re
+import sys
 import time
 import weakref
 from concurrent.futures import Future
@@ -105,6 +106,7 @@ class CheckpointEngine:
 
     def __init__(self, runtime_config: Any = None, rank: int = 0, *, client: Client | None = None) -> None:
         self._closed = True  # until built: the finalizer of a half-built engine does nothing
+        _mend_deepspeeds_wrapper()
         options = datastates_options(runtime_config)
         self.rank = int(rank)
         for key in sorted(set(options) & set(NO_MEANING)):
@@ -233,6 +235,19 @@ def _fence(ref: weakref.ref, persist: bool = False) -> None:
         engine._commit_open()
     else:
         engine.client.wait()
+
+
+def _mend_deepspeeds_wrapper() -> None:
+    """Give DeepSpeed's wrapper class a default ``ckpt_engine = None``.
+
+    Its ``cleanup()`` deletes the instance's ``ckpt_engine``, and ``engine.destroy()`` and
+    then the wrapper's finalizer both call it: the second raises AttributeError, printed
+    as "Exception ignored in __del__" at every exit. With a class default it finds None.
+    """
+    wrapper = sys.modules.get("deepspeed.runtime.checkpoint_engine.datastates_checkpoint_engine")
+    engine = getattr(wrapper, "DataStatesCheckpointEngine", None)
+    if engine is not None and not hasattr(engine, "ckpt_engine"):
+        engine.ckpt_engine = None
 
 
 def _same_file(written: str, path: str) -> bool:

@@ -22,6 +22,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
 
 import datastates  # noqa: E402
 from datastates.integrations.deepspeed import DatastatesCheckpointEngine  # noqa: E402
+from datastates.protocol.endpoint import ENDPOINT_ENV  # noqa: E402
 from datastates.protocol.errors import CommitError, InvalidRequestError  # noqa: E402
 
 from conftest import DaemonProc, assert_state_equal  # noqa: E402
@@ -192,12 +193,13 @@ def ds_dist() -> Iterator[None]:
         torch.distributed.destroy_process_group()
 
 
-def ds_initialize(seed: int, stage: int = 1) -> Any:
-    """A tiny model under ZeRO ``stage`` with torch's Adam (DeepSpeed's FusedAdam would compile a CPU op)."""
+def ds_initialize(seed: int, stage: int = 1, **extra: Any) -> Any:
+    """A tiny model under ZeRO ``stage`` with torch's Adam (DeepSpeed's FusedAdam would compile a CPU op);
+    ``extra``: more config entries (``datastates_ckpt``)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    config = {"train_batch_size": 1, "zero_optimization": {"stage": stage}, "steps_per_print": 1 << 30}
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": stage}, "steps_per_print": 1 << 30, **extra}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -265,3 +267,59 @@ def test_deepspeeds_zero_to_fp32_consolidates_what_we_wrote(ds_dist: None, daemo
 
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag="global_step1")
     assert_state_equal(weights, {k: v.detach() for k, v in consolidated.items()})
+
+
+# -- DeepSpeed's own datastates_ckpt config entry ------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_config_entry_alone_switches_a_job(ds_dist: None, daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch,
+                                                stage: int) -> None:
+    """``"datastates_ckpt": {}`` and ``$DATASTATES_ENDPOINT``, nothing else: DeepSpeed's wrapper drives
+    datastates.CheckpointEngine. Training steps right after each save, yet each tag holds its pre-step state, and
+    each is committed (marker and ``latest``) by the next step or the next save, not only at exit."""
+    monkeypatch.setenv(ENDPOINT_ENV, daemon.endpoint)
+    save_dir = daemon.root / f"config{stage}"
+    engine = ds_initialize(seed=0, stage=stage, datastates_ckpt={})
+    assert isinstance(engine.checkpoint_engine.ckpt_engine, datastates.CheckpointEngine)
+    for step in range(2):
+        train_step(engine, seed=step)
+    first = snapshot_of(engine)
+    engine.save_checkpoint(str(save_dir))  # global_step2
+    train_step(engine, seed=2)  # at once: its pre-step hook fences, then commits global_step2
+    assert daemon.ctl("wait", "--timeout", "60").returncode == 0
+    assert datastates.latest(save_dir) == "global_step2" and (save_dir / "latest").read_text() == "global_step2"
+    second = snapshot_of(engine)
+    engine.save_checkpoint(str(save_dir))  # global_step3, committed by destroy's cleanup
+    engine.destroy()
+    assert datastates.latest(save_dir) == "global_step3" and (save_dir / "latest").read_text() == "global_step3"
+    assert daemon.ctl("verify", str(save_dir / "global_step3")).returncode == 0
+
+    fresh = ds_initialize(seed=1, stage=stage, datastates_ckpt={})
+    fresh.load_checkpoint(str(save_dir))  # the tag from DeepSpeed's own 'latest' file
+    assert fresh.global_steps == 3
+    assert_state_equal(second, snapshot_of(fresh))
+    fresh.load_checkpoint(str(save_dir), tag="global_step2")
+    assert_state_equal(first, snapshot_of(fresh))
+    fresh.destroy()
+
+
+def test_a_job_killed_between_two_saves_resumes_from_the_first(ds_dist: None, daemon: DaemonProc, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """kill -9 right after the second save_checkpoint returned: that tag never commits, the first one did (at
+    the step between them), and load_checkpoint resumes from it bitwise."""
+    save_dir, expected = daemon.root / "killed", tmp_path / "expected.pt"
+    job = Path(__file__).with_name("ds_killed_job.py")
+    proc = subprocess.run([sys.executable, str(job), daemon.endpoint, str(save_dir), str(expected)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    done = daemon.ctl("wait", "--timeout", "60")  # reports global_step3's snapshots, failed with their trainer
+    assert "still pending" not in done.stderr and "global_step2" not in done.stdout + done.stderr, done.stderr
+    assert datastates.latest(save_dir) == "global_step2"
+
+    monkeypatch.setenv(ENDPOINT_ENV, daemon.endpoint)
+    fresh = ds_initialize(seed=1, datastates_ckpt={})
+    fresh.load_checkpoint(str(save_dir))
+    assert fresh.global_steps == 2
+    assert_state_equal(torch.load(expected), snapshot_of(fresh))
+    fresh.destroy()
