@@ -153,3 +153,21 @@ def test_a_program_that_never_shuts_down_still_commits(daemon: DaemonProc) -> No
             f"e.save({{'w': torch.ones(1 << 16)}}, {str(daemon.root / 'global_step5' / 'a.pt')!r})\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert datastates.latest(daemon.root) == "global_step5"
+
+
+def test_load_waits_for_a_file_another_rank_is_still_writing(daemon: DaemonProc, engine: Checkpointing) -> None:
+    """Another process of the node saves a 256 MiB file; this one loads it as soon as that save() returned:
+    ``load`` waits for the daemon to finish writing it instead of failing on a missing or older file."""
+    path = str(daemon.root / "global_step1" / "other_rank.pt")
+    code = ("import sys, torch, datastates\n"
+            "e = datastates.CheckpointEngine({}, 1)\n"
+            f"e.save({{'w': torch.full((64 << 20,), 7.0)}}, {path!r})\n"
+            "print('saved', flush=True)\n"
+            "e.wait(True)\n")
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "saved"
+        state = engine.load(path)
+        assert state["w"].shape == (64 << 20,) and bool((state["w"] == 7.0).all())
+    finally:
+        assert writer.wait(120) == 0
