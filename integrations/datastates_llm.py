@@ -175,6 +175,9 @@ class CheckpointEngine:
     def load(self, path: str | os.PathLike, map_location: MapLocation = None) -> Any:
         """The state at ``path``, once no snapshot of it is still being written, by this rank or any other of the node.
 
+        Waits for the snapshots the daemon has taken in: one whose message is still on its
+        way from another process is not seen.
+
         Reads datastates files and, for a job that switched, files ``torch.save`` wrote.
         DeepSpeed trusts its own checkpoint folder (its torch engine loads with
         ``weights_only=False``), and so does this engine, for DeepSpeed's own objects.

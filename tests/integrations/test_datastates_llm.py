@@ -162,6 +162,7 @@ def test_load_waits_for_a_file_another_rank_is_still_writing(daemon: DaemonProc,
     code = ("import sys, torch, datastates\n"
             "e = datastates.CheckpointEngine({}, 1)\n"
             f"e.save({{'w': torch.full((64 << 20,), 7.0)}}, {path!r})\n"
+            "e.client.status()\n"  # a round trip after the snapshot: the daemon has taken it in
             "print('saved', flush=True)\n"
             "e.wait(True)\n")
     writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
