@@ -15,7 +15,7 @@ from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DatastatesError
 from datastates.protocol.format import CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import prune
-from datastates.protocol.tags import marker_paths
+from datastates.protocol.tags import marker_paths, tag_files
 
 from .catalog import list_tags
 from .locate import tier_roots
@@ -102,7 +102,7 @@ def _tag_files(target: str, root: str) -> list[str]:
                 marker = CommitMarker.decode(f.read())
         except (OSError, ValueError, DatastatesError) as exc:
             raise CorruptCheckpointError(f"{path}: unreadable commit marker: {exc}") from None
-        files += [os.path.join(os.path.dirname(path), rec.path) for rec in marker.files]
+        files += tag_files(os.path.dirname(path), marker)
     return files
 
 
