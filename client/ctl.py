@@ -18,6 +18,7 @@ from datastates.protocol.retention import prune
 from datastates.protocol.tags import marker_paths, tag_files
 
 from .catalog import list_tags
+from .filecheck import verify
 from .locate import tier_roots
 from .connection import Connection, daemon_status
 
@@ -38,8 +39,9 @@ def render(status: dict[str, Any]) -> str:
     lines = [
         f"datastatesd pid {d['pid']} on {d['endpoint']}  up {d['uptime_s']} s"
         + ("  (draining)" if d["draining"] else ""),
-        f"host memory: {_size(mem['chunks_in_use'] * mem['chunk_size'])} in use of {_size(mem['budget_bytes'])}"
-        f" (peak {_size(mem['peak_in_use_bytes'])}, {mem['waiting_copies']} copies waiting)",
+        f"host memory: {_size(mem['budget_bytes'])} in chunks of {_size(mem['chunk_size'])}:"
+        f" {mem['chunks_copying']} copying, {mem['chunks_flushing']} waiting to be flushed, {mem['chunks_free']} free"
+        f" (peak {_size(mem['peak_in_use_bytes'])} in use, {mem['waiting_copies']} copies waiting)",
         f"pending snapshots: {status['pending']}   pending commits: {status['commits_pending']}",
         "",
         f"clients ({len(status['clients'])}):",
@@ -107,8 +109,6 @@ def _tag_files(target: str, root: str) -> list[str]:
 
 
 def _verify(target: str, root: str) -> int:
-    from .reader import verify  # torch: only the commands that read checkpoints pay for it
-
     failures = 0
     for path in _tag_files(target, root):
         try:
