@@ -148,6 +148,7 @@ def datastatesd(root: str, **config: Any) -> Iterator[str]:
             except DaemonUnavailable:
                 if proc.poll() is not None:
                     raise RuntimeError(f"datastatesd exited with {proc.returncode}") from None
+                time.sleep(0.5)  # not listening yet is said at once
         yield endpoint
     finally:
         proc.terminate()

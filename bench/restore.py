@@ -41,7 +41,7 @@ from common import (datastatesd, drop_caches, fsync_tree, gpt_state, median, pri
 
 import datastates  # noqa: E402
 from datastates.client import Client, reader  # noqa: E402
-from datastates.client.reader import READ_PIECE, READ_THREADS  # noqa: E402
+from datastates.client.filecheck import READ_PIECE, READ_THREADS, read_header  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -89,7 +89,7 @@ def phases(path: str, cold: str | None = None) -> dict[str, float]:
     if cold:
         drop_caches(cold)
     out: dict[str, float] = {}
-    out["header"], (header, base, size, _) = timed(reader._read_header, path)
+    out["header"], (header, base, size, _) = timed(read_header, path)
     out["data"], data = timed(reader._read_data, path, base, size)
     ctx = reader._Restore(path, data, header, True, None, True)
     out["checksums"], _ = timed(lambda: [ctx.storage(i) for i in range(len(header.storages))])

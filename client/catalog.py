@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from datastates.protocol.format import CommitMarker, marker_name
-from datastates.protocol.tags import committed_tags
+from datastates.protocol.tags import committed_tags, tag_files
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,10 @@ class TagEntry:
     """``committed`` (a valid marker), ``damaged`` (a marker whose files are missing or resized), or
     ``uncommitted`` (no marker: a save in flight, or one a crash left; never restored or pruned)."""
     size: int
+    """Bytes on disk in the tag's folder (its files, its marker, anything else there): what deleting it frees."""
     files: int
+    """A committed tag's: the files its marker lists (``tag_files``), as ``status`` counts them. Else every
+    file in the folder."""
     age_s: float
     order_ns: int
     """When the commit was asked for, else the folder's last change: what ``ls`` sorts by, newest first."""
@@ -35,13 +38,15 @@ def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
         folder = os.path.join(root, name)
         if not os.path.isdir(folder) or name.startswith("."):
             continue
-        files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
-        size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+        on_disk = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
+        size = sum(os.path.getsize(f) for f in on_disk if os.path.isfile(f))
         marker_path = os.path.join(folder, marker_name(name))
         marker = committed.get(folder)
         if marker is not None:
+            files = tag_files(folder, marker)  # what status counts too
             state, age, order = "committed", now - marker.committed_ns / 1e9, marker.requested_ns or marker.committed_ns
         else:
+            files = on_disk
             state = "damaged" if CommitMarker.read(marker_path) is not None else "uncommitted"
             mtime = os.path.getmtime(folder)
             age, order = now - mtime, int(mtime * 1e9)

@@ -11,12 +11,19 @@ outstanding request fails with DaemonUnavailable, so a dead daemon never hangs t
 training process. The other way, once ``heartbeat`` is set (from WELCOME), the thread
 sends a HEARTBEAT whenever it has sent nothing for that long, so the daemon can tell a
 trainer that vanished without BYE and release what it held for it.
+
+Silence only means something once a daemon was there. ZeroMQ connects in the background
+and retries for ever, so until the first reply each request first asks the kernel with a
+plain ``connect()``: where the socket file is missing, or nobody listens (ECONNREFUSED),
+no daemon runs on that endpoint, and the request fails at once with DaemonNotRunning
+instead of waiting out ``liveness`` or the caller's timeout.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -26,14 +33,22 @@ from typing import Any, Callable
 import zmq
 
 from datastates.protocol import messages as m
-from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import DaemonUnavailable, DatastatesError, UnknownClientError, error_from_code
+from datastates.protocol.endpoint import ENDPOINT_ENV, resolve_endpoint
+from datastates.protocol.errors import (
+    DaemonNotRunning,
+    DaemonUnavailable,
+    DatastatesError,
+    UnknownClientError,
+    error_from_code,
+)
 from datastates.protocol.security import secure_client
 
 log = logging.getLogger(__name__)
 
 _STOP = b"stop"
 DEFAULT_LIVENESS = 15.0
+PROBE_TIMEOUT_S = 1.0
+"""How long the tcp probe waits for the daemon's host; past it, the probe says nothing and ZeroMQ and the timeouts decide."""
 
 
 class Connection:
@@ -43,6 +58,8 @@ class Connection:
         self.heartbeat = 0.0
         self.lost = False
         """Set once the daemon stayed silent past ``liveness``: a daemon that comes back does not know this client."""
+        self.answered = False
+        """Set once any reply arrived: from then on silence is the daemon's (``liveness``), no probe asks the kernel."""
         self.registered = False
         """Set once the daemon welcomed this client: from then on, a probe answered ``unknown_client`` means the
         daemon that holds this client's requests is gone (restarted on the same endpoint, or took it as gone)."""
@@ -74,6 +91,8 @@ class Connection:
 
     def request(self, body: m.Body) -> Future:
         """Send ``body``; the future resolves to the reply body or raises the reported error."""
+        if not self.answered:
+            check_listening(self.endpoint)
         fut: Future = Future()
         with self._lock:
             if self._closed:
@@ -90,8 +109,10 @@ class Connection:
         except TimeoutError:
             fut.cancel()
             raise DaemonUnavailable(
-                f"no reply from datastatesd at {self.endpoint} to {body.TYPE.value} within {timeout} s; "
-                "is the daemon running (datastatesd --node-config ...)?",
+                f"no reply from datastatesd at {self.endpoint} to {body.TYPE.value} within {timeout} s: something "
+                "listens there but does not answer (a stopped or overloaded daemon; over tcp, one that refuses this "
+                "client's CURVE key)" if not self.answered else
+                f"no reply from datastatesd at {self.endpoint} to {body.TYPE.value} within {timeout} s",
                 endpoint=self.endpoint,
             ) from None
 
@@ -116,6 +137,7 @@ class Connection:
                     self._send(frames)
                 else:
                     self._heard = time.monotonic()
+                    self.answered = True
                     self._deliver(self._dealer.recv_multipart())
             self._check_liveness()
             if self.heartbeat and time.monotonic() - self._sent > self.heartbeat:
@@ -209,8 +231,43 @@ def _fail(pending: dict[int, Future], error: Callable[[], DaemonUnavailable]) ->
             fut.set_exception(error())
 
 
+def check_listening(endpoint: str) -> None:
+    """Raise DaemonNotRunning where the kernel says nothing listens on ``endpoint``; else return.
+
+    A plain ``connect()``, closed at once: for ``ipc://`` the socket file is missing (ENOENT)
+    or nobody accepts on it (ECONNREFUSED, a daemon that exited); for ``tcp://`` the host
+    refuses the port. Anything else (a host that does not answer, a name that does not
+    resolve, a permission) says nothing, and is left to ZeroMQ and the timeouts.
+    """
+    scheme, _, address = endpoint.partition("://")
+    try:
+        if scheme == "ipc":
+            where = f"the socket file {address}"
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect("\0" + address[1:] if address.startswith("@") else address)  # "@": abstract namespace
+        elif scheme == "tcp":
+            host, _, port = address.rpartition(":")
+            where = f"port {port} of {host}"
+            socket.create_connection((host.strip("[]"), int(port)), PROBE_TIMEOUT_S).close()
+        return
+    except FileNotFoundError:
+        why = f"{where} does not exist"
+    except ConnectionRefusedError:
+        why = f"nothing listens on {where}"
+    except (OSError, ValueError):
+        return
+    raise DaemonNotRunning(
+        f"no datastatesd is running at {endpoint} ({why}): start one on this node with `datastatesd` (the default "
+        f"config) or `datastatesd --node-config node.yaml`, or point ${ENDPOINT_ENV} (or the endpoint argument) at "
+        "the endpoint a running daemon serves", endpoint=endpoint)
+
+
 def daemon_status(endpoint: str | None = None, timeout: float = 5.0) -> dict[str, Any]:
-    """The daemon's status, without registering as a client; DaemonUnavailable if none answers."""
+    """The daemon's status, without registering as a client.
+
+    Raises DaemonNotRunning at once where no daemon listens on the endpoint, DaemonUnavailable
+    where one listens but gives no reply within ``timeout``.
+    """
     conn = Connection(resolve_endpoint(endpoint))
     try:
         return conn.call(m.Status(), timeout).status

@@ -15,21 +15,15 @@ from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DatastatesError
 from datastates.protocol.format import CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import prune
-from datastates.protocol.tags import marker_paths
+from datastates.protocol.tags import marker_paths, tag_files
 
 from .catalog import list_tags
+from .filecheck import verify
 from .locate import tier_roots
+from .sizes import human_size
 from .connection import Connection, daemon_status
 
 POLL_S = 0.2
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def render(status: dict[str, Any]) -> str:
@@ -38,8 +32,9 @@ def render(status: dict[str, Any]) -> str:
     lines = [
         f"datastatesd pid {d['pid']} on {d['endpoint']}  up {d['uptime_s']} s"
         + ("  (draining)" if d["draining"] else ""),
-        f"host memory: {_size(mem['chunks_in_use'] * mem['chunk_size'])} in use of {_size(mem['budget_bytes'])}"
-        f" (peak {_size(mem['peak_in_use_bytes'])}, {mem['waiting_copies']} copies waiting)",
+        f"host memory: {human_size(mem['budget_bytes'])} in chunks of {human_size(mem['chunk_size'])}:"
+        f" {mem['chunks_copying']} copying, {mem['chunks_flushing']} waiting to be flushed, {mem['chunks_free']} free"
+        f" (peak {human_size(mem['peak_in_use_bytes'])} in use, {mem['waiting_copies']} copies waiting)",
         f"pending snapshots: {status['pending']}   pending commits: {status['commits_pending']}",
         "",
         f"clients ({len(status['clients'])}):",
@@ -56,7 +51,7 @@ def render(status: dict[str, Any]) -> str:
         total = s["total_bytes"] or 1
         lines.append(
             f"  {s['id']:>5} {s['state']:<9} {100 * s['copied_bytes'] / total:>8.0f}% {100 * s['flushed_bytes'] / total:>8.0f}%"
-            f" {_size(s['total_bytes']):>10} {_size(s['throughput_bps']) + '/s':>11}  {s['tag']}  {s['path']}"
+            f" {human_size(s['total_bytes']):>10} {human_size(s['throughput_bps']) + '/s':>11}  {s['tag']}  {s['path']}"
             + (f"\n        error: {s['error']}" if s["error"] else "")
         )
     tiers = status["tier_transfers"]
@@ -102,18 +97,16 @@ def _tag_files(target: str, root: str) -> list[str]:
                 marker = CommitMarker.decode(f.read())
         except (OSError, ValueError, DatastatesError) as exc:
             raise CorruptCheckpointError(f"{path}: unreadable commit marker: {exc}") from None
-        files += [os.path.join(os.path.dirname(path), rec.path) for rec in marker.files]
+        files += tag_files(os.path.dirname(path), marker)
     return files
 
 
 def _verify(target: str, root: str) -> int:
-    from .reader import verify  # torch: only the commands that read checkpoints pay for it
-
     failures = 0
     for path in _tag_files(target, root):
         try:
             entries, nbytes = verify(path)
-            print(f"ok       {path}: {entries} entries, {_size(nbytes)} checked")
+            print(f"ok       {path}: {entries} entries, {human_size(nbytes)} checked")
         except (DatastatesError, OSError) as exc:
             failures += 1
             print(f"CORRUPT  {path}: {getattr(exc, 'message', exc)}")
@@ -140,7 +133,7 @@ def _ls(root: str, endpoint: str | None, timeout: float) -> int:
     print(f"{'tag':<28} {'state':<12} {'size':>11} {'files':>5}  {'tier':<10} {'where':<16} age")
     for e, tier in entries:
         where = "storage+memory" if e.in_memory else "storage"
-        print(f"{e.tag:<28} {e.state:<12} {_size(e.size):>11} {e.files:>5}  {tier:<10} {where:<16} {_age(e.age_s)}")
+        print(f"{e.tag:<28} {e.state:<12} {human_size(e.size):>11} {e.files:>5}  {tier:<10} {where:<16} {_age(e.age_s)}")
     if not entries:
         print(f"(no tags under {root})")
     return 0
@@ -180,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_status = sub.add_parser("status", help="clients, pending snapshots and tier transfers with progress, committed tags")
     p_status.add_argument("--json", action="store_true", help="machine-readable output")
+    p_status.add_argument("--watch", action="store_true",
+                          help="a live view: a bar per snapshot (copied, flushed) and per tier transfer, with rates "
+                               "and time left, refreshed until Ctrl-C")
+    p_status.add_argument("--interval", type=float, default=1.0, metavar="S", help="--watch: seconds between refreshes")
+    p_status.add_argument("--count", type=int, default=None, metavar="N", help="--watch: stop after N refreshes")
     p_wait = sub.add_parser("wait", help="wait until no snapshot, commit or tier transfer is pending")
     p_wait.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after S seconds (exit 1)")
     sub.add_parser("shutdown", help="drain every pending snapshot, then stop the daemon")
@@ -222,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"datastatesctl: error: {exc.message}", file=sys.stderr)
         return 2
     try:
-        if args.command == "status":
+        if args.command == "status" and args.watch:
+            from .watch import watch  # rich: only the live view pays for it
+
+            watch(lambda: _status(conn, args.connect_timeout), args.interval, args.count)
+        elif args.command == "status":
             status = _status(conn, args.connect_timeout)
             print(json.dumps(status, indent=1) if args.json else render(status))
         elif args.command == "wait":

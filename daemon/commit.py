@@ -39,7 +39,7 @@ from datastates.protocol.version import COMMIT_VERSION
 
 from datastates.protocol.paths import within
 from datastates.protocol.retention import prune
-from datastates.protocol.tags import listing, next_sequence, unlisted
+from datastates.protocol.tags import listing, next_sequence, tag_files, unlisted
 
 from .config import HISTORY, StorageConfig
 from .engine import Engine
@@ -485,9 +485,10 @@ class CommitLedger:
             keep_last = self._storage.keep_last_at(parent)
             if keep_last is not None:
                 await self._prune(parent, keep_last)
-        self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(marker.files),
+        files = tag_files(folder, marker)
+        self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(files),
                                "committed_ns": marker.committed_ns})
-        return m.Committed(tag=tag, marker=path, files=[os.path.join(folder, f.path) for f in marker.files])
+        return m.Committed(tag=tag, marker=path, files=files)
 
     async def _prune(self, parent: str, keep_last: int) -> None:
         """Retention after a commit; a tag that cannot be deleted is logged, and the commit stands."""

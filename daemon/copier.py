@@ -22,15 +22,18 @@ from .sources import Pending, Region
 
 
 def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
-               before: Callable[[Region], None] = lambda region: None) -> list[tuple[int, int, bytes]]:
+               before: Callable[[Region], None] = lambda region: None,
+               progress: Callable[[int], None] = lambda nbytes: None) -> list[tuple[int, int, bytes]]:
     """Fill ``chunk`` with ``piece``; returns (storage, slot, checksum) for each segment.
 
     ``before(region)`` runs before each segment is read, and raises to stop the piece (its
-    trainer went, and its memory with it).
+    trainer went, and its memory with it). ``progress(nbytes)`` is told the bytes of each
+    segment once they are in ``chunk``: a host copy's as it returns, device copies' once waited for.
     """
     dst = chunk.tensor
     cursor = 0
     pending: list[Pending] = []
+    in_flight = 0
     try:
         for seg in piece.segments:
             if seg.dst > cursor:
@@ -40,6 +43,9 @@ def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
             copy = region.read_into(dst[seg.dst:seg.dst + seg.length], seg.src, seg.length)
             if copy is not None:
                 pending.append(copy)
+                in_flight += seg.length
+            else:
+                progress(seg.length)
             cursor = seg.dst + seg.length
         if cursor < piece.length:
             dst[cursor:piece.length].zero_()
@@ -47,6 +53,8 @@ def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
             chunk.view[at:at + len(data)] = data
     finally:
         _wait_all(pending)
+    if in_flight:
+        progress(in_flight)
     return [(seg.source, seg.slot, checksum(chunk.view[seg.dst:seg.dst + seg.length])) for seg in piece.segments]
 
 

@@ -100,16 +100,18 @@ class Engine:
                     raise job.abandoned
                 filled_in_place = in_place is not None
                 dst = Window(in_place, pages, at, piece.length) if filled_in_place else chunk
-                copied = await loop.run_in_executor(self._copy, copy_piece, piece, dst, job.regions, job.before_copy)
+                copied = await loop.run_in_executor(self._copy, copy_piece, piece, dst, job.regions, job.before_copy,
+                                                    job.add_copied)
                 for storage, slot, digest in copied:
                     sums[storage][slot] = digest
-                job.copied_bytes += sum(s.length for s in piece.segments)
                 uncopied -= 1
                 if uncopied == 0:
                     job.mark_copied()
                 if filled_in_place:
                     self.pool.release(chunk)  # it only paced this copy: the bytes are in the replica's pages
                     chunk = None
+                else:
+                    self.pool.copied(chunk)
                 await self.flush(sink.write, at, dst.view[: piece.length], filled_in_place)
                 job.flushed_bytes += sum(s.length for s in piece.segments)
             except BaseException as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -17,6 +18,7 @@ from datastates.protocol.errors import SnapshotFailedError
 
 from datastates.protocol.layout import FilePlan
 
+from .rate import RecentRate, average
 from .replicas import Replica
 from .sources import Region
 from .sources.cuda import Fences
@@ -54,11 +56,18 @@ class SnapshotJob:
         self.owner_alive = owner_alive
         """Whether the trainer still lives, asked once its state in the trainer is copied (see ``mark_copied``)."""
         self.copied_bytes = 0
+        """Tensor bytes in the daemon's memory (pool chunks or the replica's pages), counted as each segment lands."""
+        self._copied_lock = threading.Lock()
+        """Copy threads add to ``copied_bytes`` side by side (``add_copied``)."""
         self.flushed_bytes = 0
+        """Tensor bytes written to the file (the event loop counts them as each piece's write returns)."""
         self.state = JobState.COPYING
         self.error: str | None = None
         self.started = time.monotonic()
+        self.copied_at: float | None = None
         self.finished: float | None = None
+        self._copy_rate = RecentRate(self.started)
+        self._flush_rate = RecentRate(self.started)
         self.replica: Replica | None = None
         """Where the engine also writes the file, for restores from memory (daemon/replicas.py)."""
         self.abandoned: SnapshotFailedError | None = None
@@ -87,6 +96,11 @@ class SnapshotJob:
         self.abandoned = SnapshotFailedError(f"snapshot of {self.path} failed: {why} before its state was "
                                              "copied, and its memory went with it", path=self.path)
         return True
+
+    def add_copied(self, nbytes: int) -> None:
+        """Called by a copy thread as each segment's bytes land, so progress moves within a piece too."""
+        with self._copied_lock:
+            self.copied_bytes += nbytes
 
     def before_copy(self, region: Region) -> None:
         """Called by a copy thread before each read of ``region``: stop once the trainer's memory went."""
@@ -124,6 +138,7 @@ class SnapshotJob:
                                       "copied, so the bytes read may not be its (GPU kernels it had queued, a reused "
                                       "pid)", path=self.path)
         self.state = JobState.FLUSHING
+        self.copied_at = time.monotonic()
         self.regions = ()  # the daemon holds its own copy; the trainer's maps may go
         self.copied.set_result(None)
 
@@ -153,7 +168,16 @@ class SnapshotJob:
         self.fences = None
 
     def status(self) -> dict[str, Any]:
-        elapsed = (self.finished or time.monotonic()) - self.started
+        """Progress and rates: ``copy_bps`` and ``flush_bps`` over the last RATE_WINDOW_S while their phase
+        runs, the phase's average once it is over; ``throughput_bps`` is the rate of the phase the job is in
+        (copying, then flushing), and once it ended, the flushed bytes over its whole life."""
+        now = time.monotonic()
+        elapsed = (self.finished or now) - self.started
+        copying = self.state == JobState.COPYING
+        copy_bps = self._copy_rate.rate(now, self.copied_bytes) if copying else \
+            average(self.copied_bytes, (self.copied_at or self.finished or now) - self.started)
+        flush_bps = self._flush_rate.rate(now, self.flushed_bytes) if self.pending else \
+            average(self.flushed_bytes, elapsed)
         return {
             "id": self.id,
             "client": self.client_id,
@@ -164,6 +188,8 @@ class SnapshotJob:
             "copied_bytes": self.copied_bytes,
             "flushed_bytes": self.flushed_bytes,
             "elapsed_s": round(elapsed, 3),
-            "throughput_bps": int(self.flushed_bytes / elapsed) if elapsed > 0 else 0,
+            "copy_bps": copy_bps,
+            "flush_bps": flush_bps,
+            "throughput_bps": copy_bps if copying else flush_bps,
             "error": self.error,
         }

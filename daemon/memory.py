@@ -83,6 +83,8 @@ class HostPool:
         self._queues: dict[str, collections.deque[asyncio.Future]] = {}
         """Waiting copies per owner; dict order is the round-robin order."""
         self.peak_in_use = 0
+        self._flushing: set[int] = set()
+        """Chunks (by id) whose copy is done, held until their bytes are written (``copied``)."""
         self._mapping = 0
         self.pin_error = ""
         """Why page-locking a chunk failed (RLIMIT_MEMLOCK, a driver refusing): later chunks are not pinned."""
@@ -135,8 +137,13 @@ class HostPool:
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return chunk
 
+    def copied(self, chunk: Chunk) -> None:
+        """``chunk`` holds its piece now: until ``release``, status counts it waiting to be flushed, not copying."""
+        self._flushing.add(id(chunk))
+
     def release(self, chunk: Chunk) -> None:
         """Hand ``chunk`` to the next owner in turn that still waits, or back to the free list."""
+        self._flushing.discard(id(chunk))
         while self._queues:
             owner = next(iter(self._queues))
             queue = self._queues.pop(owner)
@@ -152,11 +159,15 @@ class HostPool:
         self._free.append(chunk)
 
     def status(self) -> dict[str, int | str]:
+        """The pool by what its chunks do: every chunk is copying, flushing or free (mapped or not yet)."""
         return {
             "budget_bytes": self.capacity * self.chunk_size,
             "chunk_size": self.chunk_size,
             "chunks_allocated": len(self._all),
             "chunks_in_use": self.in_use,
+            "chunks_copying": self.in_use - len(self._flushing),
+            "chunks_flushing": len(self._flushing),
+            "chunks_free": self.capacity - self.in_use,
             "chunks_pinned": sum(c.pinned for c in self._all),
             "pin_error": self.pin_error,
             "peak_in_use_bytes": self.peak_in_use * self.chunk_size,

@@ -62,6 +62,7 @@ def start_daemon() -> subprocess.Popen | None:
         except DaemonUnavailable:
             if proc.poll() is not None:
                 sys.exit(f"datastatesd exited with {proc.returncode}")
+            time.sleep(0.5)  # not listening yet is said at once
     sys.exit("datastatesd did not come up")
 
 

@@ -102,6 +102,16 @@ class DaemonUnavailable(DatastatesError):
     code = "daemon_unavailable"
 
 
+class DaemonNotRunning(DaemonUnavailable):
+    """Nothing listens on the endpoint (no socket file, a refused connection): no daemon runs there.
+
+    Said at once, before any timeout, by a client that never heard from a daemon on that
+    endpoint. A DaemonUnavailable, so ``fallback="local"`` and every handler of it still apply.
+    """
+
+    code = "daemon_not_running"
+
+
 class WaitTimeout(DatastatesError, TimeoutError):
     """A wait ran past its timeout; the work it waited for is still pending."""
 

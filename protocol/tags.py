@@ -32,6 +32,10 @@ class CommittedTag:
         return os.path.join(self.folder, marker_name(self.tag))
 
     @property
+    def files(self) -> list[str]:
+        return tag_files(self.folder, self.marker)
+
+    @property
     def own_folder(self) -> bool:
         """Whether the marker sits in a folder named after its tag, which retention may delete whole."""
         return os.path.basename(self.folder) == self.tag
@@ -40,6 +44,15 @@ class CommittedTag:
     def run(self) -> str:
         """The folder holding the tag's folder: one run's tags, one after another."""
         return os.path.dirname(self.folder)
+
+
+def tag_files(folder: str, marker: CommitMarker) -> list[str]:
+    """The files a committed tag is made of: those its marker (in ``folder``) lists, as paths.
+
+    What ``status`` (per commit), ``ls`` and ``verify`` count and check, and what COMMIT answers:
+    one answer, whatever else (trackers, a half-written file, the marker itself) the folder holds.
+    """
+    return [os.path.join(folder, rec.path) for rec in marker.files]
 
 
 def read_marker(path: str) -> CommitMarker | None:

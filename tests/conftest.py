@@ -28,7 +28,7 @@ import zmq
 
 from datastates.client.connection import Connection
 from datastates.protocol import messages as m
-from datastates.protocol.errors import DaemonUnavailable
+from datastates.protocol.errors import DaemonNotRunning, DaemonUnavailable
 from datastates.protocol.version import PROTOCOL_VERSION
 
 BIN = Path(sys.executable).parent
@@ -88,6 +88,8 @@ def wait_ready(endpoint: str, proc: subprocess.Popen, log: Path, timeout: float 
             try:
                 conn.call(m.Status(), 0.5)
                 return
+            except DaemonNotRunning:  # not listening yet: said at once, so pace the loop
+                time.sleep(0.05)
             except DaemonUnavailable:
                 continue
         raise RuntimeError(f"datastatesd not ready after {timeout} s:\n{log.read_text()}")

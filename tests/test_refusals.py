@@ -26,7 +26,7 @@ from datastates.client import Client
 from datastates.protocol.errors import (
     CommitError,
     CorruptCheckpointError,
-    DaemonUnavailable,
+    DaemonNotRunning,
     InvalidRequestError,
     PathNotAllowedError,
     UnsupportedFormatError,
@@ -376,8 +376,8 @@ def test_folder_name_that_cannot_be_a_tag(shared_client: Client, shared_daemon: 
 
 
 def test_client_without_a_daemon(short_tmp: Path) -> None:
-    """A trainer started before its daemon gets DaemonUnavailable that says what to do, not a hang."""
+    """A trainer started before its daemon is told at once that none runs there, and how to start one."""
     endpoint = f"ipc://{short_tmp}/nobody.sock"
-    with pytest.raises(DaemonUnavailable, match="is the daemon running") as exc:
+    with pytest.raises(DaemonNotRunning, match="no datastatesd is running") as exc:
         Client(endpoint, timeout=1)
     assert endpoint in str(exc.value)
