@@ -136,15 +136,16 @@ class DatastatesCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None) -> Any:
         """The checkpoint at ``path``: a datastates file, or one ``torch.save`` wrote (a job that switched).
 
-        A save of ``path`` still in flight is waited for first. ``weights_only`` None is safe
-        loading, as Lightning's own ``torch.load`` has it; pass ``weights_only=False`` to
+        A save of ``path`` still in flight is waited for first. ``map_location`` None puts the
+        tensors on the CPU, as Lightning's ``TorchCheckpointIO`` does. ``weights_only`` None is
+        safe loading, as Lightning's own ``torch.load`` has it; pass ``weights_only=False`` to
         ``trainer.fit`` only for files you trust.
         """
         path = os.path.abspath(os.fspath(path))
         self._settle(lambda p: p.path == path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        return load_any(path, map_location, weights_only)
+        return load_any(path, "cpu" if map_location is None else map_location, weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path``: its marker first, made durable, then the file.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +16,11 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint  # noqa: E402
 import datastates  # noqa: E402
 from datastates.integrations.lightning import DatastatesCheckpointIO, tag_of  # noqa: E402
 from datastates.integrations.loading import is_datastates_file  # noqa: E402
-from datastates.protocol.format import MARKER_PREFIX, marker_name  # noqa: E402
+from datastates.protocol.errors import CommitError  # noqa: E402
+from datastates.protocol.format import MARKER_PREFIX, check_tag, marker_name  # noqa: E402
 from datastates.protocol.tags import read_marker  # noqa: E402
 
-from conftest import DaemonProc, assert_state_equal  # noqa: E402
+from conftest import DaemonProc, assert_state_equal, read_only  # noqa: E402
 
 
 @pytest.fixture
@@ -170,3 +170,23 @@ def test_the_fence_keeps_each_checkpoint_at_its_step(start_daemon: Any) -> None:
         held = io.load_checkpoint(folder / f"epoch=0-step={step}.ckpt")
         assert_state_equal(saved["state_dict"], held["state_dict"], f"step {step} weights")
         assert_state_equal(saved["optimizer_states"], held["optimizer_states"], f"step {step} optimizer")
+
+
+@pytest.mark.own_daemon
+def test_a_failed_commit_is_raised_at_teardown(daemon: DaemonProc) -> None:
+    folder = daemon.root / "ckpts"
+    folder.mkdir()
+    io = DatastatesCheckpointIO(daemon.endpoint, timeout=60)
+    with read_only(folder):
+        io.save_checkpoint({"state_dict": {"w": torch.ones(4)}}, folder / "last.ckpt")  # returns at once
+        with pytest.raises(CommitError, match="last.ckpt"):
+            io.teardown()
+    assert not (folder / "last.ckpt").exists() and not (folder / marker_name("last.ckpt")).exists()
+
+
+def test_each_file_name_gives_its_own_tag() -> None:
+    assert tag_of("/ckpt/run/epoch=0-step=10.ckpt") == "epoch=0-step=10.ckpt"
+    odd = [tag_of(f"/ckpt/run/{name}") for name in ("val loss{0.5}.ckpt", "val_loss_0.5_.ckpt", "x" * 300, ".hidden")]
+    assert len(set(odd)) == len(odd) and all(check_tag(t) == t for t in odd)
+    # a folder above named like the file would take its marker, as a tag's own folder: the tag is hashed instead
+    assert tag_of("/ckpt/last.ckpt/last.ckpt") != "last.ckpt"
