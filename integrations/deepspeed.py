@@ -23,9 +23,7 @@ beside the tag folder itself, after the tag's marker, whatever ``save_latest`` s
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -35,11 +33,10 @@ except ImportError as exc:  # datastates itself never needs DeepSpeed; only this
     ) from exc
 
 from datastates.client.client import Client
-from datastates.client.reader import load
 from datastates.protocol.errors import CommitError, InvalidRequestError
-from datastates.protocol.format import MAGIC, check_tag
+from datastates.protocol.format import check_tag
 
-MapLocation = str | torch.device | Callable[[torch.UntypedStorage, str], torch.UntypedStorage] | None
+from .loading import MapLocation, load_any
 
 
 class DatastatesCheckpointEngine(CheckpointEngine):
@@ -122,16 +119,9 @@ class DatastatesCheckpointEngine(CheckpointEngine):
         tensors are moved there.
         """
         self.wait()
-        with open(path, "rb") as f:
-            ours = f.read(len(MAGIC)) == MAGIC
-        if not ours:
-            return torch.load(path, map_location=map_location, weights_only=False)
-        if callable(map_location):
-            device = map_location(torch.UntypedStorage(0), "cpu").device
-            map_location = None if device.type == "cpu" else device
         # DeepSpeed's states hold its own objects (LossScaler, ZeroStageEnum), and DeepSpeed trusts its checkpoint
         # folder as its TorchCheckpointEngine does (weights_only=False): so does this engine, as DeepSpeed's.
-        return load(path, map_location, weights_only=False)
+        return load_any(path, map_location, weights_only=False)
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
         """What DeepSpeed's next step commits, when decoupled."""
