@@ -21,6 +21,11 @@ optimizer step pre-hook therefore runs *before* the forward pass; waiting there 
 leave the daemon's copy nothing to overlap. Instead the pre-hook wraps the closure so
 that ``Client.wait()`` runs after it returns and before the update, the first in-place
 change of parameters and optimizer state; a step without a closure waits at once.
+A model whose forward pass changes saved tensors in place (BatchNorm running statistics
+in training mode) fences before it itself::
+
+    def on_train_batch_start(self, batch, batch_idx):   # in the LightningModule
+        self.trainer.strategy.checkpoint_io.wait()
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ def tag_of(path: str) -> str:
         except InvalidRequestError:
             pass
     digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return check_tag(f"{_UNSAFE.sub('_', name).lstrip('.-')[:TAG_MAX - 32]}-{digest}")
+    return check_tag(f"{_UNSAFE.sub('_', name).lstrip('.-')[:TAG_MAX - 32] or 'file'}-{digest}")
 
 
 @dataclass(frozen=True)
@@ -128,10 +133,11 @@ class DatastatesCheckpointIO(CheckpointIO):
                                       "takes none; the daemon's node config says where and how files are written")
         path = os.path.abspath(os.fspath(path))
         tag = tag_of(path)
+        client = self.client  # connected before anything is withdrawn
         self._settle(lambda p: p.tag == tag)  # a save of the same tag still in flight would be versioned, not replaced
         _withdraw(path, tag)
-        self.client.snapshot(checkpoint, path, tag=tag)
-        self._pending.append(_Pending(path, tag, self.client.commit(tag)))
+        client.snapshot(checkpoint, path, tag=tag)
+        self._pending.append(_Pending(path, tag, client.commit(tag)))
 
     def load_checkpoint(self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None) -> Any:
         """The checkpoint at ``path``: a datastates file, or one ``torch.save`` wrote (a job that switched).

@@ -156,7 +156,6 @@ def test_a_torch_save_file_of_an_earlier_run_loads_and_is_removed(daemon: Daemon
     io.teardown()
 
 
-@pytest.mark.own_daemon
 def test_the_fence_keeps_each_checkpoint_at_its_step(start_daemon: Any) -> None:
     """Training goes on right after each save, while the slow daemon still copies: each file holds its own step."""
     d = start_daemon(host_memory="4MiB", chunk_size="1MiB", flush_threads=1, direct_io=False)
@@ -186,7 +185,7 @@ def test_a_failed_commit_is_raised_at_teardown(daemon: DaemonProc) -> None:
 
 def test_each_file_name_gives_its_own_tag() -> None:
     assert tag_of("/ckpt/run/epoch=0-step=10.ckpt") == "epoch=0-step=10.ckpt"
-    odd = [tag_of(f"/ckpt/run/{name}") for name in ("val loss{0.5}.ckpt", "val_loss_0.5_.ckpt", "x" * 300, ".hidden")]
+    odd = [tag_of(f"/ckpt/run/{name}") for name in ("val loss{0.5}.ckpt", "val_loss_0.5_.ckpt", "x" * 300, ".hidden", "...")]
     assert len(set(odd)) == len(odd) and all(check_tag(t) == t for t in odd)
     # a folder above named like the file would take its marker, as a tag's own folder: the tag is hashed instead
     assert tag_of("/ckpt/last.ckpt/last.ckpt") != "last.ckpt"
