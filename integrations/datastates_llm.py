@@ -42,7 +42,7 @@ from datastates.client.client import Client
 from datastates.protocol.errors import CommitError, InvalidRequestError
 from datastates.protocol.format import check_tag
 
-from .files import MapLocation, load_file
+from .loading import MapLocation, load_any
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class CheckpointEngine:
         while any(_same_file(s["path"], path) and s["state"] in ("copying", "flushing")
                   for s in self.client.status()["snapshots"]):
             time.sleep(POLL_S)
-        return load_file(path, map_location, weights_only=False)
+        return load_any(path, map_location, weights_only=False)
 
     def shutdown(self) -> None:
         """Commit what is saved, wait until it is durable, and close the client (unless it was given)."""

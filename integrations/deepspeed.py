@@ -1,11 +1,11 @@
 """DeepSpeed's checkpoint engine, through datastatesd: ``engine.save_checkpoint`` hands the state to the daemon.
 
-Most jobs need none of this module: ``"datastates_ckpt": {}`` in the DeepSpeed config
-switches a job through DeepSpeed's own wrapper and ``datastates.CheckpointEngine``
-(integrations/datastates_llm.py). This engine is the alternative for jobs that want
-DeepSpeed's own call order on every rank (``create``, ``commit``; DeepSpeed without ZeRO,
-where only rank 0 saves): a job switches with one assignment after ``deepspeed.initialize``,
-before its first ``save_checkpoint``::
+DeepSpeed (0.19) builds its checkpoint engine from the config alone and knows no
+third-party engine: ``checkpoint.writer`` picks its own fast or decoupled writers, and
+``datastates_ckpt`` imports ``datastates.CheckpointEngine``, the API of the separate
+DataStates-LLM package, which this package does not provide (``deepspeed.initialize``
+then fails). So a job switches with one assignment after ``deepspeed.initialize``, before
+its first ``save_checkpoint``::
 
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config, ...)
     engine.checkpoint_engine = DatastatesCheckpointEngine(decoupled=True)
@@ -36,7 +36,7 @@ from datastates.client.client import Client
 from datastates.protocol.errors import CommitError, InvalidRequestError
 from datastates.protocol.format import check_tag
 
-from .files import MapLocation, load_file
+from .loading import MapLocation, load_any
 
 
 class DatastatesCheckpointEngine(CheckpointEngine):
@@ -114,12 +114,14 @@ class DatastatesCheckpointEngine(CheckpointEngine):
         """The state at ``path``, a datastates file or one ``torch.save`` wrote.
 
         DeepSpeed copies what it loads into the live tensors, so a snapshot still being
-        copied is waited for first. DeepSpeed's states hold its own objects (LossScaler,
-        ZeroStageEnum), and DeepSpeed trusts its checkpoint folder as its TorchCheckpointEngine
-        does (``weights_only=False``): so does this engine, as DeepSpeed's.
+        copied is waited for first. A callable ``map_location`` (DeepSpeed passes
+        ``lambda storage, loc: storage``) is asked where it puts a CPU storage, and the
+        tensors are moved there.
         """
         self.wait()
-        return load_file(path, map_location, weights_only=False)
+        # DeepSpeed's states hold its own objects (LossScaler, ZeroStageEnum), and DeepSpeed trusts its checkpoint
+        # folder as its TorchCheckpointEngine does (weights_only=False): so does this engine, as DeepSpeed's.
+        return load_any(path, map_location, weights_only=False)
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
         """What DeepSpeed's next step commits, when decoupled."""

@@ -22,13 +22,23 @@ log = logging.getLogger(__name__)
 def delete_tag(tag: CommittedTag, root: str) -> None:
     """Marker first, made durable before any file goes: a half-deleted tag is never taken as committed.
 
+    A tag in a folder of its own goes with its folder. A tag sharing its folder with others
+    (Lightning's files, one tag each) takes only the files its marker lists, those still there.
     Below ``root`` nothing is reached through a link, so a folder swapped for one deletes nothing elsewhere.
     """
     remove(tag.marker_path, trusted=root)
     fsync_dir(tag.folder, trusted=root)
-    remove(tag.folder, trusted=root, tree=True)
-    fsync_dir(os.path.dirname(tag.folder), trusted=root)
-    log.info("pruned checkpoint %s", tag.folder)
+    if tag.own_folder:
+        remove(tag.folder, trusted=root, tree=True)
+        fsync_dir(os.path.dirname(tag.folder), trusted=root)
+    else:
+        for rec in tag.marker.files:
+            try:
+                remove(os.path.join(tag.folder, rec.path), trusted=root)
+            except FileNotFoundError:
+                pass
+        fsync_dir(tag.folder, trusted=root)
+    log.info("deleted checkpoint %s of %s", tag.tag, tag.folder)
 
 
 def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable[[str], bool] = lambda tag: True,
