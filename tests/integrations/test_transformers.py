@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: the model is built from a config
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
@@ -19,6 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import datastates  # noqa: E402
+from datastates.client import Client  # noqa: E402
 from datastates.client.reader import verify  # noqa: E402
 from datastates.integrations.transformers import DatastatesTrainer  # noqa: E402
 from datastates.protocol.errors import InvalidRequestError  # noqa: E402
@@ -73,8 +75,24 @@ class Recorder(TrainerCallback):
         self.saved[state.global_step] = self._state(state, kw["model"], kw["optimizer"], kw["lr_scheduler"])
 
 
+class WatchedClient(Client):
+    """A real client that notes each snapshot it sends and each return of wait(): the daemon holds its copies."""
+
+    def __init__(self, *args: Any, events: list[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.events = events
+
+    def snapshot(self, *args: Any, **kwargs: Any) -> Any:
+        self.events.append("snapshot")
+        return super().snapshot(*args, **kwargs)
+
+    def wait(self, timeout: float | None = None) -> None:
+        super().wait(timeout)
+        self.events.append("copied")
+
+
 def trainer(daemon: DaemonProc, out: Path, *, seed: int = 0, recorder: Recorder | None = None,
-            **args: Any) -> DatastatesTrainer:
+            client: Client | None = None, **args: Any) -> DatastatesTrainer:
     """A DatastatesTrainer of a 1-layer GPT-2 (model seed ``seed``) on ``Tokens``, saving every 2 steps into ``out``."""
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
@@ -84,7 +102,7 @@ def trainer(daemon: DaemonProc, out: Path, *, seed: int = 0, recorder: Recorder 
     settings.update(args)
     return DatastatesTrainer(model=GPT2LMHeadModel(config), args=TrainingArguments(**settings), train_dataset=Tokens(),
                              callbacks=[recorder] if recorder else None,
-                             client_options={"endpoint": daemon.endpoint, "timeout": 60})
+                             client=client, client_options={"endpoint": daemon.endpoint, "timeout": 60})
 
 
 def committed(out: Path) -> list[str]:
@@ -95,12 +113,25 @@ def committed(out: Path) -> list[str]:
 def test_training_saves_each_checkpoint_through_the_daemon(daemon: DaemonProc) -> None:
     """Every checkpoint folder is a committed tag whose files the daemon wrote, holding the state of its step.
 
-    The state is copied as on_save saw it: the optimizer steps right after each save
-    change the weights in place, so a missing fence would show here as later weights.
+    The state is the one on_save saw, although the optimizer steps that follow each save
+    change the weights in place: no step runs before the daemon holds its copy.
     """
     out = daemon.root / "run"
     rec = Recorder()
-    trainer(daemon, out, recorder=rec, max_steps=4).train()
+    events: list[str] = []
+    steps = register_optimizer_step_pre_hook(lambda *_: events.append("step"))
+    with WatchedClient(daemon.endpoint, timeout=60, events=events) as client:
+        try:
+            trainer(daemon, out, recorder=rec, max_steps=4, client=client).train()
+        finally:
+            steps.remove()
+    since = ""  # what the client did last before each optimizer step
+    for e in events:
+        if e == "step":
+            assert since != "snapshot", f"an optimizer step before the daemon held its copy: {events}"
+        else:
+            since = e
+    assert events.count("step") == 4 and events.count("snapshot") == 2 * len(DAEMON_FILES)
 
     assert committed(out) == ["checkpoint-2", "checkpoint-4"]
     assert datastates.latest(out) == "checkpoint-4"
