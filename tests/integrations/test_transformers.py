@@ -149,6 +149,8 @@ def test_training_saves_each_checkpoint_through_the_daemon(daemon: DaemonProc) -
         assert_state_equal(expected["model"], datastates.load(folder / "pytorch_model.bin"))
         assert_state_equal(expected["optimizer"], datastates.load(folder / "optimizer.pt"))
         assert_state_equal(expected["scheduler"], datastates.load(folder / "scheduler.pt"))
+    reloaded = GPT2LMHeadModel.from_pretrained(out / "checkpoint-4")  # the folder is a model folder too
+    assert_state_equal(rec.saved[4]["model"], reloaded.state_dict())
     assert rec.saved[2]["model"]["lm_head.weight"].ne(rec.saved[4]["model"]["lm_head.weight"]).any()
 
 
