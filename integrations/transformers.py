@@ -46,7 +46,7 @@ from datastates.protocol.errors import InvalidRequestError
 from datastates.protocol.fileio import fsync_dir
 from datastates.protocol.format import marker_name
 from datastates.protocol.retention import prune
-from datastates.protocol.tags import CommittedTag, committed_tags
+from datastates.protocol.tags import committed_tags, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,20 @@ CHECKPOINT = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-\d+")
 """The tags ``Trainer`` names its checkpoint folders by, and the only ones resume and pruning look at."""
 
 
-def newest_checkpoint(output_dir: str | os.PathLike) -> CommittedTag | None:
-    """The newest committed ``checkpoint-<step>`` folder under ``output_dir``, or None."""
+def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """``get_last_checkpoint`` for datastates: the newest *committed* ``checkpoint-<step>`` folder under ``output_dir``, or None."""
     tags = committed_tags(os.fspath(output_dir), own_folder=True, accept=CHECKPOINT.fullmatch)
-    return tags[0] if tags else None
+    return tags[0].folder if tags else None
+
+
+def _verify(folder: str) -> None:
+    """Check every file a committed checkpoint lists, sizes and checksums, before ``Trainer`` loads them (torch checks none).
+
+    A folder without a commit marker (one ``Trainer`` wrote itself) is left to ``Trainer``.
+    """
+    marker = read_marker(os.path.join(folder, marker_name(os.path.basename(os.path.normpath(folder)))))
+    for rec in marker.files if marker is not None else []:
+        verify(os.path.join(folder, rec.path))
 
 
 def _rng_state(distributed: bool) -> dict[str, Any]:
@@ -134,15 +144,14 @@ class DatastatesTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest committed checkpoint of ``output_dir``.
 
-        Its files are verified (sizes and checksums) before ``Trainer`` loads them.
+        The files of a committed checkpoint are verified (sizes and checksums) before ``Trainer`` loads them.
         """
         if resume_from_checkpoint is True:
-            newest = newest_checkpoint(self.args.output_dir)
-            if newest is None:
+            resume_from_checkpoint = last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
                 raise ValueError(f"No committed checkpoint found in output directory ({self.args.output_dir})")
-            for rec in newest.marker.files:
-                verify(os.path.join(newest.folder, rec.path))
-            resume_from_checkpoint = newest.folder
+        if resume_from_checkpoint:
+            _verify(os.fspath(resume_from_checkpoint))
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:

@@ -22,11 +22,11 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 import datastates  # noqa: E402
 from datastates.client import Client  # noqa: E402
 from datastates.client.reader import verify  # noqa: E402
-from datastates.integrations.transformers import DatastatesTrainer  # noqa: E402
-from datastates.protocol.errors import InvalidRequestError  # noqa: E402
+from datastates.integrations.transformers import DatastatesTrainer, last_checkpoint  # noqa: E402
+from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError  # noqa: E402
 from datastates.protocol.format import CommitMarker, marker_name  # noqa: E402
 
-from conftest import DaemonProc, assert_state_equal  # noqa: E402
+from conftest import DaemonProc, assert_state_equal, file_index  # noqa: E402
 
 DAEMON_FILES = ["optimizer.pt", "pytorch_model.bin", "rng_state.pth", "scheduler.pt", "training_args.bin"]
 """What the daemon writes into each checkpoint folder; the trainer writes only JSON beside them."""
@@ -169,6 +169,7 @@ def test_resume_takes_the_newest_committed_checkpoint_bitwise(daemon: DaemonProc
     state = json.loads((crashed / "trainer_state.json").read_text())
     (crashed / "trainer_state.json").write_text(json.dumps({**state, "global_step": 6}))
     assert get_last_checkpoint(str(out)) == str(crashed), "Trainer alone would resume from the uncommitted folder"
+    assert last_checkpoint(out) == str(out / "checkpoint-4")
 
     resumed = Recorder()
     trainer(daemon, out, seed=1, recorder=resumed).train(resume_from_checkpoint=True)
@@ -186,6 +187,7 @@ def test_resume_takes_the_newest_committed_checkpoint_bitwise(daemon: DaemonProc
 def test_resume_without_a_committed_checkpoint_is_refused(daemon: DaemonProc) -> None:
     out = daemon.root / "run"
     (out / "checkpoint-2").mkdir(parents=True)  # a save that never finished
+    assert last_checkpoint(out) is None
     with pytest.raises(ValueError, match="No committed checkpoint"):
         trainer(daemon, out).train(resume_from_checkpoint=True)
 
@@ -210,3 +212,16 @@ def test_a_committed_checkpoint_is_never_written_again(daemon: DaemonProc) -> No
         trainer(daemon, out, seed=1, max_steps=2).train()
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert daemon.ctl("verify", str(folder)).returncode == 0
+
+
+def test_resume_refuses_a_committed_checkpoint_whose_bytes_changed(daemon: DaemonProc) -> None:
+    """torch.load checks no checksum: resume verifies the files first, so a flipped bit is not trained on."""
+    out = daemon.root / "run"
+    trainer(daemon, out, max_steps=2).train()
+    weights = out / "checkpoint-2" / "pytorch_model.bin"
+    raw = bytearray(weights.read_bytes())
+    raw[file_index(bytes(raw))[3] + 100] ^= 0x01  # one bit of the first tensor's data; the size stays
+    weights.write_bytes(bytes(raw))
+    assert last_checkpoint(out) == str(out / "checkpoint-2")
+    with pytest.raises(CorruptCheckpointError):
+        trainer(daemon, out, max_steps=4).train(resume_from_checkpoint=True)
