@@ -8,7 +8,6 @@ happens while the next forward and backward run and the commit resolves in the b
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import random
@@ -22,8 +21,9 @@ import torch
 from datastates.client.client import Client
 from datastates.client.locate import latest
 from datastates.client.reader import load
+from datastates.integrations.commits import PendingCommits
 from datastates.protocol.retention import prune
-from datastates.protocol.errors import CommitError, InvalidRequestError, SnapshotSkippedError, WaitTimeout
+from datastates.protocol.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,7 @@ class CheckpointManager:
         if rank is None:  # the client's ranks come from torchrun or an srun step; $RANK alone covers other launchers
             rank = client.ranks.rank if client.ranks.world_size > 1 else int(os.environ.get("RANK", "0"))
         self.rank = rank
-        self._pending: list[tuple[str, Future]] = []
-        """Commits not yet taken in, oldest first: their outcome is reported and acted on once, by _settle."""
+        self._commits = PendingCommits(self.root, self._prune)
         self._fence = client.protect(optimizer)
 
     @staticmethod
@@ -111,7 +110,7 @@ class CheckpointManager:
         on, and the commit resolves later. A commit that failed since the last save is
         raised here, as CommitError, before anything new is saved.
         """
-        self._settle()
+        self._commits.settle()
         state: dict[str, Any] = {
             "step": step,
             "model": self.model.state_dict(),
@@ -127,7 +126,7 @@ class CheckpointManager:
         tag = self.tag(step)
         self.client.snapshot(state, self.path(tag), tag=tag)
         fut = self.client.commit(tag)
-        self._pending.append((tag, fut))
+        self._commits.add(tag, fut)
         return fut
 
     def restore(self, *, weights_only: bool = True) -> int | None:
@@ -166,36 +165,11 @@ class CheckpointManager:
         Leaves the client open: it belongs to the caller.
         """
         try:
-            not_done = concurrent.futures.wait([f for _, f in self._pending], timeout).not_done
-            if not_done:
-                raise WaitTimeout(f"{len(not_done)} checkpoint commit(s) under {self.root} not answered within {timeout} s")
-            self._settle()
+            self._commits.wait(timeout)
         finally:
             self._fence.remove()
 
-    def _settle(self) -> None:
-        """Take in the commits that have resolved: prune after a success, then raise any failure."""
-        done, pending = [], []
-        for tag, fut in self._pending:
-            (done if fut.done() else pending).append((tag, fut))
-        self._pending = pending
-        failed, committed = [], False
-        for tag, fut in done:
-            exc = fut.exception()
-            if exc is None:
-                committed = True
-            elif isinstance(exc, SnapshotSkippedError):  # on_busy="skip" chose to drop it: not an error
-                log.warning("checkpoint %s skipped: %s", tag, exc.message)
-            else:
-                failed.append((tag, exc))
-        if committed and self.rank == 0 and self.keep_last is not None:
-            self._prune()
-        if failed:
-            tag, exc = failed[0]
-            more = f" (and {len(failed) - 1} later one(s): {', '.join(t for t, _ in failed[1:])})" if failed[1:] else ""
-            raise CommitError(f"checkpoint {tag} under {self.root} was not committed: {exc}{more}", tag=tag) from exc
-
     def _prune(self) -> None:
-        """Delete this manager's committed tags older than the ``keep_last`` newest (see daemon/retention.py)."""
-        in_flight = {tag for tag, _ in self._pending}  # being saved again: its files are about to be replaced
-        prune(self.root, self.keep_last, spare=in_flight, accept=_TAG.fullmatch)
+        """Delete this manager's committed tags older than the ``keep_last`` newest (see protocol/retention.py)."""
+        if self.rank == 0 and self.keep_last is not None:  # tags being saved again: their files are about to be replaced
+            prune(self.root, self.keep_last, spare=self._commits.tags, accept=_TAG.fullmatch)
