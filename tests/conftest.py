@@ -353,7 +353,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     report = [f"  {len(names):4d} x {pattern}  (e.g. {names[0]})" for pattern, names in sorted(kinds.items())]
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
     say = tr.write_line if tr is not None else print
-    say(f"\nthe tests left {len(left)} file(s) no process uses (kill -9 leaves some; removed now):")
+    say(f"\nleft behind by this session's tests (or by another of this user's beside it), used by no process, "
+        f"removed now ({len(left)}; kill -9 tests leave some):")
     for line in report:
         say(line)
     if stuck:
