@@ -191,8 +191,8 @@ def main() -> None:
             print(cp.row())
     finally:
         client.close()
-    print("the first checkpoint pays once for the daemon's start: it is still touching its host-memory pool (host_memory),\n"
-          "and the copy goes into fresh /dev/shm pages, its in-memory replica for restores; later ones reuse both")
+    print("the first two copies go into fresh /dev/shm pages (the daemon's in-memory replicas, for restores) while it still\n"
+          "touches its host pool; from the third on, each writes over the replica it supersedes (daemon/replicas.py)")
 
     with Client() as again:  # as a restarted trainer would: from the daemon's memory if it holds the tag
         result = again.restore(ROOT, "model_states.pt", map_location="cpu")
