@@ -19,16 +19,16 @@ import numpy as np
 import torch
 
 from datastates.client.client import Client
-from datastates.client.locate import latest
 from datastates.client.reader import load
 from datastates.integrations.commits import PendingCommits
 from datastates.protocol.retention import prune
+from datastates.protocol.tags import committed_tags
 from datastates.protocol.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 _TAG = re.compile(r"step\d{8,}")
-"""The tags this manager writes, and the only ones its pruning may delete."""
+"""The tags this manager writes: the only ones it restores, and the only ones its pruning may delete."""
 
 
 class Stateful(Protocol):
@@ -77,6 +77,12 @@ class CheckpointManager:
             raise InvalidRequestError(f"keep_last: {keep_last} would delete the newest committed tag; use >= 1 or None")
         if every < 1:
             raise InvalidRequestError(f"every: {every} is not a positive number of steps")
+        for name, obj in (("scheduler", scheduler), ("data_loader", data_loader)):
+            missing = [m for m in ("state_dict", "load_state_dict") if obj is not None and not callable(getattr(obj, m, None))]
+            if missing:
+                raise InvalidRequestError(f"{name}: a {type(obj).__name__} has no {' or '.join(f'{m}()' for m in missing)}, "
+                                          "so its position could not be saved and restored; pass one that has both "
+                                          f"(a torchdata StatefulDataLoader, a stateful sampler) or {name}=None")
         self.client = client
         self.root = os.path.abspath(os.fspath(root))
         self.model = model
@@ -130,15 +136,20 @@ class CheckpointManager:
         return fut
 
     def restore(self, *, weights_only: bool = True) -> int | None:
-        """Load the newest committed tag under ``root`` into the objects; its step, or None if there is none.
+        """Load this manager's newest committed tag under ``root`` into the objects; its step, or None if there is none.
 
-        ``weights_only`` as in ``datastates.load``: safe by default; False only for files you trust.
+        Only tags named as ``tag()`` names them count: others under ``root`` (another tool's
+        ``global_step1000``) are not this manager's to restore. ``weights_only`` as in
+        ``datastates.load``: safe by default; False only for files you trust.
         """
         self.client.wait()  # model.load_state_dict copies into tensors a pending snapshot may still be reading
-        tag = latest(self.root)
-        if tag is None:
+        found = committed_tags(self.root, own_folder=True, accept=_TAG.fullmatch)
+        if not found:
             return None
-        path = self.path(tag)
+        tag, path = found[0].tag, self.path(found[0].tag)
+        if os.path.basename(path) not in {f.path for f in found[0].marker.files}:
+            raise InvalidRequestError(f"tag {tag} under {self.root} is committed without {os.path.basename(path)}: "
+                                      "it was saved by a job of fewer ranks", path=path)
         state = load(path, weights_only=weights_only)
 
         def part(key: str) -> Any:

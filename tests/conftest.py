@@ -170,10 +170,20 @@ class DaemonFactory:
                 d.proc.send_signal(signal.SIGTERM)
 
     def stop_all(self) -> None:
-        """Stop every daemon and wait until each has exited."""
+        """Stop every daemon, wait until each has exited, and remove what each left in /dev/shm.
+
+        A stopped daemon keeps its lock file, and a killed one its replica folder too, for the
+        next daemon on the same roots to prove it dead and clean up after it (daemon/instances.py).
+        No later daemon ever covers a test's roots, so those files would stay a week: they go here.
+        """
         self.signal_all()
         for d in self.started:
             d.stop()
+            owner = re.search(r" owner ([0-9a-f]{16}),", d.log_text())
+            if owner is not None:
+                shutil.rmtree(SHM / f"datastates-{os.geteuid()}-{owner.group(1)}", ignore_errors=True)
+                with contextlib.suppress(FileNotFoundError):
+                    (DAEMON_LOCKS / f"{owner.group(1)}.lock").unlink()
         shutil.rmtree(self.sockdir, ignore_errors=True)
 
     def stop_all_later(self) -> None:
@@ -200,61 +210,158 @@ def reap(block: bool = True) -> None:
 
 
 SHM = Path("/dev/shm")
+DAEMON_LOCKS = SHM / f"datastates-{os.geteuid()}-daemons"
+"""Where each running daemon holds its lock (daemon/instances.py)."""
+PROJECT_SHM = re.compile(rf"torch_.*|datastates-{os.geteuid()}-.*|ds-test-.*")
+"""What the project and its tests name in /dev/shm: the clients' segments (torch names them, client/shm.py), the
+clients' decision folders (protocol/outcome.py), the daemons' replica folders and lock folder (daemon/replicas.py,
+daemon/instances.py), and the tests' own folders."""
 _SHM_BEFORE: set[str] = set()
 """What /dev/shm held when the session started: another user's or job's, never removed."""
+_LOCKS_BEFORE: set[str] = set()
+"""The daemon lock files there when the session started."""
+_TORCH_DIRS_BEFORE: set[str] = set()
+"""The torch_shm_manager socket folders in the temporary folder when the session started."""
+
+
+def _torch_manager_dirs() -> set[str]:
+    """The folders torch_shm_manager makes for its socket (torch's ``file_system`` sharing, ``cpu_capture="shm"``)."""
+    return {str(p) for p in Path(tempfile.gettempdir()).glob("torch-shm-dir-*")}
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if SHM.is_dir():
         _SHM_BEFORE.update(p.name for p in SHM.iterdir())
+    if DAEMON_LOCKS.is_dir():
+        _LOCKS_BEFORE.update(p.name for p in DAEMON_LOCKS.iterdir())
+    _TORCH_DIRS_BEFORE.update(_torch_manager_dirs())
 
 
-def _maker_alive(name: str) -> bool:
-    """Whether what made /dev/shm/``name`` still runs (another test session's trainer or daemon): then it stays.
+def _shm_in_use() -> set[str]:
+    """Every /dev/shm path a process of this node maps or holds open, whatever its pid namespace.
 
-    torch segments (torch_<pid>_...) and decision folders (datastates-<uid>-client-<pid>-...)
-    name their process; a replica folder names its daemon, whose lock is held while it runs;
-    the daemons' lock folder stays while any daemon runs.
+    torch names a segment after its maker's pid, but a trainer in a pid namespace of its own
+    is pid 1 there: only who maps a segment tells whether it is still used.
     """
-    pid = re.match(rf"torch_(\d+)_|datastates-{os.geteuid()}-client-(\d+)-", name)
-    if pid is not None:
-        return Path(f"/proc/{pid.group(1) or pid.group(2)}").exists()
-    locks = SHM / f"datastates-{os.geteuid()}-daemons"
-    owner = re.fullmatch(rf"datastates-{os.geteuid()}-([0-9a-f]{{16}})", name)
-    held = [locks / f"{owner.group(1)}.lock"] if owner else list(locks.glob("*.lock")) if name == locks.name else []
-    for lock in held:
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+    used: set[str] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                used.update(line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/dev/shm/" in line)
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        used.add(target)
+    return used
+
+
+def _lock_held(lock: Path) -> bool:
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
     return False
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Stop every daemon, then leave /dev/shm as it was: killed daemons' replicas, killed trainers' segments."""
-    reap(block=True)
-    if not SHM.is_dir():
-        return
-    mine = re.compile(rf"torch_.*|datastates-{os.geteuid()}-.*")
-    with open("/proc/self/maps") as f:  # segments this process still maps: torch unlinks those itself at exit
-        mapped = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/dev/shm/" in line}
-    for path in SHM.iterdir():
-        if path.name in _SHM_BEFORE or not mine.fullmatch(path.name) or str(path) in mapped or _maker_alive(path.name):
-            continue
-        try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            elif path.lstat().st_uid == os.geteuid():
-                path.unlink()
-        except OSError:
-            continue  # gone meanwhile, or another user's
+def _maker_alive(name: str, in_use: set[str]) -> bool:
+    """Whether what made /dev/shm/``name`` still runs (another test session's trainer or daemon): then it stays.
 
+    A torch segment is alive while a process maps or holds it (``in_use``); a decision
+    folder (datastates-<uid>-client-<pid>-...) names its process; a replica folder names
+    its daemon, whose lock is held while it runs; the daemons' lock folder stays while any daemon runs.
+    """
+    if name.startswith("torch_"):
+        return str(SHM / name) in in_use
+    pid = re.match(rf"datastates-{os.geteuid()}-client-(\d+)-", name)
+    if pid is not None:
+        return Path(f"/proc/{pid.group(1)}").exists()
+    owner = re.fullmatch(rf"datastates-{os.geteuid()}-([0-9a-f]{{16}})", name)
+    held = [DAEMON_LOCKS / f"{owner.group(1)}.lock"] if owner else list(DAEMON_LOCKS.glob("*.lock")) if name == DAEMON_LOCKS.name else []
+    return any(_lock_held(lock) for lock in held)
+
+
+def _socket_alive(path: Path) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def _leftovers() -> list[Path]:
+    """What this session's tests left behind that no running process uses: in /dev/shm (segments, decision
+    folders, replica folders, daemon locks) and in the temporary folder (dead torch_shm_managers' socket folders)."""
+    left: list[Path] = []
+    if SHM.is_dir():
+        in_use = _shm_in_use()
+        left += [p for p in SHM.iterdir() if p.name not in _SHM_BEFORE and PROJECT_SHM.fullmatch(p.name)
+                 and _owned(p) and not _maker_alive(p.name, in_use)]
+    if DAEMON_LOCKS.is_dir() and DAEMON_LOCKS not in left:
+        left += [p for p in DAEMON_LOCKS.iterdir() if p.name not in _LOCKS_BEFORE and not _lock_held(p)]
+    left += [Path(d) for d in sorted(_torch_manager_dirs() - _TORCH_DIRS_BEFORE)
+             if not _socket_alive(Path(d) / "manager.sock")]
+    return left
+
+
+def _owned(path: Path) -> bool:
+    """Whether ``path`` is this user's (another user's files are never this session's to judge)."""
+    try:
+        return path.lstat().st_uid == os.geteuid()
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> bool:
+    """Whether ``path`` is gone now."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    return not os.path.lexists(path)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop every daemon, then check that the tests left nothing behind: what they did is listed, then removed.
+
+    A test that kills a trainer or a daemon with ``kill -9`` leaves what that process owned
+    (its segments, its replicas); each such leftover is named here, so that a new leak is
+    seen the day it comes. Anything that cannot be removed fails the session.
+    """
+    reap(block=True)
+    left = _leftovers()
+    if not left:
+        return
+    stuck = [p for p in left if not _remove(p)]
+    kinds: dict[str, list[str]] = {}
+    for p in left:
+        kind = re.sub(r"[0-9a-f]{6,}|\d+|-[A-Za-z0-9]{6}$", "*", p.name)
+        kinds.setdefault(f"{p.parent}/{kind}", []).append(p.name)
+    report = [f"  {len(names):4d} x {pattern}  (e.g. {names[0]})" for pattern, names in sorted(kinds.items())]
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    say = tr.write_line if tr is not None else print
+    say(f"\nleft behind by this session's tests (or by another of this user's beside it), used by no process, "
+        f"removed now ({len(left)}; kill -9 tests leave some):")
+    for line in report:
+        say(line)
+    if stuck:
+        say(f"could not remove {len(stuck)} of them: {[str(p) for p in stuck[:10]]}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:

@@ -194,3 +194,59 @@ def test_bad_settings_are_refused(shared_client: Client, root: Path, bad: dict[s
     job = build()
     with pytest.raises(InvalidRequestError):
         job.manager(shared_client, root, **bad)
+
+
+def test_restore_takes_only_its_own_tags(shared_client: Client, root: Path) -> None:
+    """A newer committed tag of another tool under the same root (a DeepSpeed ``global_step1000``, with no
+    ``rank0.pt``) is not the manager's: it restores its own newest tag, and leaves the other one alone."""
+    job = build()
+    manager = job.manager(shared_client, root, every=1)
+    job.step()
+    manager.save(1).result(timeout=HANG_GUARD)
+    saved = copy.deepcopy(job.model.state_dict())
+    other = root / "global_step1000" / "mp_rank_00_model_states.pt"
+    handle = shared_client.snapshot({"w": torch.ones(4)}, other, tag="global_step1000")
+    shared_client.wait()
+    shared_client.commit(handle.tag).result(timeout=HANG_GUARD)
+    assert datastates.latest(root) == "global_step1000"
+    manager.close()
+
+    fresh = build(seed=1)
+    restored = fresh.manager(shared_client, root, every=1)
+    assert restored.restore() == 1
+    assert_state_equal(saved, fresh.model.state_dict())
+    restored.close()
+    assert tag_folders(root) == ["global_step1000", "step00000001"]
+
+
+class NoState:
+    """A plain iterable, as a torch DataLoader is: it has no state_dict()."""
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
+
+
+@pytest.mark.parametrize("part", ["data_loader", "scheduler"])
+def test_a_part_without_state_is_refused_at_construction(shared_client: Client, root: Path, part: str) -> None:
+    """Refused when the manager is made, naming the part, not at the first save many steps later."""
+    job = build()
+    parts = {"scheduler": job.scheduler, "data_loader": job.batches, part: NoState()}
+    with pytest.raises(InvalidRequestError, match=rf"{part}: a NoState has no state_dict\(\) or load_state_dict\(\)"):
+        CheckpointManager(shared_client, root, model=job.model, optimizer=job.optimizer, **parts)
+    assert job.optimizer._optimizer_step_pre_hooks == {}, "no fence left on the optimizer"
+    assert not root.exists(), "nothing written"
+
+
+def test_a_tag_without_this_ranks_file_is_refused_by_name(shared_client: Client, root: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of a job resumed from one that saved only rank 1's file is told so, not handed a FileNotFoundError."""
+    monkeypatch.setenv("RANK", "1")
+    job = build()
+    manager = job.manager(shared_client, root)
+    manager.save(1).result(timeout=HANG_GUARD)
+    manager.close()
+    monkeypatch.setenv("RANK", "0")
+    rank0 = build().manager(shared_client, root)
+    with pytest.raises(InvalidRequestError, match="step00000001 .* is committed without rank0.pt"):
+        rank0.restore()
+    rank0.close()
