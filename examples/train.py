@@ -40,7 +40,7 @@ LOG = os.path.join(tempfile.gettempdir(), f"datastates-demo-{os.getuid()}.log")
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 512, dim: int = 128, layers: int = 2, ctx: int = 64) -> None:
+    def __init__(self, vocab: int = 512, dim: int = 384, layers: int = 4, ctx: int = 64) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(ctx, dim)
@@ -68,8 +68,12 @@ def start_daemon(log: int) -> subprocess.Popen | None:
     proc = subprocess.Popen([exe], stdout=log, stderr=subprocess.STDOUT)
     for _ in range(200):
         try:
-            daemon_status(timeout=0.5)
-            return proc
+            status = daemon_status(timeout=0.5)["daemon"]
+            pool = status["host_memory"]
+            # as a job script starts it before training: it has cleaned up after killed daemons, and mapped its pool
+            if status["leftovers_removed"] is not None and pool["chunks_allocated"] * pool["chunk_size"] >= pool["budget_bytes"]:
+                return proc
+            time.sleep(0.2)
         except DaemonUnavailable:
             if proc.poll() is not None:
                 sys.exit(f"datastatesd exited with {proc.returncode}; see {LOG}")
@@ -108,7 +112,7 @@ class Checkpoint:
     durable_at: float = -1.0
 
     def row(self) -> str:
-        copied = "not listed" if self.copied_by_fence != self.copied_by_fence else f"{self.copied_by_fence:.0%}"  # NaN
+        copied = f"{self.copied_by_fence:.0%}"
         return (f"{self.step:4d}  {self.snapshot_s * 1e3:8.1f} ms  {self.torch_save_s * 1e3:8.1f} ms  "
                 f"{copied:>11} of {self.handle.nbytes / 2**20:.1f} MiB  {self.fence_s * 1e3:6.1f} ms  "
                 f"{(self.durable_at - self.taken_at) * 1e3:8.0f} ms")
@@ -121,9 +125,8 @@ HEADER = ("step  snapshot()   torch.save   copied by the fence    fence    durab
 
 def copied_share(client: Client, handle: SnapshotHandle) -> float:
     """How much of ``handle``'s snapshot the daemon holds by now, from its status."""
-    job = next((j for j in client.status()["snapshots"] if j["id"] == handle.id), None)
-    if job is None:  # status lists no such snapshot (seen once or twice under load, not understood yet)
-        return float("nan")
+    job_id = handle.id  # once the daemon has admitted it
+    job = next(j for j in client.status()["snapshots"] if j["id"] == job_id)
     return job["copied_bytes"] / max(1, job["total_bytes"])
 
 
@@ -192,8 +195,8 @@ def main() -> None:
             print(cp.row())
     finally:
         client.close()
-    print("the first two copies go into fresh /dev/shm pages (the daemon's in-memory replicas, for restores) while it still\n"
-          "touches its host pool; from the third on, each writes over the replica it supersedes (daemon/replicas.py)")
+    print("the daemon also keeps each tag's copy in /dev/shm (a replica, for restores after a crash): the first snapshots\n"
+          "move into fresh /dev/shm pages once; later ones write over the replica they supersede (daemon/replicas.py)")
 
     with Client() as again:  # as a restarted trainer would: from the daemon's memory if it holds the tag
         result = again.restore(ROOT, "model_states.pt", map_location="cpu")
