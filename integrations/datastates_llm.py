@@ -25,7 +25,6 @@ engine DeepSpeed calls on every rank.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import functools
 import logging
 import os
@@ -33,7 +32,6 @@ import re
 import sys
 import time
 import weakref
-from concurrent.futures import Future
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -42,6 +40,7 @@ from datastates.client.client import Client
 from datastates.protocol.errors import CommitError, InvalidRequestError
 from datastates.protocol.format import check_tag
 
+from .commits import PendingCommits
 from .loading import MapLocation, load_any
 
 log = logging.getLogger(__name__)
@@ -122,7 +121,7 @@ class CheckpointEngine:
                 raise
         self._open: dict[str, set[str]] = {}
         """Tags saved and not yet committed → the paths saved for each."""
-        self._commits: list[tuple[str, Future]] = []
+        self._commits = PendingCommits(f"rank {self.rank}")
         """Commits sent and not yet taken in: their failures are raised by the next save, wait(True) or shutdown."""
         ref = weakref.ref(self)
         self._hook = register_optimizer_step_pre_hook(
@@ -144,7 +143,7 @@ class CheckpointEngine:
         Tensors must not change in place until the next optimizer step, ``wait()`` or
         ``commit``: the daemon copies them while the next forward and backward run.
         """
-        self._settle()
+        self._commits.settle()
         path = os.path.abspath(os.fspath(path))
         tag = tag_of(path)
         for open_tag, paths in list(self._open.items()):
@@ -161,8 +160,7 @@ class CheckpointEngine:
         self.client.wait()
         if persist:
             self._commit_open()
-            concurrent.futures.wait([f for _, f in self._commits])
-            self._settle()
+            self._commits.wait()
 
     def commit(self, tag: str) -> bool:
         """Commit ``tag`` (every file saved under its folder) and block until it is durable and committed; True."""
@@ -214,17 +212,8 @@ class CheckpointEngine:
             return
         self.client.wait()
         for tag in list(self._open):
-            self._commits.append((tag, self.client.commit(tag)))
+            self._commits.add(tag, self.client.commit(tag))
             del self._open[tag]
-
-    def _settle(self) -> None:
-        """Raise the first failed commit among those resolved, as CommitError naming the tag."""
-        done = [(t, f) for t, f in self._commits if f.done()]
-        self._commits = [(t, f) for t, f in self._commits if not f.done()]
-        for tag, fut in done:
-            exc = fut.exception()
-            if exc is not None:
-                raise CommitError(f"checkpoint {tag} was not committed: {exc}", tag=tag) from exc
 
 
 def _fence(ref: weakref.ref, persist: bool = False) -> None:
