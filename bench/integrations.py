@@ -55,17 +55,31 @@ def mlp(params_m: float, layers: int, seed: int = 0) -> nn.Sequential:
 
 
 class StepClock:
-    """Times each training step and each save, to charge every checkpoint what it cost the training thread."""
+    """Each training iteration's duration, checkpoint included, to charge every checkpoint what it cost."""
 
     def __init__(self) -> None:
         self.steps: list[float] = []
-        self.saves: dict[int, float] = {}
-        """Step index the save followed → the save call's seconds."""
+        self.saved: set[int] = set()
+        """The iterations that ended with a save."""
+        self._last = 0.0
+
+    def tick(self) -> None:
+        """An iteration begins (the previous one, if any, ends)."""
+        now = time.perf_counter()
+        if self._last:
+            self.steps.append(now - self._last)
+        self._last = now
 
     def blocking(self) -> list[float]:
-        after = {i + 1 for i in self.saves}
-        plain = median([t for i, t in enumerate(self.steps) if i not in after and i not in self.saves] or [0.0])
-        return [s + max(0.0, self.steps[i + 1] - plain) for i, s in self.saves.items() if i + 1 < len(self.steps)]
+        """Per checkpoint: how much longer than a plain iteration the one that saved and the one after it took."""
+        near = self.saved | {i + 1 for i in self.saved}
+        plain = median([t for i, t in enumerate(self.steps) if i not in near] or [0.0])
+        return [max(0.0, self.steps[i] - plain) + max(0.0, self.steps[i + 1] - plain)
+                for i in sorted(self.saved) if i + 1 < len(self.steps)]
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
 
 
 # -- DeepSpeed ---------------------------------------------------------------------------
@@ -79,14 +93,17 @@ def deepspeed_group() -> Iterator[Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1"}
+    os.environ.update(env)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a C++ build at init, useless for one rank
     deepspeed.init_distributed(dist_backend="gloo")
     try:
         yield deepspeed
     finally:
         torch.distributed.destroy_process_group()
+        for name in env:  # or the next framework takes this process for a rank of a distributed job
+            os.environ.pop(name)
 
 
 def run_deepspeed(mode: str, folder: str, args: argparse.Namespace) -> tuple[list[float], int]:
@@ -102,22 +119,103 @@ def run_deepspeed(mode: str, folder: str, args: argparse.Namespace) -> tuple[lis
     width = model[0].in_features
     clock = StepClock()
     for i in range(args.steps):
-        x = torch.randn(args.batch, width)
-        t0 = time.perf_counter()
-        engine.backward(engine(x).square().mean())
+        clock.tick()
+        engine.backward(engine(torch.randn(args.batch, width)).square().mean())
         engine.step()
-        clock.steps.append(time.perf_counter() - t0)
-        if (i + 1) % args.every == 0 and i + 1 < args.steps:
-            clock.saves[i], _ = timed(engine.save_checkpoint, folder)
-    nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+        if (i + 1) % args.every == 0:
+            engine.save_checkpoint(folder)
+            clock.saved.add(i)
+    clock.tick()
+    nbytes = folder_bytes(folder)
     engine.destroy()  # datastates: commits the last tag and waits until it is durable
     return clock.blocking(), nbytes
+
+
+# -- Lightning ---------------------------------------------------------------------------
+
+
+def run_lightning(mode: str, folder: str, args: argparse.Namespace) -> tuple[list[float], int]:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from datastates.integrations.lightning import DatastatesCheckpointIO
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(args.params, args.layers)
+
+        def training_step(self, batch: torch.Tensor, _idx: int) -> torch.Tensor:
+            return self.net(batch).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    clock = StepClock()
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, *_: Any) -> None:
+            clock.tick()
+
+        def on_train_end(self, *_: Any) -> None:
+            clock.tick()
+
+    module = Module()
+    data = torch.utils.data.DataLoader(torch.randn(args.steps * args.batch, module.net[0].in_features),
+                                       batch_size=args.batch)
+    trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Clock(), ModelCheckpoint(
+                             folder, every_n_train_steps=args.every, save_top_k=-1)],
+                         plugins=[DatastatesCheckpointIO()] if mode == "datastates" else None)
+    trainer.fit(module, data)  # datastates: teardown waits until every checkpoint is committed
+    clock.saved = {i for i in range(args.steps) if (i + 1) % args.every == 0}
+    return clock.blocking(), folder_bytes(folder)
+
+
+# -- Hugging Face ------------------------------------------------------------------------
+
+
+def run_transformers(mode: str, folder: str, args: argparse.Namespace) -> tuple[list[float], int]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from datastates.integrations.transformers import DatastatesTrainer
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(args.params, args.layers)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": self.net(x).square().mean()}
+
+    clock = StepClock()
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            clock.tick()
+
+        def on_train_end(self, *_: Any, **__: Any) -> None:
+            clock.tick()
+
+    model = Model()
+    width = model.net[0].in_features
+    data = [{"x": torch.randn(width)} for _ in range(args.steps * args.batch)]
+    targs = TrainingArguments(output_dir=folder, max_steps=args.steps, per_device_train_batch_size=args.batch,
+                              save_strategy="steps", save_steps=args.every, report_to=[], use_cpu=True,
+                              remove_unused_columns=False, disable_tqdm=True, logging_strategy="no",
+                              learning_rate=1e-4, dataloader_num_workers=0)
+    cls = DatastatesTrainer if mode == "datastates" else Trainer
+    cls(model=model, args=targs, train_dataset=data, callbacks=[Clock()]).train()
+    clock.saved = {i for i in range(args.steps) if (i + 1) % args.every == 0}
+    return clock.blocking(), folder_bytes(folder)
 
 
 # -- the bench ---------------------------------------------------------------------------
 
 RUNNERS: dict[str, Callable[[str, str, argparse.Namespace], tuple[list[float], int]]] = {
     "deepspeed": run_deepspeed,
+    "lightning": run_lightning,
+    "transformers": run_transformers,
 }
 
 
@@ -154,11 +252,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma-separated subset of {','.join(FRAMEWORKS)}")
     ap.add_argument("--runs", type=int, default=3, help="repeats of each contender, interleaved; medians reported")
-    ap.add_argument("--steps", type=int, default=25, help="training steps per run (default 25)")
+    ap.add_argument("--steps", type=int, default=24, help="training steps per run (default 24)")
     ap.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default 5)")
     ap.add_argument("--params", type=float, default=32, help="model size in millions of fp32 parameters (default 32)")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=64, help="rows per step (default 64: steps long enough to copy "
+                    "during, as a real model's are)")
     ap.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh folder under /tmp)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -168,19 +267,21 @@ def main() -> int:
     blocking: dict[tuple[str, str], list[float]] = {}
     sizes: dict[str, int] = {}
     baseline: dict[str, list[float]] = {"torch.save": [], "raw write": []}
-    with datastatesd(root, log_level="error") as endpoint, deepspeed_group() if "deepspeed" in frameworks else nullcontext():
+    with datastatesd(root, log_level="error") as endpoint:
         os.environ[ENDPOINT_ENV] = endpoint
-        for run in range(args.runs):
-            for name in frameworks:
-                for mode in ("default", "datastates"):
-                    folder = tempfile.mkdtemp(prefix=f"{name}-{mode}-r{run}-", dir=root)
-                    times, nbytes = RUNNERS[name](mode, folder, args)
-                    if mode == "default":  # datastates' files may not all be in place when it returns
-                        sizes[name] = nbytes
-                    blocking.setdefault((name, mode), []).extend(times)
-                    shutil.rmtree(folder)
-                    print(f"run {run} {name:<12} {mode:<10} blocking per checkpoint (s): "
-                          + " ".join(f"{t:.3f}" for t in times), flush=True)
+        for name in frameworks:  # DeepSpeed's process group must be gone before the next framework starts
+            with deepspeed_group() if name == "deepspeed" else nullcontext():
+                for run in range(args.runs):
+                    for mode in ("default", "datastates"):
+                        folder = tempfile.mkdtemp(prefix=f"{name}-{mode}-r{run}-", dir=root)
+                        times, nbytes = RUNNERS[name](mode, folder, args)
+                        if mode == "default":  # datastates' files may not all be in place when it returns
+                            sizes[name] = nbytes // (args.steps // args.every)
+                        blocking.setdefault((name, mode), []).extend(times)
+                        shutil.rmtree(folder)
+                        print(f"run {run} {name:<12} {mode:<10} blocking per checkpoint (s): "
+                              + " ".join(f"{t:.3f}" for t in times), flush=True)
+        for _ in range(args.runs):
             t_save, t_raw = torch_save_and_raw(root, args.params, args.layers)
             baseline["torch.save"].append(t_save)
             baseline["raw write"].append(t_raw)

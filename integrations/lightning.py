@@ -191,8 +191,11 @@ class DatastatesCheckpointIO(CheckpointIO):
                 self._client = None
 
     def _fence_step(self, _optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """The step pre-hook: ``wait()`` after the step's closure (forward and backward), before the update."""
-        closure = kwargs.get("closure", args[0] if args else None)
+        """The step pre-hook: ``wait()`` after the step's closure (forward and backward), before the update.
+
+        ``args`` is ``step``'s own: the optimizer first, then a positional closure if any.
+        """
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
             self.wait()
             return None
@@ -204,7 +207,7 @@ class DatastatesCheckpointIO(CheckpointIO):
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": fenced}
-        return (fenced, *args[1:]), kwargs
+        return (args[0], fenced, *args[2:]), kwargs
 
     def _settle(self, wait_for: Callable[[_Pending], bool]) -> None:
         """Wait for the commits ``wait_for`` picks, then take in every resolved one, raising a failure once."""

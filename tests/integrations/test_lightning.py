@@ -189,3 +189,30 @@ def test_each_file_name_gives_its_own_tag() -> None:
     assert len(set(odd)) == len(odd) and all(check_tag(t) == t for t in odd)
     # a folder above named like the file would take its marker, as a tag's own folder: the tag is hashed instead
     assert tag_of("/ckpt/last.ckpt/last.ckpt") != "last.ckpt"
+
+
+def test_other_optimizers_step_as_before_while_the_plugin_fences(daemon: DaemonProc) -> None:
+    """The fence is a global step pre-hook: an optimizer stepped outside Lightning (no closure, or a positional
+    one) still steps, its closure runs once, and the fence waits for a snapshot first."""
+    io = DatastatesCheckpointIO(endpoint=daemon.endpoint)
+    try:
+        model = torch.nn.Linear(256, 256)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = model.weight.detach().clone()
+        io.save_checkpoint({"w": model.weight.detach()}, daemon.root / "plain.ckpt")
+        model(torch.ones(1, 256)).sum().backward()
+        opt.step()  # no closure: waits for the daemon's copy, then updates
+        calls = []
+
+        def closure() -> torch.Tensor:
+            calls.append(1)
+            opt.zero_grad()
+            loss = model(torch.ones(1, 256)).sum()
+            loss.backward()
+            return loss
+
+        assert isinstance(opt.step(closure), torch.Tensor) and calls == [1]  # positional closure
+        io.teardown()
+        assert_state_equal({"w": before}, datastates.load(daemon.root / "plain.ckpt"))
+    finally:
+        io.teardown()
