@@ -12,7 +12,7 @@ from typing import Any
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import CorruptCheckpointError, DatastatesError
+from datastates.protocol.errors import CorruptCheckpointError, DaemonNotRunning, DatastatesError
 from datastates.protocol.format import CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import prune
 from datastates.protocol.tags import marker_paths, tag_files
@@ -24,6 +24,7 @@ from .sizes import human_size
 from .connection import Connection, daemon_status
 
 POLL_S = 0.2
+DEFAULT_CONNECT_TIMEOUT = 5.0
 
 
 def render(status: dict[str, Any]) -> str:
@@ -166,10 +167,25 @@ def _status(conn: Connection, timeout: float) -> dict[str, Any]:
     return conn.call(m.Status(), timeout).status
 
 
+def _first_status(conn: Connection, timeout: float | None) -> dict[str, Any]:
+    """The first status: with ``--connect-timeout S`` given, a daemon not listening yet (still starting, as a job
+    script launched it a moment ago) is waited for up to S s; without it, that is an error at once."""
+    deadline = time.monotonic() + (timeout or 0)
+    while True:
+        try:
+            return _status(conn, DEFAULT_CONNECT_TIMEOUT if timeout is None else timeout)
+        except DaemonNotRunning:
+            if timeout is None or time.monotonic() >= deadline:
+                raise
+            time.sleep(POLL_S)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="datastatesctl", description="Inspect and control the node's datastatesd.")
     parser.add_argument("--endpoint", help="daemon endpoint (default: $DATASTATES_ENDPOINT, else the default node config's)")
-    parser.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="how long to wait for the daemon to answer")
+    parser.add_argument("--connect-timeout", type=float, default=None, metavar="S",
+                        help=f"how long to wait for the daemon to answer (default {DEFAULT_CONNECT_TIMEOUT:g}); given, "
+                             "also how long to wait for one that is still starting")
     sub = parser.add_subparsers(dest="command", required=True)
     p_status = sub.add_parser("status", help="clients, pending snapshots and tier transfers with progress, committed tags")
     p_status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     offline = {
         "verify": lambda: _verify(args.target, args.root),
-        "ls": lambda: _ls(args.root, args.endpoint, args.connect_timeout),
+        "ls": lambda: _ls(args.root, args.endpoint, args.connect_timeout or DEFAULT_CONNECT_TIMEOUT),
         "prune": lambda: _prune(args.root, args.keep_last, args.dry_run),
         "convert": lambda: _convert(args.tag, args.to, args.out, args.weights_only),
     }
@@ -219,18 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     except DatastatesError as exc:  # a tcp endpoint without its CURVE variables
         print(f"datastatesctl: error: {exc.message}", file=sys.stderr)
         return 2
+    reply_s = args.connect_timeout or DEFAULT_CONNECT_TIMEOUT
     try:
+        first = _first_status(conn, args.connect_timeout)
         if args.command == "status" and args.watch:
             from .watch import watch  # rich: only the live view pays for it
 
-            watch(lambda: _status(conn, args.connect_timeout), args.interval, args.count)
+            watch(lambda: _status(conn, reply_s), args.interval, args.count)
         elif args.command == "status":
-            status = _status(conn, args.connect_timeout)
-            print(json.dumps(status, indent=1) if args.json else render(status))
+            print(json.dumps(first, indent=1) if args.json else render(first))
         elif args.command == "wait":
             deadline = None if args.timeout is None else time.monotonic() + args.timeout
             while True:
-                status = _status(conn, args.connect_timeout)
+                status = _status(conn, reply_s)
                 transfers = status["tier_transfers"]["pending"]
                 if not status["pending"] and not status["commits_pending"] and not transfers:
                     break
@@ -243,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in failed:
                 print(f"datastatesctl: snapshot {s['id']} of {s['path']} failed: {s['error']}", file=sys.stderr)
             return 1 if failed else 0
-        elif args.command == "shutdown":
-            _status(conn, args.connect_timeout)  # fail fast when there is no daemon; the drain itself may take long
+        elif args.command == "shutdown":  # the first status failed fast if there is no daemon; the drain may take long
             conn.call(m.Shutdown(), None)
             print("datastatesd drained and stopped")
     except DatastatesError as exc:

@@ -2,8 +2,8 @@
 
 A commit resolves in the background while training goes on, so its outcome is looked at
 later, at the next save or at the end: each one is taken in once, in order, a success lets
-retention run, and a failure is raised as ``CommitError``. ``CheckpointManager`` and
-``DatastatesTrainer`` share this, so both report and prune alike.
+retention run, and a failure is raised as ``CommitError``. Every integration shares
+this, so all report and prune alike.
 """
 
 from __future__ import annotations
@@ -60,9 +60,11 @@ class PendingCommits:
             more = f" (and {len(failed) - 1} later one(s): {', '.join(t for t, _ in failed[1:])})" if failed[1:] else ""
             raise CommitError(f"checkpoint {tag} under {self.where} was not committed: {exc}{more}", tag=tag) from exc
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every commit has resolved, then ``settle``; WaitTimeout if some are still open after ``timeout`` s."""
-        not_done = concurrent.futures.wait([f for _, f in self._pending], timeout).not_done
+    def wait(self, timeout: float | None = None, tags: set[str] | None = None) -> None:
+        """Block until every commit (of ``tags`` only, if given) has resolved, then ``settle``; WaitTimeout if some
+        are still open after ``timeout`` s."""
+        waited = [f for tag, f in self._pending if tags is None or tag in tags]
+        not_done = concurrent.futures.wait(waited, timeout).not_done
         if not_done:
             raise WaitTimeout(f"{len(not_done)} checkpoint commit(s) under {self.where} not answered within {timeout} s")
         self.settle()

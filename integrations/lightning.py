@@ -30,15 +30,12 @@ in training mode) fences before it itself::
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import importlib.util
 import logging
 import os
 import re
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -54,12 +51,13 @@ except ImportError:
 
 from datastates.client.client import Client
 from datastates.protocol.descriptors import Ranks
-from datastates.protocol.errors import CommitError, InvalidRequestError, PathNotAllowedError, SnapshotSkippedError
+from datastates.protocol.errors import InvalidRequestError, PathNotAllowedError
 from datastates.protocol.fileio import fsync_dir, remove
 from datastates.protocol.format import TAG_MAX, CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import delete_tag
 from datastates.protocol.tags import CommittedTag
 
+from .commits import PendingCommits
 from .loading import MapLocation, load_any
 
 log = logging.getLogger(__name__)
@@ -81,13 +79,6 @@ def tag_of(path: str) -> str:
             pass
     digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return check_tag(f"{_UNSAFE.sub('_', name).lstrip('.-')[:TAG_MAX - 32] or 'file'}-{digest}")
-
-
-@dataclass(frozen=True)
-class _Pending:
-    path: str
-    tag: str
-    commit: Future
 
 
 class DatastatesCheckpointIO(CheckpointIO):
@@ -113,8 +104,8 @@ class DatastatesCheckpointIO(CheckpointIO):
         self._client = client
         self._own_client = client is None
         self._client_options = {"endpoint": endpoint, "ranks": Ranks(), **client_options}
-        self._pending: list[_Pending] = []
-        """Commits not yet taken in, oldest first; ``_settle`` reports each outcome once."""
+        self._commits = PendingCommits("the Lightning checkpoint folder")
+        """Commits not yet taken in, by tag (one per file); each outcome is reported once."""
         self._fence: Any = None
         """The optimizer step pre-hook's handle, while a client is open."""
 
@@ -134,10 +125,10 @@ class DatastatesCheckpointIO(CheckpointIO):
         path = os.path.abspath(os.fspath(path))
         tag = tag_of(path)
         client = self.client  # connected before anything is withdrawn
-        self._settle(lambda p: p.tag == tag)  # a save of the same tag still in flight would be versioned, not replaced
+        self._commits.wait(tags={tag})  # a save of the same tag still in flight would be versioned, not replaced
         _withdraw(path, tag)
         client.snapshot(checkpoint, path, tag=tag)
-        self._pending.append(_Pending(path, tag, client.commit(tag)))
+        self._commits.add(tag, client.commit(tag))
 
     def load_checkpoint(self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None) -> Any:
         """The checkpoint at ``path``: a datastates file, or one ``torch.save`` wrote (a job that switched).
@@ -148,7 +139,7 @@ class DatastatesCheckpointIO(CheckpointIO):
         ``trainer.fit`` only for files you trust.
         """
         path = os.path.abspath(os.fspath(path))
-        self._settle(lambda p: p.path == path)
+        self._commits.wait(tags={tag_of(path)})
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_any(path, "cpu" if map_location is None else map_location, weights_only)
@@ -161,7 +152,7 @@ class DatastatesCheckpointIO(CheckpointIO):
         """
         path = os.path.abspath(os.fspath(path))
         tag, folder = tag_of(path), os.path.dirname(path)
-        concurrent.futures.wait([p.commit for p in self._pending if p.path == path])  # its marker lands first
+        self._commits.wait(tags={tag})  # its marker lands first
         marker = CommitMarker.read(os.path.join(folder, marker_name(tag)))
         if marker is not None:
             if [f.path for f in marker.files] != [os.path.basename(path)]:
@@ -171,7 +162,6 @@ class DatastatesCheckpointIO(CheckpointIO):
         elif os.path.isfile(path):  # a file torch.save wrote, before the job switched
             remove(path, trusted=folder)
             fsync_dir(folder, trusted=folder)
-        self._settle(lambda p: False)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the daemon holds its copy of every checkpoint saved, so their tensors may change again."""
@@ -181,7 +171,7 @@ class DatastatesCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait until every checkpoint is durable and committed, then close; raises a failed commit as CommitError."""
         try:
-            self._settle(lambda p: True)
+            self._commits.wait()
         finally:
             if self._fence is not None:
                 self._fence.remove()
@@ -208,23 +198,6 @@ class DatastatesCheckpointIO(CheckpointIO):
         if "closure" in kwargs:
             return args, {**kwargs, "closure": fenced}
         return (args[0], fenced, *args[2:]), kwargs
-
-    def _settle(self, wait_for: Callable[[_Pending], bool]) -> None:
-        """Wait for the commits ``wait_for`` picks, then take in every resolved one, raising a failure once."""
-        concurrent.futures.wait([p.commit for p in self._pending if wait_for(p)])
-        done = [p for p in self._pending if p.commit.done()]
-        self._pending = [p for p in self._pending if p not in done]
-        failed = []
-        for p in done:
-            exc = p.commit.exception()
-            if isinstance(exc, SnapshotSkippedError):  # on_busy="skip" chose to drop it: not an error
-                log.warning("checkpoint %s skipped: %s", p.path, exc.message)
-            elif exc is not None:
-                failed.append((p, exc))
-        if failed:
-            p, exc = failed[0]
-            more = f" (and {len(failed) - 1} more: {', '.join(q.path for q, _ in failed[1:])})" if failed[1:] else ""
-            raise CommitError(f"checkpoint {p.path} was not committed: {exc}{more}", tag=p.tag) from exc
 
 
 def _withdraw(path: str, tag: str) -> None:

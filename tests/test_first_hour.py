@@ -106,11 +106,27 @@ def test_a_stopped_daemon_is_still_a_liveness_matter(start_daemon: Any) -> None:
 @pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["status", "--watch", "--count", "1"],
                                   ["wait"], ["shutdown"]])
 def test_ctl_without_a_daemon_says_so_at_once(short_tmp: Path, args: list[str]) -> None:
-    """Every command that asks the daemon exits 2 with the same clear error, not after its connect timeout."""
+    """Every command that asks the daemon exits 2 with the same clear error at once, not after a connect timeout
+    (the subprocess's own timeout, far below the 3600 s a retry loop would take, says so)."""
     endpoint = f"ipc://{short_tmp}/nobody.sock"
-    run = ctl_without_torch("--endpoint", endpoint, "--connect-timeout", "3600", *args)
+    run = ctl_without_torch("--endpoint", endpoint, *args)
     assert run.returncode == 2
     assert f"no datastatesd is running at {endpoint}" in run.stderr and "datastatesd --node-config" in run.stderr
+
+
+def test_a_job_script_waits_for_the_daemon_it_just_started(start_daemon: Any, short_tmp: Path) -> None:
+    """``datastatesctl --connect-timeout S status``, as deploy/torchrun.sh runs it right after launching the daemon:
+    a daemon whose socket does not exist yet is waited for, and the probe returns once it answers."""
+    endpoint = f"ipc://{short_tmp}/later/datastatesd.sock"
+    probe = subprocess.Popen([DATASTATESCTL, "--endpoint", endpoint, "--connect-timeout", "120", "status", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        d = start_daemon(endpoint=endpoint)
+        out, err = probe.communicate(timeout=120)
+    finally:
+        probe.kill()
+    assert probe.returncode == 0, err
+    assert json.loads(out)["daemon"]["pid"] == d.proc.pid
 
 
 # -- datastatesctl without torch ------------------------------------------------------------------------
