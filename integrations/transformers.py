@@ -13,7 +13,8 @@ never a folder a crash left half written. ``save_total_limit`` prunes committed 
 marker first (protocol/retention.py), never one still being written nor the newest
 committed. A committed folder is never written into again: saving the same step twice
 into one ``output_dir`` (training it again from scratch) is refused, since its JSON files
-would change under its commit. Not supported: DeepSpeed (see datastates.integrations.deepspeed),
+would change under its commit. Not supported: DeepSpeed (use the plain ``Trainer`` with
+``"datastates_ckpt": {}`` in the DeepSpeed config),
 FSDP, XLA and SageMaker model parallelism, and ``push_to_hub``.
 """
 
@@ -126,8 +127,8 @@ class DatastatesTrainer(Trainer):
         self._client_options = dict(client_options or {})
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise InvalidRequestError("DatastatesTrainer does not save DeepSpeed or FSDP checkpoints: for DeepSpeed, "
-                                      "use datastates.integrations.deepspeed.DatastatesCheckpointEngine")
+            raise InvalidRequestError("DatastatesTrainer does not save DeepSpeed or FSDP checkpoints: for DeepSpeed, use "
+                                      "the plain Trainer with \"datastates_ckpt\": {} in the DeepSpeed config")
         if self.args.push_to_hub:
             raise InvalidRequestError("DatastatesTrainer cannot push_to_hub: its checkpoint files are written after "
                                       "_save_checkpoint returns")
