@@ -221,6 +221,23 @@ MUTATIONS: tuple[Mutation, ...] = (
               "        pass  # MUTATION: no fills\n"),),
         ("tests/test_roundtrip.py::test_trainer_state_roundtrips_bitwise",),
     ),
+    Mutation(
+        "llm-step-unfenced",
+        "DeepSpeed's datastates_ckpt path: the optimizer step neither waits for the daemon's copy nor commits",
+        (Edit("integrations/datastates_llm.py",
+              "            lambda _opt, _args, _kwargs: _fence(ref))",
+              "            lambda _opt, _args, _kwargs: None)  # MUTATION: no fence, no commit at the step"),),
+        ("tests/integrations/test_datastates_llm.py::test_the_optimizer_step_fences_and_commits",
+         "tests/integrations/test_deepspeed.py::test_the_config_entry_alone_switches_a_job[1]"),
+    ),
+    Mutation(
+        "lightning-fence-skipped",
+        "Lightning: the closure-wrapping fence returns before waiting for the daemon's copy",
+        (Edit("integrations/lightning.py",
+              "            result = closure()\n            self.wait()\n",
+              "            result = closure()  # MUTATION: no wait before the update\n"),),
+        ("tests/integrations/test_lightning.py::test_the_fence_keeps_each_checkpoint_at_its_step",),
+    ),
 )
 
 
