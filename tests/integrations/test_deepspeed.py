@@ -323,3 +323,24 @@ def test_a_job_killed_between_two_saves_resumes_from_the_first(ds_dist: None, da
     assert fresh.global_steps == 2
     assert_state_equal(torch.load(expected), snapshot_of(fresh))
     fresh.destroy()
+
+
+def test_two_ranks_each_commit_the_config_entrys_tags(daemon: DaemonProc, tmp_path: Path) -> None:
+    """torchrun, 2 ranks, ZeRO 2, only the config entry: each rank's step hook commits its files, the daemon marks the
+    tag committed once both have (the model file of rank 0, an optimizer partition each), and a fresh 2-rank job
+    resumes every rank's partition bitwise from ``latest`` and from the earlier tag."""
+    save_dir = daemon.root / "ranks"
+    job = Path(__file__).with_name("ds_ranks_job.py")
+    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")  # ds_dist's
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, ENDPOINT_ENV: daemon.endpoint,
+           "OMP_NUM_THREADS": "1"}
+    for mode in ("train", "resume"):
+        run = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
+                              str(job), mode, str(save_dir), str(tmp_path)], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0 and run.stdout.count(f"{mode} ok") == 2, run.stdout + run.stderr
+        if mode == "train":
+            assert datastates.latest(save_dir) == "global_step3" and (save_dir / "latest").read_text() == "global_step3"
+            files = sorted(p.name for p in (save_dir / "global_step3").glob("*.pt"))
+            assert files == [MODEL_FILE, OPTIM_FILE, OPTIM_FILE.replace("pp_rank_0", "pp_rank_1")]
+            assert daemon.ctl("verify", str(save_dir / "global_step3")).returncode == 0
