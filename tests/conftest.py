@@ -299,16 +299,30 @@ def _socket_alive(path: Path) -> bool:
     return True
 
 
-def _leftovers() -> list[Path]:
+def _lock_of_this_session(lock: Path, basetemp: Path) -> bool:
+    """Whether the daemon lock file ``lock`` names only roots under this session's ``basetemp``: its daemon was one of
+    this session's. Another session's killed daemon's lock must stay, for its next daemon to prove it dead (I5):
+    removed, that daemon could never clean up after it (the fault schedules of two sessions side by side did). A
+    lock naming no roots is a trainer's local saver (daemon/local.py): taken as this session's, as it started after."""
+    try:
+        roots = [r for r in lock.read_text().split("\n") if r]
+    except OSError:
+        return False
+    return all(Path(r).is_relative_to(basetemp) for r in roots)
+
+
+def _leftovers(basetemp: Path) -> list[Path]:
     """What this session's tests left behind that no running process uses: in /dev/shm (segments, decision
-    folders, replica folders, daemon locks) and in the temporary folder (dead torch_shm_managers' socket folders)."""
+    folders, replica folders, this session's daemon locks) and in the temporary folder (dead torch_shm_managers'
+    socket folders)."""
     left: list[Path] = []
     if SHM.is_dir():
         in_use = _shm_in_use()
         left += [p for p in SHM.iterdir() if p.name not in _SHM_BEFORE and PROJECT_SHM.fullmatch(p.name)
                  and _owned(p) and not _maker_alive(p.name, in_use)]
     if DAEMON_LOCKS.is_dir() and DAEMON_LOCKS not in left:
-        left += [p for p in DAEMON_LOCKS.iterdir() if p.name not in _LOCKS_BEFORE and not _lock_held(p)]
+        left += [p for p in DAEMON_LOCKS.iterdir()
+                 if p.name not in _LOCKS_BEFORE and not _lock_held(p) and _lock_of_this_session(p, basetemp)]
     left += [Path(d) for d in sorted(_torch_manager_dirs() - _TORCH_DIRS_BEFORE)
              if not _socket_alive(Path(d) / "manager.sock")]
     return left
@@ -344,7 +358,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     seen the day it comes. Anything that cannot be removed fails the session.
     """
     reap(block=True)
-    left = _leftovers()
+    left = _leftovers(session.config._tmp_path_factory.getbasetemp().resolve())
     if not left:
         return
     stuck = [p for p in left if not _remove(p)]
