@@ -24,14 +24,13 @@ import errno
 import itertools
 import os
 import logging
-import re
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.fileio import open_folder, remove
-from datastates.protocol.format import CommitMarker, marker_name
+from datastates.protocol.format import STAGING_RE, STAGING_SUFFIX, CommitMarker, marker_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.tags import listing
 
@@ -40,9 +39,6 @@ from .storage.base import storage_error
 
 log = logging.getLogger(__name__)
 
-STAGING_SUFFIX = ".dsgen"
-STAGING_RE = re.compile(r"\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
-"""A staging folder's name; the group is the owner tag of the daemon that made it."""
 LEFTOVER_DEPTH = 3
 """Staging folders sit beside tag folders: <root>/<run>/.<owner>-<n>.dsgen is depth 2."""
 _RENAME_EXCHANGE = 2

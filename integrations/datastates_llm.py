@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from datastates.client.client import Client
 from datastates.protocol.errors import CommitError, InvalidRequestError
-from datastates.protocol.format import check_tag
+from datastates.protocol.format import STAGING_RE, check_tag
 
 from .commits import PendingCommits
 from .loading import MapLocation, load_any
@@ -247,5 +247,5 @@ def _same_file(written: str, path: str) -> bool:
     if written == path:
         return True
     staged, tag_folder = os.path.dirname(written), os.path.dirname(path)
-    return (os.path.basename(written) == os.path.basename(path) and os.path.basename(staged).startswith(".")
+    return (os.path.basename(written) == os.path.basename(path) and bool(STAGING_RE.fullmatch(os.path.basename(staged)))
             and os.path.dirname(staged) == os.path.dirname(tag_folder))

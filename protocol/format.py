@@ -52,6 +52,10 @@ TEMP_RESERVE = len(".") + len(".") + 16 + len("-") + TEMP_TOKEN_MAX + len(TEMP_S
 """What a temporary name ``.<name>.<owner>-<token>.dstmp`` adds to the name of the file it becomes."""
 FILE_NAME_MAX = NAME_MAX - TEMP_RESERVE
 """The longest name of a file datastates writes (checkpoint files, markers, trackers): its temporary name must fit."""
+STAGING_SUFFIX = ".dsgen"
+STAGING_RE = re.compile(r"\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
+"""A re-saved tag's staging folder beside its folder, ``.<owner>-<n>.dsgen`` (daemon/versions.py); the group is
+the owner tag of the daemon that made it."""
 MARKER_PREFIX = "datastates-commit."
 MARKER_SUFFIX = ".json"
 

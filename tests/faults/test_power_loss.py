@@ -84,9 +84,8 @@ import yaml
 import datastates
 from datastates.client import Client
 from datastates.client.reader import verify
-from datastates.daemon.versions import STAGING_SUFFIX
 from datastates.protocol.errors import DatastatesError
-from datastates.protocol.format import MARKER_PREFIX, MARKER_SUFFIX, TEMP_SUFFIX, TRACKER
+from datastates.protocol.format import MARKER_PREFIX, MARKER_SUFFIX, STAGING_SUFFIX, TEMP_SUFFIX, TRACKER
 from datastates.protocol.paths import SHM_DIR
 from datastates.protocol.tags import read_marker
 
