@@ -4,7 +4,8 @@ Every tensor it snapshots holds the step number in every element; right after ``
 returns or raises it writes ``-step`` into all of them, as an optimizer step would, so a
 file that mixes the snapshot with what came after it shows both values. It appends what
 ``wait()`` and ``commit()`` told it to a log file, one JSON object per line, the moment it
-is told, so the checker still knows after this process is killed.
+is told, so the checker still knows after this process is killed. Each line carries ``t``, the
+system-wide monotonic clock, so the checker orders what two trainers were told.
 
 Commands, one JSON object per line on stdin; one JSON reply per line on stdout:
   {"op": "client", "endpoint": ..., "fallback": null | "local", "liveness": s}
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ class Trainer:
 
     def record(self, **event: Any) -> None:
         with self.lock:
-            self.log.write(json.dumps(event) + "\n")
+            self.log.write(json.dumps({**event, "t": time.monotonic()}) + "\n")
             self.log.flush()
 
     def fill(self, value: int) -> None:

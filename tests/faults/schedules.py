@@ -8,11 +8,18 @@ A schedule (``Schedule.draw(seed)``) is a few saves of a tag by the trainer
 - ``disk_full`` / ``read_only``: the root's file system filled up, or the run folder
   bind-mounted read-only, for the save and its commit;
 - ``kill_trainer``: kill -9 of the trainer, and a new trainer;
-- ``clock_step``: a committed marker rewritten as a node whose clock was an hour off would write it.
+- ``clock_step``: a committed marker rewritten as a node whose clock was an hour off would write it;
+- ``twin``: a second trainer process saves the same files under the same tag at the same instant
+  (two ranks that picked the same path);
+- ``kill_prune``: ``datastatesctl prune --keep-last 1`` of the run folder killed -9 partway through
+  deleting a tag (each older tag's folder first given a few thousand small files, so a kill lands
+  mid-delete), then a second prune or a daemon restart must finish or undo it.
 
 Saves pick one of three tags, so the same tag and the same paths are saved again, and one
 save in ten puts its files in another tag's folder (two tags sharing a path); one schedule
-in five runs with ``fallback="local"``. Each schedule writes its own run folder under the
+in four re-saves a single tag throughout (a rolling ``last``), and one in five runs with
+``fallback="local"``. The daemon keeps replicas for restores in a budget a few saves fill, and
+after each schedule a restore of the newest tag through the daemon must give the committed step. Each schedule writes its own run folder under the
 root; daemon and trainer carry over between schedules unless a fault killed them.
 
 ``check`` then holds the run folder against what the trainer's log says ``wait()`` and
@@ -40,26 +47,28 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import datastates
-from datastates.client import daemon_status
+from datastates.client import Client, daemon_status
 from datastates.client.reader import verify
 from datastates.protocol.format import TEMP_SUFFIX, TRACKER, CommitMarker
-from datastates.protocol.tags import marker_paths, read_marker
+from datastates.protocol.tags import committed_tags, marker_paths, read_marker
 
-from conftest import DaemonFactory, DaemonProc, sh
+from conftest import DATASTATESCTL, DaemonFactory, DaemonProc, sh
 
 TAGS = ("t0", "t1", "t2")
 NAMES = ("model.pt", "optim.pt")
 FAULTS = {"none": 30, "stall": 12, "kill_daemon": 10, "disk_full": 10, "read_only": 8, "kill_trainer": 10,
-          "clock_step": 12}
+          "clock_step": 12, "twin": 8, "kill_prune": 6}
 """Each fault kind and its weight in a draw."""
 NEEDS_ROOT = {"disk_full", "read_only"}
 LIVENESS = 0.75
 KEEP_LAST = 2
 CLOCK_STEP_NS = 3600 * 10**9
 DAEMON = {"host_memory": "4MiB", "chunk_size": "1MiB", "flush_threads": 1, "direct_io": False, "log_level": "info",
-          "client_timeout": 3}
+          "client_timeout": 3, "memory_restore": "latest", "memory_restore_budget": "40MiB"}
 """A pool a few times smaller than a save, so a stall or a kill lands mid-copy as often as mid-flush; a
-killed trainer is taken as gone within a second."""
+killed trainer is taken as gone within a second; replicas of about three saves fill the restore budget."""
+PRUNE_FILLER = 3000
+"""Small files put into each tag folder a ``kill_prune`` deletes, so the kill lands mid-delete."""
 TRAINER = Path(__file__).with_name("schedule_trainer.py")
 
 
@@ -90,9 +99,10 @@ class Schedule:
         rng = random.Random(seed)
         kinds = [k for k in FAULTS if k in faults]
         saves = []
+        tags = (rng.choice(TAGS),) if rng.random() < 0.25 else TAGS  # a rolling tag, saved again and again
         for _ in range(rng.randint(2, 5)):
-            tag = rng.choice(TAGS)
-            folder_tag = rng.choice(TAGS) if rng.random() < 0.1 else tag
+            tag = rng.choice(tags)
+            folder_tag = rng.choice(tags) if rng.random() < 0.1 else tag
             names = NAMES if rng.random() < 0.7 else (rng.choice(NAMES),)
             fault = rng.choices(kinds, weights=[FAULTS[k] for k in kinds])[0]
             saves.append(Save(tag, folder_tag, names, fault, round(rng.uniform(0.0, 0.25), 3)))
@@ -216,23 +226,33 @@ class Node:
         logs = [self.trainer]
         seen = len(self.trainer.events())  # the carried-over trainer's lines of earlier schedules
         saved: dict[int, Save] = {}
+        twins: list[tuple[int, int]] = []
+        pruned: dict[str, int] = {}
         killed_daemon = False
         self._connect(schedule.fallback)
         for save in schedule.saves:
             self.step += 1
             saved[self.step] = save
             self.tally.faults[save.fault] += 1
-            killed_daemon |= save.fault == "kill_daemon"
-            with self._fault(save, run):
-                reply = self.trainer.call(op="save", step=self.step, tag=save.tag, folder=str(run / save.folder_tag),
-                                          names=list(save.names))
+            killed_daemon |= save.fault in ("kill_daemon", "kill_prune")
+            if save.fault == "twin":  # the twin saves the next step: both steps are the tag's, of the same files
+                self.step += 1
+                saved[self.step] = save
+                twins.append((self.step - 1, self.step))
+                reply = self._twin_save(save, run, self.step - 1, logs)
+            else:
+                with self._fault(save, run):
+                    reply = self.trainer.call(op="save", step=self.step, tag=save.tag,
+                                              folder=str(run / save.folder_tag), names=list(save.names))
+                if save.fault == "kill_prune":
+                    self._kill_prune(run, random.Random(save.delay), pruned)
             if reply is None or self.trainer.proc.poll() is not None:  # killed: a new trainer takes over
                 self.trainer.kill()
                 self.trainer = self._new_trainer()
                 logs.append(self.trainer)
                 self._connect(schedule.fallback)
-            elif save.fault == "kill_daemon":
-                self._connect(schedule.fallback)  # the new daemon does not know the old client
+            elif save.fault in ("kill_daemon", "kill_prune"):
+                self._connect(schedule.fallback)  # a new daemon does not know the old client
         self.trainer.call(op="close")
         events = logs[0].events()[seen:] + [e for t in logs[1:] for e in t.events()]
         self.tally.schedules += 1
@@ -240,12 +260,101 @@ class Node:
         self.tally.told.update(e["outcome"].split(":")[0] for e in events if "outcome" in e)
         try:
             self._settle(killed_daemon)
-            check(run, saved, events)
+            check(run, saved, events, twins, pruned)
+            self._check_restore(run)
             self._check_leftovers(run)
         except Violation:  # the run folder stays for a look, with what the trainer was told
             run.with_suffix(".log").write_text("".join(json.dumps(e) + "\n" for e in events))
             raise
         shutil.rmtree(run)
+
+    def _twin_save(self, save: Save, run: Path, step: int, logs: list[Trainer]) -> dict[str, Any] | None:
+        """``save`` by the trainer (``step``) and by a second trainer (``step + 1``) at the same instant; the
+        trainer's reply. The second trainer's log joins ``logs``; it leaves once its commit is answered."""
+        twin = self._new_trainer()
+        logs.append(twin)
+        twin.call(op="client", endpoint=self.daemon.endpoint, fallback=None, liveness=LIVENESS)
+        replies: dict[int, dict[str, Any] | None] = {}
+
+        def save_as(trainer: Trainer, s: int) -> None:
+            replies[s] = trainer.call(op="save", step=s, tag=save.tag, folder=str(run / save.folder_tag),
+                                      names=list(save.names))
+
+        both = [threading.Thread(target=save_as, args=(t, s)) for t, s in ((self.trainer, step), (twin, step + 1))]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join()
+        twin.call(op="close")
+        twin.kill()
+        return replies[step]
+
+    def _kill_prune(self, run: Path, rng: random.Random, pruned: dict[str, int]) -> None:
+        """``datastatesctl prune --keep-last 1`` of ``run`` killed -9 partway through deleting a tag, then
+        finished by a second prune or a daemon restart (drawn); every tag it was deleting must then be gone
+        whole or still committed whole, never a folder left half-deleted."""
+        self.trainer.call(op="drain", timeout=30)
+        doomed = committed_tags(str(run), own_folder=True)[1:]
+        if not doomed:
+            return
+        for tag in doomed:
+            filler = Path(tag.folder) / "extra"
+            filler.mkdir(exist_ok=True)
+            for i in range(PRUNE_FILLER):
+                (filler / f"{i}").touch()
+        watched = Path(doomed[0].folder)
+        total = sum(1 for _ in watched.rglob("*"))
+        kill_at = rng.uniform(0.0, 0.95) * total
+        proc = subprocess.Popen([DATASTATESCTL, "prune", str(run), "--keep-last", "1"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while proc.poll() is None:
+            try:
+                left = sum(1 for _ in watched.rglob("*"))
+            except OSError:  # the folder went while counting
+                left = 0
+            if left <= kill_at:
+                proc.kill()
+                break
+        proc.wait(60)
+        for tag in doomed:
+            pruned[tag.tag] = self.step
+        if rng.random() < 0.5:
+            sh(DATASTATESCTL, "prune", run, "--keep-last", "1")
+        else:
+            self.daemon.stop()
+            self._restart_daemon()
+            self._settle(restarted=True)
+        for tag in doomed:
+            if not Path(tag.folder).exists():
+                continue
+            if read_marker(tag.marker_path) is None:
+                raise Violation(f"a killed prune left tag {tag.tag} half-deleted at {tag.folder} "
+                                f"({sum(1 for _ in Path(tag.folder).rglob('*'))} entries, no whole marker) "
+                                f"after a second prune or daemon start")
+            shutil.rmtree(Path(tag.folder) / "extra")  # a tag that stands again: re-saves of it may swap its folder
+
+    def _check_restore(self, run: Path) -> None:
+        """I6: a restore of the newest tag through the daemon (from its replica, or storage) gives the step the
+        committed files hold: a replica of an older save of the tag never answers for the newer one."""
+        newest = datastates.latest(run)
+        if newest is None:
+            return
+        markers = [(m, path) for path in marker_paths(str(run), 1)
+                   if (m := CommitMarker.read(path)) is not None and m.tag == newest]
+        marker, path = max(markers, key=lambda mp: mp[0].newness)  # readers take a tag's newest marker
+        if Path(path).parent.name != newest:  # restore reads a tag from its own folder only
+            return
+        client = Client(self.daemon.endpoint, timeout=30)
+        try:
+            for f in marker.files:
+                restored = client.restore(run, f.path, tag=newest)
+                got = restored.state["step"] if restored is not None else None
+                want = step_of(Path(path).parent / f.path)
+                if got != want:
+                    raise Violation(f"I6: restore of {newest}/{f.path} from {restored and restored.source} "
+                                    f"gave step {got}, but the committed file holds step {want}")
+        finally:
+            client.close(timeout=5)
 
     def _check_leftovers(self, run: Path) -> None:
         """I5: nothing is left once the next daemon has started. What the live daemon still holds (a temporary
@@ -367,7 +476,8 @@ def shift_a_marker(run: Path, rng: random.Random) -> None:
     temp.rename(path)  # whole, as the daemon writes markers
 
 
-def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> None:
+def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]], twins: list[tuple[int, int]] = (),
+          pruned: dict[str, int] | None = None) -> None:
     """I1-I5 on ``run`` once the daemon has settled, against what the trainer was told.
 
     Every element of a save holds its step; the trainer writes ``-step`` right after ``wait()``.
@@ -376,13 +486,18 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> No
     - I3: that step's ``wait()`` did not raise (unavailable or refused): a snapshot the
       trainer gave up on, or that was refused, never appears.
     - I2: a tag whose ``commit()`` resolved holds that step or a later one of its own, unless
-      ``keep_last`` newer tags stand; every marker that is there is readable and its files whole.
+      ``keep_last`` newer tags stand or a prune deleted it after that step (``pruned``: tag -> the
+      step at its prune); every marker that is there is readable and its files whole. Of twin saves
+      (``twins``: two trainers saving the same files of one tag at once) both told committed, the tag
+      holds the one whose commit was answered last, or a later step: never the other.
     - I4: ``latest()`` names the tag the trainer committed last of those there (by the order of
       its commits, never a clock) and holds a step at least the newest confirmed one; the
       ``latest`` tracker names a committed tag.
     I5 is ``Node._check_leftovers``'s.
     """
     told = {(e["step"], e["event"]): e.get("outcome") for e in events}
+    answered = {e["step"]: e["t"] for e in events if e["event"] == "commit"}
+    pruned = pruned or {}
     committed: dict[str, int] = {}
     newness: dict[str, tuple[int, int, int]] = {}
     for path in marker_paths(str(run), 1):
@@ -403,13 +518,20 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]]) -> No
         if marker.tag not in newness or marker.newness > newness[marker.tag]:  # a tag committed in two folders:
             committed[marker.tag], newness[marker.tag] = step, marker.newness  # readers take its newest marker
     confirmed = {s: saved[s].tag for s in saved if told.get((s, "commit")) == "ok"}
+    for pair in twins:
+        if all(s in confirmed for s in pair):
+            first, last = sorted(pair, key=answered.__getitem__)
+            del confirmed[first]  # superseded by the commit answered after it
+            if committed.get(saved[last].tag) == first:
+                raise Violation(f"I2: twin saves {pair} of tag {saved[last].tag} were both told committed, the "
+                                f"commit of step {last} last, but the tag holds step {first}: step {last} is lost")
     for tag in sorted(set(confirmed.values())):
         step = max(s for s, t in confirmed.items() if t == tag)  # its last commit() that resolved
         mine = committed.get(tag)
         if mine is not None and mine >= step:
             continue
         newer = [t for t, s in committed.items() if s > step]
-        if mine is None and len(newer) >= KEEP_LAST:
+        if mine is None and (len(newer) >= KEEP_LAST or pruned.get(tag, -1) >= step):
             continue
         raise Violation(f"I2: commit() of tag {tag} at step {step} resolved (its last that did), but the tag now "
                         f"holds {'nothing' if mine is None else f'step {mine}'} (tags there: {committed})")
