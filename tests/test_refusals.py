@@ -126,6 +126,22 @@ def test_dotdot_path_refused_by_the_daemon_itself(peer: RawPeer, shared_daemon: 
     assert not (shared_daemon.root / "escape.pt").exists()
 
 
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_a_skeleton_of_pickle_protocol_4_or_5_is_refused_at_admission(
+        shared_daemon: DaemonProc, protocol: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27, item 4: a client that pickles its skeleton with protocol 4 or 5 (frames, implicit memo slots) is
+    refused at admission saying so; data.pkl made from it would be one torch.load cannot read ("pickle data was
+    truncated"), though datastates.load and verify would pass the file."""
+    path = shared_daemon.root / f"proto{protocol}" / "m.pt"
+    with monkeypatch.context() as patch, Client(shared_daemon.endpoint, timeout=60) as c:
+        patch.setattr("datastates.client.capture.PICKLE_PROTOCOL", protocol)
+        with pytest.raises(InvalidRequestError, match=f"skeleton is a pickle of protocol {protocol}"):
+            c.snapshot({"w": torch.randn(300), "step": 3, "names": ["a"] * 40}, path)
+            c.wait()
+    assert not path.exists()
+    assert_still_serves(shared_daemon)
+
+
 # -- (b) paths ---------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ each crafted header below is refused with the format's own error naming the fiel
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,9 +19,10 @@ import datastates
 from datastates.client import Client
 from datastates.client.reader import verify
 from datastates.protocol.errors import CorruptCheckpointError
-from datastates.protocol.format import FileHeader
+from datastates.protocol.format import FileHeader, checksum
+from datastates.protocol.torchzip import torch_data_pkl
 
-from conftest import DaemonProc, file_index, save, with_index
+from conftest import DATASTATESCTL, DaemonProc, file_index, save, with_index
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +86,41 @@ def test_a_crafted_header_is_refused_naming_the_field(good: Path, tmp_path: Path
 def test_the_control_a_re_encoded_unchanged_header_loads(good: Path, tmp_path: Path) -> None:
     path = craft(good, tmp_path / "model_states.pt", lambda h: h)
     assert torch.equal(datastates.load(path)["w"], datastates.load(good)["w"])
+
+
+def _point_b_at_w(tensors: dict[int, dict], w: int, b: int) -> None:
+    """``b`` read from ``w``'s storage, its first 100 elements."""
+    tensors[b] = {**tensors[b], "storage": tensors[w]["storage"], "nbytes": tensors[w]["nbytes"]}
+
+
+def _shift_w(tensors: dict[int, dict], w: int, b: int) -> None:
+    """``w`` read one row on: its last two rows instead of its three."""
+    tensors[w] = {**tensors[w], "shape": [2, 1 << 12], "storage_offset": 1 << 12}
+
+
+@pytest.mark.parametrize("lie", [_point_b_at_w, _shift_w], ids=["another storage", "another offset"])
+def test_a_data_pkl_that_disagrees_with_the_index_is_refused(good: Path, tmp_path: Path,
+                                                            lie: Callable[[dict[int, dict], int, int], None]) -> None:
+    """Issue 27, item 3: the file's author rewrites ``data.pkl`` so that ``torch.load`` rebuilds a key from another
+    storage or offset, and recomputes every checksum (data.pkl's in the index, the index's own; torch checks no
+    zip CRC). ``verify``, ``datastatesctl verify`` and ``datastates.load`` refuse it: ``data.pkl`` is not the one
+    the index's skeleton and tensor entries make, so ``torch.load`` would return other tensors."""
+    raw = good.read_bytes()
+    header = file_index(raw)[0]
+    index = {e.name: i for i, e in enumerate(header.entries)}
+    tensors = {i: {**e.meta, "nbytes": header.storages[e.meta["storage"]].nbytes}
+               for i, e in enumerate(header.entries) if e.provider == "tensor"}
+    lie(tensors, index["w"], index["b"])
+    pkl = torch_data_pkl(header.entries[header.root].meta["data"], tensors)
+    forged = dataclasses.replace(header, torch_pkl=len(pkl), torch_pkl_sum=checksum(pkl))
+    path = tmp_path / "model_states.pt"
+    path.write_bytes(with_index(raw, forged, pkl=pkl))
+
+    theirs, ours = torch.load(path, weights_only=True), datastates.load(path, verify=False)
+    assert not all(torch.equal(theirs[k], ours[k]) for k in ("w", "b")), "the forgery should mislead torch.load"
+    for read in (lambda: verify(path), lambda: datastates.load(path)):
+        with pytest.raises(CorruptCheckpointError, match="data.pkl") as exc:
+            read()
+        assert str(path) in str(exc.value) and "torch.load" in str(exc.value), exc.value
+    out = subprocess.run([DATASTATESCTL, "verify", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout.startswith("CORRUPT") and "data.pkl" in out.stdout, out.stdout + out.stderr
