@@ -124,3 +124,35 @@ def test_a_data_pkl_that_disagrees_with_the_index_is_refused(good: Path, tmp_pat
         assert str(path) in str(exc.value) and "torch.load" in str(exc.value), exc.value
     out = subprocess.run([DATASTATESCTL, "verify", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and out.stdout.startswith("CORRUPT") and "data.pkl" in out.stdout, out.stdout + out.stderr
+
+
+def w_meta(**fields: Any) -> Callable[[FileHeader], FileHeader]:
+    """The header with tensor ``w``'s meta changed by ``fields``."""
+    def change(h: FileHeader) -> FileHeader:
+        entries = [dataclasses.replace(e, meta={**e.meta, **fields}) if e.name == "w" else e for e in h.entries]
+        return dataclasses.replace(h, entries=entries)
+    return change
+
+
+VIEWS: dict[str, tuple[Callable[[FileHeader], FileHeader], str]] = {
+    "2^62 elements, stride 0": (w_meta(shape=[1 << 62], stride=[0], storage_offset=0), "no real tensor"),
+    "2^31 x 2^31 elements, stride 0": (w_meta(shape=[1 << 31, 1 << 31], stride=[0, 0]), "no real tensor"),
+    "a size past int64": (w_meta(shape=[1 << 63], stride=[0]), "shape must hold integers"),
+    "an offset past int64": (w_meta(shape=[0], stride=[1], storage_offset=1 << 63), "do not describe a view"),
+    "a dtype that is a list": (w_meta(dtype=["float32"]), "unknown dtype"),
+    "a view past its storage": (w_meta(shape=[4, 1 << 12]), "the view needs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VIEWS))
+def test_a_crafted_tensor_entry_is_refused_naming_the_key_and_the_fault(good: Path, tmp_path: Path, case: str) -> None:
+    """Issue 27, item 12: a tensor entry no real tensor matches (a stride-0 shape of 2^62 elements loaded as such a
+    view; a size past int64 was reported as "the skeleton is not a valid pickle") is refused by ``datastates.load``
+    (either unpickler, checked or not) and ``verify``, naming the key and what is wrong."""
+    change, says = VIEWS[case]
+    path = craft(good, tmp_path / "model_states.pt", change)
+    for read in (lambda: datastates.load(path), lambda: datastates.load(path, verify=False, weights_only=False),
+                 lambda: verify(path)):
+        with pytest.raises(CorruptCheckpointError, match="entry 'w' is malformed") as exc:
+            read()
+        assert says in str(exc.value) and "not a valid pickle" not in str(exc.value), exc.value
