@@ -126,6 +126,18 @@ def test_dotdot_path_refused_by_the_daemon_itself(peer: RawPeer, shared_daemon: 
     assert not (shared_daemon.root / "escape.pt").exists()
 
 
+def test_a_view_of_more_elements_than_any_tensor_is_refused_at_admission(shared_daemon: DaemonProc) -> None:
+    """Issue 27, item 12: a stride-0 view of 2^62 elements (``expand`` of one element) was admitted and loaded back
+    as such a view; no real tensor has that many elements, so the daemon refuses it naming the key."""
+    path = shared_daemon.root / "huge-view" / "m.pt"
+    with Client(shared_daemon.endpoint, timeout=60) as c:
+        with pytest.raises(InvalidRequestError, match="'mask'.*no real tensor"):
+            c.snapshot({"w": torch.randn(10), "mask": torch.zeros(1).expand(1 << 62)}, path)
+            c.wait()
+    assert not path.exists()
+    assert_still_serves(shared_daemon)
+
+
 @pytest.mark.parametrize("protocol", [4, 5])
 def test_a_skeleton_of_pickle_protocol_4_or_5_is_refused_at_admission(
         shared_daemon: DaemonProc, protocol: int, monkeypatch: pytest.MonkeyPatch) -> None:
