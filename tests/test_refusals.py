@@ -107,7 +107,7 @@ def test_malformed_frames_are_protocol_errors(peer: RawPeer, shared_daemon: Daem
 def test_snapshot_before_hello(peer: RawPeer) -> None:
     """A peer that never said HELLO (or whose daemon restarted) is told to introduce itself."""
     snapshot = {"path": "/tmp/x.pt", "tag": "t", "sources": [], "root": 0,
-                "entries": [{"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"N."}}]}
+                "entries": [{"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"\x80\x02N."}}]}
     _, body = peer.request("snapshot", snapshot)
     assert body["code"] == "unknown_client" and "HELLO" in body["message"]
     _, body = peer.request("wait", {"snapshot_ids": []})
@@ -120,7 +120,7 @@ def test_dotdot_path_refused_by_the_daemon_itself(peer: RawPeer, shared_daemon: 
     assert "client_id" in welcome
     path = f"{shared_daemon.root}/a/../escape.pt"
     snapshot = {"path": path, "tag": "t", "sources": [], "root": 0,
-                "entries": [{"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"N."}}]}
+                "entries": [{"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"\x80\x02N."}}]}
     _, body = peer.request("snapshot", snapshot, msg_id=2)
     assert body["code"] == "path_not_allowed" and ".." in body["message"]
     assert not (shared_daemon.root / "escape.pt").exists()
