@@ -158,7 +158,7 @@ TYPED_STORAGES: dict[str, str] = {
 }
 """The dense dtypes ``torch.save`` names a typed storage for (torch's legacy ``_dtype_to_storage_type_map``, which no
 longer grows). Part of the format, not asked of torch: ``verify`` rebuilds ``data.pkl`` without torch, and a file's
-bytes do not depend on the torch that wrote it. tests/test_torchzip.py pins it to torch's."""
+bytes do not depend on the torch that wrote it. tests/test_dtypes.py pins it to torch's."""
 
 
 def _tensor(meta: dict, requires_grad: bool, typed: bool) -> bytes:
