@@ -17,6 +17,7 @@ import torch
 
 import datastates
 from datastates.client import Client
+from datastates.client.capture import capture
 from datastates.client.reader import verify
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.format import FileHeader, checksum
@@ -156,3 +157,23 @@ def test_a_crafted_tensor_entry_is_refused_naming_the_key_and_the_fault(good: Pa
         with pytest.raises(CorruptCheckpointError, match="entry 'w' is malformed") as exc:
             read()
         assert says in str(exc.value) and "not a valid pickle" not in str(exc.value), exc.value
+
+
+def test_a_file_whose_skeleton_is_pickle_protocol_4_is_refused_by_verify_and_load(
+        good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27, item 4, for a file an older daemon admitted: its skeleton of pickle protocol 4 made a data.pkl that
+    torch.load cannot read ("pickle data was truncated"), yet verify passed it. Now verify and datastates.load name
+    the skeleton's protocol."""
+    monkeypatch.setattr("datastates.client.capture.PICKLE_PROTOCOL", 4)
+    skeleton = capture({"w": torch.randn(3, 1 << 12), "b": torch.randn(100), "step": 7}).entries[-1].meta["data"]
+
+    def proto4(h: FileHeader) -> FileHeader:
+        entries = list(h.entries)
+        entries[h.root] = dataclasses.replace(entries[h.root], meta={"data": skeleton})
+        return dataclasses.replace(h, entries=entries)
+
+    path = craft(good, tmp_path / "model_states.pt", proto4)
+    for read in (lambda: verify(path), lambda: datastates.load(path)):
+        with pytest.raises(CorruptCheckpointError, match="the skeleton is a pickle of protocol 4") as exc:
+            read()
+        assert str(path) in str(exc.value), exc.value
