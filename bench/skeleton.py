@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import gpt_state, median
-from datastates.client.capture import PICKLE_PROTOCOL, Capture, TensorCapturer, capture
+from datastates.client.capture import Capture, TensorCapturer, capture
+from datastates.protocol.torchzip import PICKLE_PROTOCOL
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import EntryDesc
 

@@ -18,12 +18,10 @@ import torch
 
 from datastates.protocol.descriptors import CUDA_IPC, EMPTY, SHM, VM, EntryDesc, Fence, SourceDesc
 from datastates.protocol.errors import InvalidRequestError
+from datastates.protocol.torchzip import PICKLE_PROTOCOL
 
 from .cuda import GpuRoute, record_fences
 from .shm import Staging
-
-PICKLE_PROTOCOL = 2
-"""As torch.save: the highest protocol torch's weights-only unpickler reads."""
 
 
 @dataclass

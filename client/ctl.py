@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -25,6 +26,30 @@ from .connection import Connection, daemon_status
 
 POLL_S = 0.2
 DEFAULT_CONNECT_TIMEOUT = 5.0
+MAX_INTERVAL_S = 86400.0
+"""The longest ``--interval`` of ``status --watch``: a day between refreshes."""
+
+
+def _interval(text: str) -> float:
+    """``--interval``: seconds, positive and finite; -1 or nan would reach ``time.sleep`` as a traceback."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_INTERVAL_S):
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0 and at most {MAX_INTERVAL_S:g}")
+    return value
+
+
+def _count(text: str) -> int:
+    """``--count``: how many refreshes, at least one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} refreshes: give at least 1")
+    return value
 
 
 def render(status: dict[str, Any]) -> str:
@@ -192,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p_status.add_argument("--watch", action="store_true",
                           help="a live view: a bar per snapshot (copied, flushed) and per tier transfer, with rates "
                                "and time left, refreshed until Ctrl-C")
-    p_status.add_argument("--interval", type=float, default=1.0, metavar="S", help="--watch: seconds between refreshes")
-    p_status.add_argument("--count", type=int, default=None, metavar="N", help="--watch: stop after N refreshes")
+    p_status.add_argument("--interval", type=_interval, default=1.0, metavar="S",
+                          help=f"--watch: seconds between refreshes (above 0, at most {MAX_INTERVAL_S:g})")
+    p_status.add_argument("--count", type=_count, default=None, metavar="N", help="--watch: stop after N refreshes (>= 1)")
     p_wait = sub.add_parser("wait", help="wait until no snapshot, commit or tier transfer is pending")
     p_wait.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after S seconds (exit 1)")
     sub.add_parser("shutdown", help="drain every pending snapshot, then stop the daemon")

@@ -12,7 +12,8 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from datastates.protocol.errors import CorruptCheckpointError
+from datastates.protocol.descriptors import EntryDesc
+from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError
 from datastates.protocol.fileio import MADV_POPULATE_READ, on_tmpfs, open_for_reading
 from datastates.protocol.format import (
     ARCHIVE,
@@ -33,7 +34,8 @@ from datastates.protocol.format import (
     zip_layout,
 )
 from datastates.protocol.tags import listing
-from datastates.protocol.torchzip import local_header
+from datastates.protocol.tensormeta import check_view
+from datastates.protocol.torchzip import data_pkl, local_header
 
 READ_PIECE = 64 << 20
 READ_THREADS = 4
@@ -187,6 +189,7 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     path = os.fspath(path)
     header, base, end, layout = read_header(path)
     check_identity(path, header)
+    check_views(path, header)
     buf = read_region(path, base, end)
     data = memoryview(buf if buf is not None else b"")
     try:
@@ -199,10 +202,32 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     return len(header.entries), header.data_len
 
 
+def malformed(path: str, entry: EntryDesc, why: str) -> CorruptCheckpointError:
+    """An entry of the index that ``datastates.load`` would not rebuild, by its name."""
+    return CorruptCheckpointError(f"{path}: entry {entry.name!r} is malformed: {why}", path=path)
+
+
+def check_views(path: str, header: FileHeader) -> None:
+    """Every tensor entry is a view inside its storage of an element count a real tensor can have (``check_view``),
+    as the daemon admitted it and ``datastates.load`` checks it again before rebuilding it."""
+    sizes = [rec.nbytes for rec in header.storages]
+    for entry in header.entries:
+        if entry.provider == "tensor":
+            try:
+                check_view(entry.name, entry.meta, sizes)
+            except InvalidRequestError as exc:
+                raise malformed(path, entry, exc.message) from None
+
+
 def check_zip(path: str, header: FileHeader, layout: ZipLayout, data: memoryview) -> None:
     """What ``torch.load`` reads and the checksums do not cover: every local header, ``data.pkl``, torch's
     small records and the central directory, each as the index implies it. A damaged one would have
-    ``torch.load`` fail, or read another record's bytes, where ``datastates.load`` reads the file fine."""
+    ``torch.load`` fail, or read another record's bytes, where ``datastates.load`` reads the file fine.
+
+    ``data.pkl`` must be, byte for byte, the one the daemon makes from the index's skeleton and tensor entries
+    (``data_pkl``; the views checked first, ``check_views``): then ``torch.load`` rebuilds every tensor from the
+    storage, offset, shape and stride ``datastates.load`` does. Its checksum alone proves nothing against a
+    file made to mislead (its author computes it)."""
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: {what} is not what its index implies (torch.load would misread it)",
                                       path=path)
@@ -213,6 +238,12 @@ def check_zip(path: str, header: FileHeader, layout: ZipLayout, data: memoryview
         tail = os.pread(fd, len(layout.tail), layout.tail_at)
     finally:
         os.close(fd)
+    try:
+        expected = data_pkl(header.entries, header.root, [rec.nbytes for rec in header.storages])
+    except InvalidRequestError as exc:
+        raise malformed(path, header.entries[header.root], exc.message) from None
+    if len(expected) != header.torch_pkl:
+        raise bad(f"data.pkl of {header.torch_pkl} bytes (its skeleton and tensor entries make {len(expected)})")
     small = dict(TORCH_RECORDS)
     for rec in layout.head:
         if head[rec.header_offset:rec.data_offset] != local_header(rec):
@@ -220,6 +251,11 @@ def check_zip(path: str, header: FileHeader, layout: ZipLayout, data: memoryview
         body = head[rec.data_offset:rec.data_offset + rec.size]
         if rec.name == PICKLE_RECORD and checksum(body) != header.torch_pkl_sum:
             raise bad("data.pkl")
+        if rec.name == PICKLE_RECORD and body != expected:
+            at = next((i for i, (a, b) in enumerate(zip(body, expected)) if a != b), len(expected))
+            raise CorruptCheckpointError(
+                f"{path}: data.pkl is not the one its index's skeleton and tensor entries make (it differs from "
+                f"byte {at}): torch.load would rebuild other tensors than datastates.load", path=path)
         if rec.name.removeprefix(ARCHIVE + "/") in small and body != small[rec.name.removeprefix(ARCHIVE + "/")]:
             raise bad(rec.name)
     for at, expected in layout.storage_headers():

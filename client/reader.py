@@ -12,7 +12,16 @@ from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestErr
 from datastates.protocol.format import FileHeader
 from datastates.protocol.providers import get_provider
 
-from .filecheck import check_identity, check_storage, read_header, read_region, verify  # noqa: F401  (verify: re-exported)
+from .filecheck import (  # noqa: F401  (verify: re-exported)
+    check_identity,
+    check_storage,
+    check_views,
+    check_zip,
+    malformed,
+    read_header,
+    read_region,
+    verify,
+)
 
 MapLocation = str | torch.device | None
 
@@ -43,13 +52,13 @@ class _Restore:
         self._restoring: set[int] = set()
         self._sources = [SourceDesc(kind=EMPTY, handle="", nbytes=rec.nbytes) for rec in header.storages]
         """The storages as a provider's ``plan`` sees a snapshot's sources: only their sizes matter to it."""
-        self._bytes = memoryview(torch.empty(0, dtype=torch.uint8).set_(data).numpy()) if data.nbytes() else \
+        self.region = memoryview(torch.empty(0, dtype=torch.uint8).set_(data).numpy()) if data.nbytes() else \
             memoryview(b"")
         """The data region as bytes, for the bounds and checksum checks (filecheck.check_storage)."""
 
     def storage(self, index: int) -> torch.UntypedStorage:
         if index not in self._storages:
-            check_storage(self.path, self._header, index, self._bytes, self._verify)
+            check_storage(self.path, self._header, index, self.region, self._verify)
             rec = self._header.storages[index]
             self._storages[index] = self._data[rec.offset:rec.offset + rec.nbytes]
         return self._storages[index]
@@ -73,8 +82,7 @@ class _Restore:
             try:
                 entry = provider.plan(entry, self._sources)
             except InvalidRequestError as exc:
-                raise CorruptCheckpointError(f"{self.path}: entry {entry.name!r} is malformed: {exc.message}",
-                                             path=self.path) from None
+                raise malformed(self.path, entry, exc.message) from None
             self._restoring.add(index)
             try:
                 self._entries[index] = provider.restore(entry, self)
@@ -105,6 +113,11 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, verify: b
     """
     path = os.fspath(path)
     device = torch.device(map_location) if map_location is not None else None
-    header, base, end, _ = read_header(path)
+    header, base, end, layout = read_header(path)
     check_identity(path, header)
-    return _Restore(path, _read_data(path, base, end), header, verify, device, weights_only).entry(header.root)
+    ctx = _Restore(path, _read_data(path, base, end), header, verify, device, weights_only)
+    if verify:  # what torch.load would rebuild from the file is what this load rebuilds
+        check_views(path, header)
+        if layout is not None:
+            check_zip(path, header, layout, ctx.region)
+    return ctx.entry(header.root)

@@ -228,7 +228,7 @@ class CommitLedger:
         for table in (self._open, self._failed, self._skipped, self._refused):
             for key in [k for k in table if k[0] == client_id]:
                 jobs = table.pop(key)
-                if table in (self._open, self._failed):
+                if table is self._open or table is self._failed:  # by identity: an emptied table equals another
                     self._versions.abandon([j.path for j in jobs])
 
     def rank_lost(self, ranks: Ranks) -> None:

@@ -25,7 +25,7 @@ from datastates.protocol.format import (
     storage_records,
     zip_layout,
 )
-from datastates.protocol.torchzip import torch_data_pkl
+from datastates.protocol.torchzip import data_pkl
 
 from .providers import get_provider, provider_names
 
@@ -63,7 +63,7 @@ class FilePlan:
     total_bytes: int
     layout: ZipLayout
     torch_pkl: bytes
-    """``data.pkl``, made from the skeleton (``torch_data_pkl``); empty if it names leaves that are not tensors."""
+    """``data.pkl``, made from the skeleton (``data_pkl``); empty if it names leaves that are not tensors."""
 
     @property
     def data_offset(self) -> int:
@@ -96,7 +96,7 @@ def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "
     storages = [StorageRecord(offset=r.data_offset, nbytes=r.size,
                               checksums=[b"\0" * CHECKSUM_BYTES] * len(segments(r.data_offset, r.size, piece_size)))
                 for r in records]
-    pkl = _torch_pkl(entries, msg)
+    pkl = data_pkl(entries, msg.root, [src.nbytes for src in msg.sources])
     header = FileHeader(
         tag=msg.tag, created_ns=time.time_ns(), piece_size=piece_size, data_len=data_len, snapshot=snapshot,
         storages=storages, entries=entries, root=msg.root, torch_pkl=len(pkl),
@@ -126,12 +126,3 @@ def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "
         total_bytes=sum(s.nbytes for s in msg.sources), layout=layout, torch_pkl=pkl,
     )
 
-
-def _torch_pkl(entries: list, msg: m.Snapshot) -> bytes:
-    """``data.pkl`` for ``torch.load``, from the skeleton (the root entry, pickled) and the tensor entries."""
-    root = entries[msg.root]
-    if root.provider != "pickle" or not isinstance(root.meta.get("data"), bytes):
-        return b""
-    tensors = {i: {**e.meta, "nbytes": msg.sources[e.meta["storage"]].nbytes}
-               for i, e in enumerate(entries) if e.provider == "tensor"}
-    return torch_data_pkl(root.meta["data"], tensors) or b""

@@ -16,10 +16,14 @@ to write around them.
 
 from __future__ import annotations
 
-import functools
 import pickletools
 import struct
 from dataclasses import dataclass
+from typing import Sequence
+
+from .descriptors import EntryDesc
+from .errors import InvalidRequestError
+from .tensormeta import DTYPE_SIZES
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -140,22 +144,28 @@ def _tuple(items: list[bytes]) -> bytes:
 
 _NO_HOOKS = b"ccollections\nOrderedDict\n)R"
 _INT_PUSH = {"BININT1", "BININT2", "BININT", "LONG1"}
-
-
-@functools.cache
-def _typed() -> dict[str, tuple[str, int]]:
-    """The dtypes ``torch.save`` names a typed storage for (``FloatStorage``...), with their item sizes. Asked of
-    torch when first needed: reading a file never needs torch's import, only writing one."""
-    import torch
-
-    return {str(d).removeprefix("torch."): (name, d.itemsize) for d, name in torch.storage._dtype_to_storage_type_map().items()}
+PICKLE_PROTOCOL = 2
+"""The pickle protocol of every skeleton, as torch.save's: ``data.pkl`` is the skeleton with its persistent ids
+replaced by longer opcodes, which holds only where no opcode counts the bytes or memo slots that follow it."""
+_UNSPLICEABLE = {"FRAME": "frames count their bytes", "MEMOIZE": "it numbers memo slots implicitly",
+                 "PERSID": "its persistent ids are text"}
+"""The opcodes (of protocols 0 and 4+) that splicing would break, with why: torch.load would misread data.pkl."""
+TYPED_STORAGES: dict[str, str] = {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "int64": "LongStorage",
+    "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
+    "bool": "BoolStorage", "bfloat16": "BFloat16Storage", "complex128": "ComplexDoubleStorage",
+    "complex64": "ComplexFloatStorage",
+}
+"""The dense dtypes ``torch.save`` names a typed storage for (torch's legacy ``_dtype_to_storage_type_map``, which no
+longer grows). Part of the format, not asked of torch: ``verify`` rebuilds ``data.pkl`` without torch, and a file's
+bytes do not depend on the torch that wrote it. tests/test_dtypes.py pins it to torch's."""
 
 
 def _tensor(meta: dict, requires_grad: bool, typed: bool) -> bytes:
     """torch.save's pickle of one tensor: ``_rebuild_tensor_v2`` of a typed storage record where its storage is
     viewed as that one dtype (torch.load caches a storage by record, typed as it first meets it), else
     ``_rebuild_tensor_v3`` of an untyped one, which takes any dtype, as torch.save does for the newer ones."""
-    name, itemsize = _typed().get(meta["dtype"], ("", 0))
+    name, itemsize = TYPED_STORAGES.get(meta["dtype"], ""), DTYPE_SIZES[meta["dtype"]]
     kind, numel = (f"ctorch\n{name}\n", meta["nbytes"] // itemsize) if typed else ("ctorch.storage\nUntypedStorage\n", meta["nbytes"])
     storage = _tuple([_str("storage"), kind.encode(), _str(str(meta["storage"])), _str("cpu"), _int(numel)]) + b"Q"
     view = (storage + _int(meta["storage_offset"]) + _tuple([_int(n) for n in meta["shape"]])
@@ -173,7 +183,24 @@ def _typed_storages(tensors: dict[int, dict]) -> set[int]:
         dtypes.setdefault(meta["storage"], set()).add(meta["dtype"])
         nbytes[meta["storage"]] = meta["nbytes"]
     return {k for k, d in dtypes.items()
-            if len(d) == 1 and (dt := next(iter(d))) in _typed() and nbytes[k] % _typed()[dt][1] == 0}
+            if len(d) == 1 and (dt := next(iter(d))) in TYPED_STORAGES and nbytes[k] % DTYPE_SIZES[dt] == 0}
+
+
+def data_pkl(entries: Sequence[EntryDesc], root: int, storage_sizes: Sequence[int]) -> bytes:
+    """The ``data.pkl`` of a file whose index holds ``entries`` (tensor ones checked by ``check_view``), ``root`` and
+    storages of ``storage_sizes`` bytes; b"" if it has none (the skeleton names a leaf that is not a tensor, so
+    ``datastates.load`` alone reads the file). The daemon writes it; ``verify`` and ``datastates.load`` rebuild it
+    and compare, which proves ``torch.load`` rebuilds what ``datastates.load`` does. Raises InvalidRequestError
+    for a skeleton no ``data.pkl`` can be made from."""
+    skeleton = entries[root]
+    if skeleton.provider != "pickle" or not isinstance(skeleton.meta.get("data"), bytes):
+        return b""
+    tensors = {i: {**e.meta, "nbytes": storage_sizes[e.meta["storage"]]}
+               for i, e in enumerate(entries) if e.provider == "tensor"}
+    try:
+        return torch_data_pkl(skeleton.meta["data"], tensors) or b""
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"the skeleton {exc.message}") from None
 
 
 def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
@@ -184,14 +211,12 @@ def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
     provider's metadata plus ``nbytes``, its storage's size. Each ``<int> BINPERSID`` becomes
     the opcodes ``torch.save`` writes for that tensor, naming its storage as record
     ``data/<storage index>``; the first one is memoized, so one object in is one object out
-    again. None if the skeleton does not parse, or names an entry that is not a tensor.
+    again. None if the skeleton names an entry that is not a tensor; InvalidRequestError (its
+    message says what is wrong, after "the skeleton") if it is not a protocol-2 pickle with int ids.
     """
-    try:
-        persids, next_memo = _scan(skeleton)
-    except Exception:  # a malformed pickle: genops raises ValueError, or anything its parsing of args meets
-        return None
-    if persids is None:
-        return None
+    persids, next_memo = _scan(skeleton)
+    if next_memo + len(persids) > 0xFFFFFFFF:
+        raise InvalidRequestError(f"uses memo slots up to {next_memo}, beyond what LONG_BINPUT can name")
     seen: dict[int, int] = {}
     typed = _typed_storages(tensors)
     out, copied = bytearray(), 0
@@ -215,18 +240,31 @@ def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
     return bytes(out + skeleton[copied:])
 
 
-def _scan(skeleton: bytes) -> tuple[list[tuple[int, int, int]] | None, int]:
+def _scan(skeleton: bytes) -> tuple[list[tuple[int, int, int]], int]:
     """One pass over the opcodes (streamed: millions of them make no list): each ``<int> BINPERSID`` as
-    (start, end, entry index), None if a persistent id is not an int; and the first memo index unused."""
+    (start, end, entry index), and the first memo index unused. Raises InvalidRequestError for a pickle that
+    is not of PICKLE_PROTOCOL, does not parse, or has a persistent id that is not an int."""
     persids: list[tuple[int, int, int]] = []
     memo = -1
     prev: tuple = (None, None, 0)
-    for op, arg, pos in pickletools.genops(skeleton):
-        if op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
-            memo = max(memo, int(arg))
-        elif op.name == "BINPERSID":
-            if prev[0] is None or prev[0].name not in _INT_PUSH:
-                return None, 0
-            persids.append((prev[2], pos + 1, prev[1]))
-        prev = (op, arg, pos)
+    try:
+        for op, arg, pos in pickletools.genops(skeleton):
+            if pos == 0 and (op.name != "PROTO" or arg != PICKLE_PROTOCOL):
+                found = f"protocol {arg}" if op.name == "PROTO" else "protocol 0 or 1 (no PROTO opcode)"
+                raise InvalidRequestError(f"is a pickle of {found}: a skeleton must be of protocol {PICKLE_PROTOCOL}, "
+                                          "as torch.save writes, for torch.load to read the file")
+            if op.name in _UNSPLICEABLE:
+                raise InvalidRequestError(f"has opcode {op.name} at byte {pos}, which a protocol-{PICKLE_PROTOCOL} "
+                                          f"skeleton cannot have ({_UNSPLICEABLE[op.name]})")
+            if op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+                memo = max(memo, int(arg))
+            elif op.name == "BINPERSID":
+                if prev[0] is None or prev[0].name not in _INT_PUSH:
+                    raise InvalidRequestError(f"has a persistent id at byte {pos} that is not an int (an entry's index)")
+                persids.append((prev[2], pos + 1, prev[1]))
+            prev = (op, arg, pos)
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # genops raises ValueError, or anything its parsing of args meets
+        raise InvalidRequestError(f"is not a valid pickle: {type(exc).__name__}: {str(exc)[:200]}") from None
     return persids, memo + 1

@@ -563,16 +563,15 @@ def file_index(raw: bytes) -> tuple[Any, int, int, int]:
     return header, at, header_len, base
 
 
-def with_index(raw: bytes, header: Any, data: bytes | None = None) -> bytes:
+def with_index(raw: bytes, header: Any, data: bytes | None = None, pkl: bytes | None = None) -> bytes:
     """The format-2 file ``raw`` with ``header`` for its index (re-encoded, checksum and all), laid out again:
-    its ``data.pkl`` and its data region (or ``data``) kept, the central directory made for ``header``."""
+    its ``data.pkl`` (or ``pkl``) and its data region (or ``data``) kept, the central directory made for ``header``."""
     from datastates.protocol.format import DATA_ALIGN, INDEX_AT, INDEX_RECORD, PREAMBLE_SIZE, align_up, zip_layout
     from datastates.protocol.torchzip import Record, local_header
 
     old, _, header_len, base = file_index(raw)
     old_layout = zip_layout(old, PREAMBLE_SIZE + header_len)
-    pkl = b""
-    if old.torch_pkl:
+    if pkl is None and old.torch_pkl:
         rec = old_layout.head[1]
         pkl = raw[rec.data_offset:rec.data_offset + rec.size]
     encoded = header.encode()
@@ -581,7 +580,7 @@ def with_index(raw: bytes, header: Any, data: bytes | None = None) -> bytes:
         layout = zip_layout(header, len(encoded))
     except (struct.error, ValueError):  # no zip can hold what it says (a negative size): the index, then the rest
         return local_header(Record(INDEX_RECORD, len(encoded), 0, INDEX_AT)) + encoded + raw[base:]
-    return layout.head_bytes(encoded, pkl) + body + layout.tail
+    return layout.head_bytes(encoded, pkl or b"") + body + layout.tail
 
 
 def load_both(path: str | os.PathLike) -> Any:

@@ -238,6 +238,46 @@ MUTATIONS: tuple[Mutation, ...] = (
               "            result = closure()  # MUTATION: no wait before the update\n"),),
         ("tests/integrations/test_lightning.py::test_the_fence_keeps_each_checkpoint_at_its_step",),
     ),
+    Mutation(
+        "data-pkl-trusted",
+        "verify and datastates.load trust data.pkl's checksum in the index: no rebuild from the skeleton to compare",
+        (Edit("client/filecheck.py",
+              "    if len(expected) != header.torch_pkl:\n",
+              "    if False:  # MUTATION: data.pkl's size not compared\n"),
+         Edit("client/filecheck.py",
+              "        if rec.name == PICKLE_RECORD and body != expected:\n",
+              "        if False:  # MUTATION: data.pkl not compared\n"),),
+        ("tests/faults/test_crafted_files.py::test_a_data_pkl_that_disagrees_with_the_index_is_refused[another offset]",),
+    ),
+    Mutation(
+        "skeleton-protocol-unchecked",
+        "the daemon admits a skeleton of pickle protocol 4 or 5, whose data.pkl torch.load cannot read",
+        (Edit("protocol/torchzip.py",
+              "            if pos == 0 and (op.name != \"PROTO\" or arg != PICKLE_PROTOCOL):\n",
+              "            if False:  # MUTATION: any protocol\n"),
+         Edit("protocol/torchzip.py",
+              "            if op.name in _UNSPLICEABLE:\n",
+              "            if False:  # MUTATION: frames and implicit memo slots spliced\n"),),
+        ("tests/test_refusals.py::test_a_skeleton_of_pickle_protocol_4_or_5_is_refused_at_admission[4]",),
+    ),
+    Mutation(
+        "view-elements-unbounded",
+        "a tensor view of any element count is admitted and loaded (a stride-0 shape of 2^62 elements)",
+        (Edit("protocol/tensormeta.py",
+              "    if numel * itemsize > MAX_VIEW_BYTES:\n",
+              "    if False:  # MUTATION: no bound on the element count\n"),),
+        ("tests/test_refusals.py::test_a_view_of_more_elements_than_any_tensor_is_refused_at_admission",
+         "tests/faults/test_crafted_files.py::test_a_crafted_tensor_entry_is_refused_naming_the_key_and_the_fault"
+         "[2^62 elements, stride 0]"),
+    ),
+    Mutation(
+        "watch-interval-unchecked",
+        "datastatesctl status --watch takes any float for --interval: -1 or nan reach time.sleep as a traceback",
+        (Edit("client/ctl.py",
+              "    p_status.add_argument(\"--interval\", type=_interval,",
+              "    p_status.add_argument(\"--interval\", type=float,  # MUTATION: unchecked\n"),),
+        ("tests/test_cli.py::test_status_watch_refuses_bad_arguments_without_a_traceback[--interval -1]",),
+    ),
 )
 
 

@@ -120,6 +120,18 @@ def test_second_daemon_on_the_same_endpoint_refuses(daemon: DaemonProc) -> None:
     assert status.returncode == 0 and json.loads(status.stdout)["daemon"]["pid"] == daemon.proc.pid
 
 
+@pytest.mark.parametrize("args", [["--interval", "-1"], ["--interval", "nan"], ["--interval", "0"], ["--interval", "inf"],
+                                  ["--interval", "1e300"], ["--interval", "soon"], ["--count", "0"], ["--count", "-3"]],
+                         ids=" ".join)
+def test_status_watch_refuses_bad_arguments_without_a_traceback(shared_daemon: DaemonProc, args: list[str]) -> None:
+    """Issue 27, item 12: ``status --watch --interval -1`` (or nan) printed a traceback from ``time.sleep`` once the
+    daemon had answered; each bad value is now a usage error naming the option, exit 2, before anything is asked."""
+    out = subprocess.run([DATASTATESCTL, "--endpoint", shared_daemon.endpoint, "status", "--watch", "--count", "2",
+                          *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"argument {args[0]}" in out.stderr, out.stderr
+
+
 CTL_COMMANDS = {"status": ["status"], "status-json": ["status", "--json"], "wait": ["wait", "--timeout", "5"],
                 "shutdown": ["shutdown"]}
 

@@ -41,7 +41,7 @@ def snapshot(peer: RawPeer, root: str, handle: str, nbytes: int = NBYTES, msg_id
         "requires_grad": False, "parameter": False}}
     body = {"path": f"{root}/{path}", "tag": path.split("/")[0], "root": 1, "fences": fences or [],
             "sources": [{"kind": CUDA_IPC, "handle": handle, "nbytes": nbytes}],
-            "entries": [tensor, {"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"N."}}]}
+            "entries": [tensor, {"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"\x80\x02N."}}]}
     _, reply = peer.request("snapshot", body, msg_id=msg_id)
     return reply
 

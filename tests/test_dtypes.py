@@ -14,6 +14,8 @@ import torch
 
 from datastates.client import Client
 from datastates.protocol.providers.tensor import DTYPES
+from datastates.protocol.tensormeta import DTYPE_SIZES
+from datastates.protocol.torchzip import TYPED_STORAGES
 
 from conftest import DaemonProc, assert_state_equal, load_both, same_storage, save
 
@@ -28,6 +30,18 @@ def random_tensor(dtype: torch.dtype, n: int = N) -> torch.Tensor:
             return torch.empty(n * dtype.itemsize, dtype=torch.uint8).random_().view(dtype)
     except (RuntimeError, TypeError) as exc:
         pytest.skip(f"torch {torch.__version__} cannot create a CPU tensor of {dtype}: {exc}")
+
+
+def test_the_formats_dtype_tables_are_torchs() -> None:
+    """``DTYPE_SIZES`` and ``TYPED_STORAGES`` hold what torch says, torch-free for ``verify``: every dense dtype of this
+    torch with its size, and the typed storage ``torch.save`` names for a dtype; a torch that adds a dtype fails here."""
+    quantized = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+    dense = {str(d).removeprefix("torch."): d.itemsize for d in vars(torch).values()
+             if isinstance(d, torch.dtype) and d not in quantized}
+    assert dense == {n: size for n, size in DTYPE_SIZES.items() if n in DTYPES} and set(DTYPES) == set(dense)
+    typed = {str(d).removeprefix("torch."): name for d, name in torch.storage._dtype_to_storage_type_map().items()
+             if d not in quantized}
+    assert typed == TYPED_STORAGES
 
 
 @pytest.fixture

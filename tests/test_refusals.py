@@ -107,7 +107,7 @@ def test_malformed_frames_are_protocol_errors(peer: RawPeer, shared_daemon: Daem
 def test_snapshot_before_hello(peer: RawPeer) -> None:
     """A peer that never said HELLO (or whose daemon restarted) is told to introduce itself."""
     snapshot = {"path": "/tmp/x.pt", "tag": "t", "sources": [], "root": 0,
-                "entries": [{"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"N."}}]}
+                "entries": [{"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"\x80\x02N."}}]}
     _, body = peer.request("snapshot", snapshot)
     assert body["code"] == "unknown_client" and "HELLO" in body["message"]
     _, body = peer.request("wait", {"snapshot_ids": []})
@@ -120,10 +120,38 @@ def test_dotdot_path_refused_by_the_daemon_itself(peer: RawPeer, shared_daemon: 
     assert "client_id" in welcome
     path = f"{shared_daemon.root}/a/../escape.pt"
     snapshot = {"path": path, "tag": "t", "sources": [], "root": 0,
-                "entries": [{"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"N."}}]}
+                "entries": [{"provider": "pickle", "name": "<skeleton>", "meta": {"data": b"\x80\x02N."}}]}
     _, body = peer.request("snapshot", snapshot, msg_id=2)
     assert body["code"] == "path_not_allowed" and ".." in body["message"]
     assert not (shared_daemon.root / "escape.pt").exists()
+
+
+def test_a_view_of_more_elements_than_any_tensor_is_refused_at_admission(shared_daemon: DaemonProc) -> None:
+    """Issue 27, item 12: a stride-0 view of 2^62 elements (``expand`` of one element) was admitted and loaded back
+    as such a view; no real tensor has that many elements, so the daemon refuses it naming the key."""
+    path = shared_daemon.root / "huge-view" / "m.pt"
+    with Client(shared_daemon.endpoint, timeout=60) as c:
+        with pytest.raises(InvalidRequestError, match="'mask'.*no real tensor"):
+            c.snapshot({"w": torch.randn(10), "mask": torch.zeros(1).expand(1 << 62)}, path)
+            c.wait()
+    assert not path.exists()
+    assert_still_serves(shared_daemon)
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_a_skeleton_of_pickle_protocol_4_or_5_is_refused_at_admission(
+        shared_daemon: DaemonProc, protocol: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27, item 4: a client that pickles its skeleton with protocol 4 or 5 (frames, implicit memo slots) is
+    refused at admission saying so; data.pkl made from it would be one torch.load cannot read ("pickle data was
+    truncated"), though datastates.load and verify would pass the file."""
+    path = shared_daemon.root / f"proto{protocol}" / "m.pt"
+    with monkeypatch.context() as patch, Client(shared_daemon.endpoint, timeout=60) as c:
+        patch.setattr("datastates.client.capture.PICKLE_PROTOCOL", protocol)
+        with pytest.raises(InvalidRequestError, match=f"skeleton is a pickle of protocol {protocol}"):
+            c.snapshot({"w": torch.randn(300), "step": 3, "names": ["a"] * 40}, path)
+            c.wait()
+    assert not path.exists()
+    assert_still_serves(shared_daemon)
 
 
 # -- (b) paths ---------------------------------------------------------------------------

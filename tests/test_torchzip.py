@@ -23,7 +23,7 @@ import datastates
 from datastates.client.capture import capture
 from datastates.protocol.format import DATA_ALIGN, INDEX_RECORD, MAGIC, PREAMBLE, align_up, data_offset
 from datastates.protocol.schema import plain
-from datastates.protocol.torchzip import central_directory, local_header, plan_zip, torch_data_pkl
+from datastates.protocol.torchzip import central_directory, data_pkl, local_header, plan_zip
 
 from datastates.protocol.providers.tensor import DTYPES
 
@@ -54,12 +54,10 @@ STATES = {
 
 def torch_records(state: Any) -> tuple[list[tuple[str, bytes | torch.UntypedStorage | None]], Any]:
     """``state`` as the records of a torch zip, its ``data.pkl`` made from the client's capture by
-    ``torch_data_pkl``, as the daemon makes it; and the capture, which holds the storages."""
+    ``data_pkl``, as the daemon makes it; and the capture, which holds the storages."""
     cap = capture(state)
-    tensors = {i: {**e.meta, "nbytes": cap.sources[e.meta["storage"]].nbytes}
-               for i, e in enumerate(cap.entries) if e.provider == "tensor"}
-    pkl = torch_data_pkl(cap.entries[cap.root].meta["data"], tensors)
-    assert pkl is not None
+    pkl = data_pkl(cap.entries, cap.root, [src.nbytes for src in cap.sources])
+    assert pkl
     small = {"data.pkl": pkl, ".format_version": b"1", ".storage_alignment": b"64", "byteorder": b"little",
              "version": b"3\n"}
     return [*small.items(), *((f"data/{k}", s) for k, s in enumerate(cap.storages))], cap

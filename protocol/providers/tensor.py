@@ -6,65 +6,29 @@ one storage share it again after a load, as ``torch.save`` keeps them.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from datastates.protocol.descriptors import EntryDesc, SourceDesc
 from datastates.protocol.errors import InvalidRequestError
+from datastates.protocol.tensormeta import DTYPE_SIZES, check_view
 
 from .base import RestoreContext, StateProvider
 from .registry import register_provider
 
-_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
-
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in vars(torch).values()
-    if isinstance(d, torch.dtype) and d not in _QUANTIZED
-}
-"""Every dense dtype this torch has, by the name the wire and the file use."""
-
-
-def _ints(value: Any, what: str, minimum: int) -> list[int]:
-    if not isinstance(value, list) or len(value) > 64:
-        raise InvalidRequestError(f"{what} must be a list of at most 64 integers")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value):
-        raise InvalidRequestError(f"{what} must hold integers >= {minimum}, got {value[:8]}")
-    return value
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
+"""Every dtype of the format (``DTYPE_SIZES``) this torch has."""
 
 
 class TensorProvider(StateProvider):
     name = "tensor"
 
     def plan(self, entry: EntryDesc, sources: Sequence[SourceDesc]) -> EntryDesc:
-        meta = entry.meta
-        where = f"tensor {entry.name!r}"
-        dtype = DTYPES.get(meta.get("dtype"))  # type: ignore[arg-type]
-        if dtype is None:
-            raise InvalidRequestError(f"{where}: unknown dtype {str(meta.get('dtype'))[:40]!r}")
-        storage = meta.get("storage")
-        if not isinstance(storage, int) or isinstance(storage, bool) or not 0 <= storage < len(sources):
-            raise InvalidRequestError(f"{where}: storage index {storage!r} is not one of the {len(sources)} sources")
-        shape = _ints(meta.get("shape"), f"{where}: shape", 0)
-        stride = _ints(meta.get("stride"), f"{where}: stride", 0)
-        offset = meta.get("storage_offset")
-        if len(shape) != len(stride) or not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise InvalidRequestError(f"{where}: shape, stride and storage_offset do not describe a view")
-        if math.prod(shape) > 0:
-            extent = (offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * dtype.itemsize
-            if extent > sources[storage].nbytes:
-                raise InvalidRequestError(
-                    f"{where}: the view needs {extent} bytes but its storage has {sources[storage].nbytes}"
-                )
-        flags = {k: bool(meta.get(k, False)) for k in ("requires_grad", "parameter")}
-        return EntryDesc(
-            provider=self.name,
-            name=entry.name,
-            meta={"storage": storage, "dtype": meta["dtype"], "shape": shape, "stride": stride,
-                  "storage_offset": offset, **flags},
-        )
+        meta = check_view(entry.name, entry.meta, [src.nbytes for src in sources])
+        if meta["dtype"] not in DTYPES:
+            raise InvalidRequestError(f"tensor {entry.name!r}: dtype {meta['dtype']!r} is not one this torch has")
+        return EntryDesc(provider=self.name, name=entry.name, meta=meta)
 
     def restore(self, entry: EntryDesc, ctx: RestoreContext) -> torch.Tensor:
         meta = entry.meta
