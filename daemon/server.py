@@ -207,6 +207,10 @@ class Daemon:
             return plan, path, client.regions_for(path, body.sources), fences
 
         plan, path, regions, fences = await asyncio.get_running_loop().run_in_executor(None, admit)
+        # again, now with no await before the registration below: another client's snapshot of the same file may
+        # have been admitted on another thread meanwhile, and one of the two would be lost (issue 27, item 2)
+        self.ledger.check_owner(plan.path, client.id, body.tag,
+                                lambda other: self.clients.alive(other, self.cfg.client_timeout))
         earlier = self.jobs.pending_at(plan.path)
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
         job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision, fences=fences,

@@ -238,6 +238,17 @@ MUTATIONS: tuple[Mutation, ...] = (
               "            result = closure()  # MUTATION: no wait before the update\n"),),
         ("tests/integrations/test_lightning.py::test_the_fence_keeps_each_checkpoint_at_its_step",),
     ),
+    Mutation(
+        "one-writer-check-apart-from-registration",
+        "the one-writer-per-file check runs only on the admission thread, apart from the snapshot's registration: "
+        "two clients saving one file at once both pass it",
+        (Edit("daemon/server.py",
+              "        self.ledger.check_owner(plan.path, client.id, body.tag,\n"
+              "                                lambda other: self.clients.alive(other, self.cfg.client_timeout))\n",
+              "        pass  # MUTATION: no check beside the registration\n"),),
+        ("tests/faults/test_resave.py::"
+         "test_two_clients_that_snapshot_one_file_at_the_same_instant_are_never_both_told_it_committed",),
+    ),
 )
 
 
