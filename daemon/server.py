@@ -34,7 +34,7 @@ from datastates.protocol.errors import (
 )
 from datastates.protocol.format import check_tag
 from datastates.protocol.layout import plan_snapshot
-from datastates.protocol.paths import check_path
+from datastates.protocol.paths import check_derived, check_path
 from datastates.protocol.version import PROTOCOL_VERSION
 
 from .clients import HEARTBEATS_PER_TIMEOUT, MAX_GPUS, ClientRecord, ClientRegistry
@@ -197,6 +197,7 @@ class Daemon:
         def admit() -> tuple[Any, str, Any]:
             roots = self.cfg.storage.roots
             path = check_path(body.path, roots)
+            check_derived(path, body.tag, client.ranks.node_rank)
             folder = tag_folder(body.tag, {path: 0}, roots)
             written = self.versions.place(path, body.tag, folder, versioned=client.ranks.num_nodes == 1,
                                           committing=self.ledger.committing(client.id, body.tag, folder))

@@ -249,6 +249,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/faults/test_resave.py::"
          "test_two_clients_that_snapshot_one_file_at_the_same_instant_are_never_both_told_it_committed",),
     ),
+    Mutation(
+        "derived-names-past-path-max",
+        "a path whose tag marker, staging copy or temporary names pass PATH_MAX is admitted: its tag commits unseen",
+        (Edit("protocol/paths.py",
+              "    if longest >= PATH_MAX:\n",
+              "    if False:  # MUTATION: never refused\n"),),
+        ("tests/faults/test_limits.py::"
+         "test_a_path_whose_marker_would_pass_path_max_is_refused_at_snapshot_and_the_longest_one_commits",),
+    ),
 )
 
 
