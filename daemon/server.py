@@ -38,7 +38,7 @@ from datastates.protocol.paths import check_derived, check_path
 from datastates.protocol.version import PROTOCOL_VERSION
 
 from .clients import HEARTBEATS_PER_TIMEOUT, MAX_GPUS, ClientRecord, ClientRegistry
-from .connections import Connections
+from .connections import Connections, open_descriptors
 from .commit import CommitLedger, tag_folder
 from .config import NodeConfig
 from .engine import Engine
@@ -112,8 +112,8 @@ class Daemon:
                 recv.cancel()
                 break
             frames = recv.result()
-            self.connections.heard(frames[0].get(zmq.SRCFD))
-            self._spawn(self._handle(frames[0].bytes, [f.bytes for f in frames[1:]]))
+            fd = frames[0].get(zmq.SRCFD)
+            self._spawn(self._handle(frames[0].bytes, [f.bytes for f in frames[1:]], fd, self.connections.heard(fd)))
         self.transfers.close()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=5)
@@ -127,7 +127,8 @@ class Daemon:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+    async def _handle(self, identity: bytes, frames: list[bytes], fd: int, inode: int | None) -> None:
+        """Answer one request that came on connection ``fd`` (its socket ``inode``: ``Connections.heard``)."""
         parent = None
         self.clients.touch(identity)
         try:
@@ -146,6 +147,8 @@ class Daemon:
         except Exception as exc:  # the boundary: log it, report it, keep serving
             log.exception("internal error handling a request")
             reply = m.Error(code="internal", message=f"internal daemon error: {type(exc).__name__}: {exc}")
+        finally:  # a connection stays only once a registered client speaks on it (daemon/connections.py)
+            self.connections.answered(fd, inode, self.clients.known(identity))
         await self._sock.send_multipart([identity, *m.encode(reply, 0, parent=parent)])
 
     # -- handlers ---------------------------------------------------------------------
@@ -395,4 +398,4 @@ class Daemon:
 def descriptors() -> dict[str, int]:
     """Open file descriptors and the limits on them: ZeroMQ aborts the daemon when an accept meets the soft one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return {"open": len(os.listdir("/proc/self/fd")), "soft_limit": soft, "hard_limit": hard}
+    return {"open": open_descriptors(), "soft_limit": soft, "hard_limit": hard}

@@ -258,6 +258,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/faults/test_limits.py::"
          "test_a_path_whose_marker_would_pass_path_max_is_refused_at_snapshot_and_the_longest_one_commits",),
     ),
+    Mutation(
+        "spoken-connection-kept",
+        "a connection that sent any message is kept for good, HELLO or not: one-byte messages pile up until EMFILE",
+        (Edit("daemon/connections.py",
+              "        if introduced:\n            self._introduced[inode] = fd\n",
+              "        if True:  # MUTATION: spoke, so kept\n            self._introduced[inode] = fd\n"),),
+        ("tests/faults/test_connections.py::"
+         "test_connections_that_send_one_byte_and_never_say_hello_are_shed_under_a_hard_limit_of_256",),
+    ),
+    Mutation(
+        "unintroduced-bound-ignores-limit",
+        "the daemon keeps 256 unintroduced connections whatever its open-files limit: under 256 ZeroMQ meets it",
+        (Edit("daemon/connections.py",
+              "    return min(MAX_UNINTRODUCED, limit // 4), limit - max(64, limit // 4)\n",
+              "    return MAX_UNINTRODUCED, limit  # MUTATION: fixed bound, no shedding near the limit\n"),),
+        ("tests/faults/test_connections.py::"
+         "test_connections_that_send_one_byte_and_never_say_hello_are_shed_under_a_hard_limit_of_256",),
+    ),
 )
 
 
