@@ -238,7 +238,7 @@ class Client:
                                              "once it is back", endpoint=self.endpoint))
         if self._local is None:
             # the daemon checks both again; this makes the error immediate
-            check_derived(check_path(path, self.roots), tag, self.ranks.node_rank)
+            check_derived(check_path(path, self.roots), tag, self.ranks.node_rank, self.tiers)
         if self._local is not None:  # this process saves it: it reads every storage itself
             cap = capture(state)
             msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)

@@ -200,7 +200,7 @@ class Daemon:
         def admit() -> tuple[Any, str, Any]:
             roots = self.cfg.storage.roots
             path = check_path(body.path, roots)
-            check_derived(path, body.tag, client.ranks.node_rank)
+            check_derived(path, body.tag, client.ranks.node_rank, self.cfg.storage.tiers)
             folder = tag_folder(body.tag, {path: 0}, roots)
             written = self.versions.place(path, body.tag, folder, versioned=client.ranks.num_nodes == 1,
                                           committing=self.ledger.committing(client.id, body.tag, folder))

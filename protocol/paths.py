@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from .descriptors import Tier
 from .errors import PathNotAllowedError
@@ -125,12 +125,16 @@ def longest_derived(path: str, tag: str, node_rank: int = 0) -> int:
     return staged + len("/") + written + TEMP_RESERVE
 
 
-def check_derived(path: str, tag: str, node_rank: int = 0) -> None:
-    """Refuse ``path`` (PathNotAllowedError) when a name datastates derives from it would not fit in PATH_MAX:
-    the file would commit, but its tag's marker could not be written or found, so no reader would see the tag."""
-    longest = longest_derived(path, tag, node_rank)
+def check_derived(path: str, tag: str, node_rank: int = 0, tiers: Sequence[Tier] = ()) -> None:
+    """Refuse ``path`` (PathNotAllowedError) when a name datastates derives from it, here or where its copy goes on
+    a slower tier, would not fit in PATH_MAX: the file would commit, but its tag's marker could not be written or
+    found, so no reader would see the tag."""
+    home = home_tier(list(tiers), path)
+    places = [(path, "")] + ([] if home is None else
+                             [(t.place(path, tiers[home]), f" on tier {t.name!r}") for t in tiers[home + 1:]])
+    longest, where = max((longest_derived(p, tag, node_rank), where) for p, where in places)
     if longest >= PATH_MAX:
         raise PathNotAllowedError(
             f"path {path!r} refused: it is {len(path.encode())} bytes, and the names datastates writes for it in tag "
-            f"{tag!r} (its marker, a re-save's staging copy, temporary names) may take {longest}, and a path may have at "
-            f"most {PATH_MAX - 1} (PATH_MAX); use a shorter path", path=path[:PATH_MAX])
+            f"{tag!r}{where} (its marker, a re-save's staging copy, temporary names) may take {longest}, and a path "
+            f"may have at most {PATH_MAX - 1} (PATH_MAX); use a shorter path", path=path[:PATH_MAX])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -89,6 +89,23 @@ def test_a_path_whose_marker_would_pass_path_max_is_refused_at_snapshot_and_the_
     fits = deep_path(root, "step", PATH_MAX - 1)
     state = {"t": torch.arange(8.0)}
     save(shared_client, state, fits, tag="step")
+    assert datastates.latest(fits.parent.parent) == "step"
+    assert_state_equal(state, datastates.load(fits))
+
+
+def test_a_path_whose_copy_on_a_slower_tier_would_pass_path_max_is_refused_at_snapshot(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
+    """The slower tier's folder is 200 bytes longer than the first's: a path that fits on the first tier but
+    whose copy on the slower one would not is refused, naming that tier; one that fits on both commits."""
+    fast, slow = tmp_path / "fast", tmp_path / ("pfs" + "s" * 197)
+    d = start_daemon(storage={"tiers": [{"name": "fast", "path": str(fast), "shared": False},
+                                        {"name": "pfs", "path": str(slow)}]}, memory_restore="none")
+    with Client(d.endpoint, timeout=60) as c:
+        with pytest.raises(PathNotAllowedError, match="on tier 'pfs'.*PATH_MAX"):
+            c.snapshot({"t": torch.ones(4)}, deep_path(fast / "run", "step", PATH_MAX - 150), tag="step")
+        fits = deep_path(fast / "run", "step", PATH_MAX - 1 - 200)
+        state = {"t": torch.arange(8.0)}
+        save(c, state, fits, tag="step")
     assert datastates.latest(fits.parent.parent) == "step"
     assert_state_equal(state, datastates.load(fits))
 
