@@ -262,8 +262,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tier-copies-unchecked",
         "a path is checked against PATH_MAX only where it lands, not where its copy goes on a slower tier",
         (Edit("protocol/paths.py",
-              "[(t.place(path, tiers[home]), f\" on tier {t.name!r}\") for t in tiers[home + 1:]]",
-              "[]  # MUTATION: no tier's copy checked"),),
+              "[(t.place(path, tiers[home]), f\" on tier {t.name!r}\") for t in tiers[home + 1:]])",
+              "[])  # MUTATION: no tier's copy checked"),),
         ("tests/faults/test_limits.py::test_a_path_whose_copy_on_a_slower_tier_would_pass_path_max_is_refused_at_snapshot",),
     ),
     Mutation(
