@@ -23,7 +23,7 @@ from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import check_tag
 from datastates.protocol.liveness import pid_namespace, process_start
-from datastates.protocol.paths import check_path
+from datastates.protocol.paths import check_derived, check_path
 
 from .capture import Capture, capture
 from .cuda import GpuRoute
@@ -237,7 +237,8 @@ class Client:
             self._go_local(DaemonUnavailable(f"datastatesd at {self.endpoint} was found gone; connect a new Client "
                                              "once it is back", endpoint=self.endpoint))
         if self._local is None:
-            check_path(path, self.roots)  # the daemon checks again; this makes the error immediate
+            # the daemon checks both again; this makes the error immediate
+            check_derived(check_path(path, self.roots), tag, self.ranks.node_rank, self.tiers)
         if self._local is not None:  # this process saves it: it reads every storage itself
             cap = capture(state)
             msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)

@@ -1,19 +1,22 @@
-"""Every connection the daemon accepted, by descriptor: silent ones cost a bounded number of them.
+"""Every connection the daemon accepted, by descriptor: those not yet introduced cost a bounded number of them.
 
 ZeroMQ accepts every connection and aborts the whole process when an accept meets the
 open-files limit (``Too many open files (src/ipc_listener.cpp)``), and it never drops a peer
-that connected and then says nothing. So the daemon watches its ROUTER socket's monitor:
-each accepted connection is recorded with its descriptor, every message marks its
-connection as one that spoke (ZeroMQ's ``SRCFD`` on the frames), and a connection still
-silent after ``SILENT_S``, or the oldest one once more than ``MAX_SILENT`` are silent, is
-shut down (``shutdown(2)`` on its socket; ZeroMQ then closes it as if the peer had left).
-Shutting the oldest gives a new trainer the whole queue's time to say HELLO even while a
-flood of silent peers churns. A client that spoke once (HELLO) is the client registry's to
-watch, not this.
+that connected and then says nothing, or says anything but HELLO. So the daemon watches its
+ROUTER socket's monitor: each accepted connection is recorded with its descriptor as
+*unintroduced*, and stays so until a message on it is answered for a registered client (its
+HELLO welcomed, or a known client's request on a connection it reconnected). Every message
+marks its connection by ZeroMQ's ``SRCFD`` on the frames. An unintroduced connection is shut
+(``shutdown(2)`` on its socket; ZeroMQ then closes it as if the peer had left) once it is
+``UNINTRODUCED_S`` old, or, oldest first, when more than ``max_unintroduced`` are kept or the
+daemon's open descriptors reach ``shed_at``: both bounds follow the open-files limit, so a
+daemon that may not raise a low hard limit sheds before ZeroMQ meets it. A connection whose
+request is being handled (a HELLO being welcomed) is never shut. Shutting the oldest gives a
+new trainer the whole queue's time to say HELLO even while a flood churns.
 
 Descriptor numbers are reused as soon as ZeroMQ closes one, and the monitor's events arrive
-late (behind a flood, seconds late), so a connection is known by its socket's inode: one
-that spoke is never taken for silent by a stale accept event for its number, and a
+late (behind a flood, seconds late), so a connection is known by its socket's inode: an
+introduced one is never taken for a new one by a stale accept event for its number, and a
 descriptor is shut only while it is still the socket that was accepted.
 """
 
@@ -22,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import socket
 import time
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -31,72 +36,142 @@ from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 
-SILENT_S = 10.0
-"""How long a connection may stay without sending anything before it is shut."""
-MAX_SILENT = 256
-"""The most connections kept that have not sent anything yet; beyond it the oldest is shut at once."""
+UNINTRODUCED_S = 10.0
+"""How long a connection may stay without its HELLO welcomed before it is shut."""
+MAX_UNINTRODUCED = 256
+"""The most connections kept that are not introduced yet, where the open-files limit allows that many."""
+SWEEP_S = 0.5
+"""How often connections past their time, and closed ones, are looked for (each costs a stat per connection)."""
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+
+
+@dataclass
+class _Pending:
+    since: float
+    inode: int
+    spoke: bool = False
+    busy: int = 0
+    """Requests of this connection being handled: it is not shut under them."""
+
+
+def bounds(limit: int) -> tuple[int, int]:
+    """(the most unintroduced connections kept, the open descriptors from which they are shed) under ``limit``."""
+    return min(MAX_UNINTRODUCED, limit // 4), limit - max(64, limit // 4)
 
 
 class Connections:
     def __init__(self, sock: zmq.asyncio.Socket) -> None:
         self._monitor = sock.get_monitor_socket(_EVENTS)
-        self._silent: dict[int, tuple[float, int]] = {}
-        """Descriptor → (when accepted, its socket's inode), oldest first, for connections that have not spoken."""
-        self._spoke: dict[int, int] = {}
-        """Socket inode → descriptor, for connections that sent a message, while that socket is open."""
+        self._pending: dict[int, _Pending] = {}
+        """Descriptor → its connection, oldest first, for connections not introduced yet."""
+        self._introduced: dict[int, int] = {}
+        """Socket inode → descriptor, for connections a registered client speaks on, while that socket is open."""
+        self.limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_unintroduced, self.shed_at = bounds(self.limit)
         self.shut_down = 0
-        """Silent connections shut so far, for ``status``."""
+        """Unintroduced connections shut so far, for ``status``."""
+        self.shed_near_limit = 0
+        """Of those, how many because the open descriptors reached ``shed_at``."""
 
-    def heard(self, fd: int) -> None:
-        """A message came on connection ``fd``: it is a peer, no longer a silent one."""
+    def heard(self, fd: int) -> int | None:
+        """A message came on connection ``fd``: its socket's inode, to hand to ``answered`` once it is handled."""
         inode = _inode(fd)
-        if inode is None:
+        if inode is None or inode in self._introduced:
+            return inode
+        entry = self._pending.get(fd)
+        if entry is None or entry.inode != inode:  # its accept event is still on its way
+            entry = self._pending[fd] = _Pending(time.monotonic(), inode, busy=1)
+            self._bound()
+        else:
+            entry.busy += 1
+        entry.spoke = True
+        return inode
+
+    def answered(self, fd: int, inode: int | None, introduced: bool) -> None:
+        """The message ``heard`` returned ``inode`` for is handled. ``introduced``: it came from a registered client,
+        whose connection this is now; else the connection gets ``UNINTRODUCED_S`` more from now, at the end of the
+        queue (``datastatesctl status --watch`` polls without HELLO); the bound on their number still holds."""
+        entry = self._pending.get(fd)
+        if entry is None or entry.inode != inode or inode is None:
             return
-        self._spoke[inode] = fd
-        if self._silent.get(fd, (0.0, None))[1] == inode:
-            del self._silent[fd]
+        entry.busy -= 1
+        del self._pending[fd]
+        if introduced:
+            self._introduced[inode] = fd
+        else:
+            self._pending[fd] = entry
+            entry.since = time.monotonic()
 
     def status(self) -> dict[str, int]:
-        return {"silent": len(self._silent), "silent_shut_down": self.shut_down}
+        return {"silent": sum(not e.spoke for e in self._pending.values()),
+                "unintroduced": len(self._pending), "max_unintroduced": self.max_unintroduced,
+                "shed_at_descriptors": self.shed_at, "shut_down": self.shut_down,
+                "shed_near_limit": self.shed_near_limit}
 
     async def watch(self, stopped: asyncio.Event) -> None:
-        """Follow accepts and disconnects; shut silent connections; until ``stopped``."""
+        """Follow accepts and disconnects; shut connections left unintroduced; until ``stopped``."""
+        swept = 0.0
         try:
             while not stopped.is_set():
                 if await self._monitor.poll(1000):
                     self._event(parse_monitor_message(await self._monitor.recv_multipart()))
                 now = time.monotonic()
-                for fd in [fd for fd, (since, _) in self._silent.items() if now - since > SILENT_S]:
-                    self._shut(fd, f"silent for {SILENT_S:.0f} s")
-                self._spoke = {inode: fd for inode, fd in self._spoke.items() if _inode(fd) == inode}
+                if now - swept < SWEEP_S:
+                    continue
+                swept = now
+                for fd in [fd for fd, e in self._pending.items() if now - e.since > UNINTRODUCED_S and not e.busy]:
+                    self._shut(fd, f"not introduced in {UNINTRODUCED_S:.0f} s")
+                self._pending = {fd: e for fd, e in self._pending.items() if _inode(fd) == e.inode}
+                self._introduced = {inode: fd for inode, fd in self._introduced.items() if _inode(fd) == inode}
+                self._shed_near_limit()
         finally:
             self._monitor.close(0)
 
     def _event(self, event: dict) -> None:
         fd = event["value"]
+        entry = self._pending.get(fd)
         if event["event"] != zmq.EVENT_ACCEPTED:
-            self._silent.pop(fd, None)
+            if entry is not None and _inode(fd) != entry.inode:  # its socket is gone, not a later one's
+                del self._pending[fd]
             return
         inode = _inode(fd)  # the socket behind fd now: this accept's, or a later one's if the event is stale
-        if inode is None or inode in self._spoke or self._silent.get(fd, (0.0, None))[1] == inode:
+        if inode is None or inode in self._introduced or (entry is not None and entry.inode == inode):
             return
-        self._silent[fd] = (time.monotonic(), inode)
-        if len(self._silent) > MAX_SILENT:
-            self._shut(next(iter(self._silent)), f"over {MAX_SILENT} silent connections")
+        self._pending[fd] = _Pending(time.monotonic(), inode)
+        self._bound()
+        self._shed_near_limit()
 
-    def _shut(self, fd: int, why: str) -> None:
-        _since, inode = self._silent.pop(fd)
-        if _inode(fd) != inode:
-            return  # closed by ZeroMQ and the number reused: not ours to touch
+    def _bound(self) -> None:
+        """Keep at most ``max_unintroduced`` connections, shutting the oldest idle ones."""
+        excess = len(self._pending) - self.max_unintroduced
+        if excess > 0:
+            for fd in self._oldest_idle(excess):
+                self._shut(fd, f"over {self.max_unintroduced} connections not introduced")
+
+    def _shed_near_limit(self) -> None:
+        """At ``shed_at`` open descriptors, shut unintroduced connections, oldest first, before ZeroMQ meets the limit."""
+        over = open_descriptors() - self.shed_at
+        if over >= 0:
+            for fd in self._oldest_idle(over + 1):
+                if self._shut(fd, f"{self.shed_at} of {self.limit} descriptors open"):
+                    self.shed_near_limit += 1
+
+    def _oldest_idle(self, n: int) -> list[int]:
+        return [fd for fd, e in self._pending.items() if not e.busy][:n]
+
+    def _shut(self, fd: int, why: str) -> bool:
+        entry = self._pending.pop(fd)
+        if _inode(fd) != entry.inode:
+            return False  # closed by ZeroMQ and the number reused: not ours to touch
         try:
             with socket.socket(fileno=os.dup(fd)) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
         except OSError:
-            return
+            return False
         self.shut_down += 1
         if self.shut_down in (1, 10, 100) or self.shut_down % 1000 == 0:
-            log.warning("shut down a connection that never sent anything (%s); %d so far", why, self.shut_down)
+            log.warning("shut down a connection that never said HELLO (%s); %d so far", why, self.shut_down)
+        return True
 
 
 def _inode(fd: int) -> int | None:
@@ -105,3 +180,8 @@ def _inode(fd: int) -> int | None:
         return os.fstat(fd).st_ino
     except OSError:
         return None
+
+
+def open_descriptors() -> int:
+    """This process's open descriptors."""
+    return len(os.listdir("/proc/self/fd"))

@@ -34,11 +34,11 @@ from datastates.protocol.errors import (
 )
 from datastates.protocol.format import check_tag
 from datastates.protocol.layout import plan_snapshot
-from datastates.protocol.paths import check_path
+from datastates.protocol.paths import check_derived, check_path
 from datastates.protocol.version import PROTOCOL_VERSION
 
 from .clients import HEARTBEATS_PER_TIMEOUT, MAX_GPUS, ClientRecord, ClientRegistry
-from .connections import Connections
+from .connections import Connections, open_descriptors
 from .commit import CommitLedger, tag_folder
 from .config import NodeConfig
 from .engine import Engine
@@ -112,8 +112,8 @@ class Daemon:
                 recv.cancel()
                 break
             frames = recv.result()
-            self.connections.heard(frames[0].get(zmq.SRCFD))
-            self._spawn(self._handle(frames[0].bytes, [f.bytes for f in frames[1:]]))
+            fd = frames[0].get(zmq.SRCFD)
+            self._spawn(self._handle(frames[0].bytes, [f.bytes for f in frames[1:]], fd, self.connections.heard(fd)))
         self.transfers.close()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=5)
@@ -127,7 +127,8 @@ class Daemon:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+    async def _handle(self, identity: bytes, frames: list[bytes], fd: int, inode: int | None) -> None:
+        """Answer one request that came on connection ``fd`` (its socket ``inode``: ``Connections.heard``)."""
         parent = None
         self.clients.touch(identity)
         try:
@@ -146,6 +147,8 @@ class Daemon:
         except Exception as exc:  # the boundary: log it, report it, keep serving
             log.exception("internal error handling a request")
             reply = m.Error(code="internal", message=f"internal daemon error: {type(exc).__name__}: {exc}")
+        finally:  # a connection stays only once a registered client speaks on it (daemon/connections.py)
+            self.connections.answered(fd, inode, self.clients.known(identity))
         await self._sock.send_multipart([identity, *m.encode(reply, 0, parent=parent)])
 
     # -- handlers ---------------------------------------------------------------------
@@ -197,6 +200,7 @@ class Daemon:
         def admit() -> tuple[Any, str, Any]:
             roots = self.cfg.storage.roots
             path = check_path(body.path, roots)
+            check_derived(path, body.tag, client.ranks.node_rank, self.cfg.storage.tiers)
             folder = tag_folder(body.tag, {path: 0}, roots)
             written = self.versions.place(path, body.tag, folder, versioned=client.ranks.num_nodes == 1,
                                           committing=self.ledger.committing(client.id, body.tag, folder))
@@ -207,6 +211,10 @@ class Daemon:
             return plan, path, client.regions_for(path, body.sources), fences
 
         plan, path, regions, fences = await asyncio.get_running_loop().run_in_executor(None, admit)
+        # again, now with no await before the registration below: another client's snapshot of the same file may
+        # have been admitted on another thread meanwhile, and one of the two would be lost (issue 27, item 2)
+        self.ledger.check_owner(plan.path, client.id, body.tag,
+                                lambda other: self.clients.alive(other, self.cfg.client_timeout))
         earlier = self.jobs.pending_at(plan.path)
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
         job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision, fences=fences,
@@ -390,4 +398,4 @@ class Daemon:
 def descriptors() -> dict[str, int]:
     """Open file descriptors and the limits on them: ZeroMQ aborts the daemon when an accept meets the soft one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return {"open": len(os.listdir("/proc/self/fd")), "soft_limit": soft, "hard_limit": hard}
+    return {"open": open_descriptors(), "soft_limit": soft, "hard_limit": hard}

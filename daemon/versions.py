@@ -30,7 +30,7 @@ from typing import Callable
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.fileio import open_folder, remove
-from datastates.protocol.format import STAGING_RE, STAGING_SUFFIX, CommitMarker, marker_name
+from datastates.protocol.format import STAGING_RE, CommitMarker, marker_name, staging_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.tags import listing
 
@@ -105,7 +105,7 @@ class Versions:
                     state = "being committed" if committing else "committed"
                     raise PathNotAllowedError(f"path {path!r} refused: tag {tag!r} is {state} in {folder}, and a "
                                               "multi-node job cannot save a committed tag again; use a new tag", path=path)
-                name = f".{self._owner}-{next(self._ids)}{STAGING_SUFFIX}"  # fits NAME_MAX beside any folder
+                name = staging_name(self._owner, next(self._ids))  # fits NAME_MAX beside any folder
                 staging = Staging(tag, folder, os.path.join(os.path.dirname(folder), name))
                 try:
                     os.close(open_folder(staging.staging, create=True))

@@ -56,6 +56,15 @@ STAGING_SUFFIX = ".dsgen"
 STAGING_RE = re.compile(r"\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
 """A re-saved tag's staging folder beside its folder, ``.<owner>-<n>.dsgen`` (daemon/versions.py); the group is
 the owner tag of the daemon that made it."""
+
+
+def staging_name(owner: str, n: int) -> str:
+    """The name of a daemon's ``n``-th staging folder (``STAGING_RE``); ``owner`` is its 16-hex-digit owner tag."""
+    return f".{owner}-{n}{STAGING_SUFFIX}"
+
+
+STAGING_NAME_MAX = len(staging_name("0" * 16, 2**64))
+"""The longest staging folder name: a daemon's count of them never reaches 2**64."""
 MARKER_PREFIX = "datastates-commit."
 MARKER_SUFFIX = ".json"
 

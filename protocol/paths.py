@@ -5,15 +5,27 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from .descriptors import Tier
 from .errors import PathNotAllowedError
-from .format import DONE_PREFIX, FILE_NAME_MAX, MARKER_PREFIX, NAME_MAX, TEMP_RESERVE, TEMP_SUFFIX
+from .format import (
+    DONE_PREFIX,
+    FILE_NAME_MAX,
+    MARKER_PREFIX,
+    MEGATRON_TRACKER,
+    NAME_MAX,
+    STAGING_NAME_MAX,
+    TEMP_RESERVE,
+    TEMP_SUFFIX,
+    done_name,
+    marker_name,
+)
 
 SHM_DIR = "/dev/shm"
 """Where trainers share CPU tensors with the daemon, and the daemon keeps its replicas."""
 PATH_MAX = 4096
+"""Linux's limit on a path handed to a system call, its terminating NUL byte included."""
 
 
 def default_root() -> str:
@@ -93,3 +105,36 @@ def check_path(path: str, roots: list[str]) -> str:
     if not any(within(real, root) for root in roots):
         raise refuse(f"it is outside the allowed roots {roots} (after resolving symlinks: {real})")
     return os.path.join(real, name)
+
+
+def longest_derived(path: str, tag: str, node_rank: int = 0) -> int:
+    """The longest path, in bytes, datastates may write or read for a snapshot of ``path`` in ``tag``.
+
+    The tag's folder is the file's folder or one above it, and its marker, a node's done
+    marker and the trackers beside it are written there (or one folder up); a re-save's
+    staging folder stands in for the tag's folder under a name of its own; each file is
+    written under a temporary name first. Which folder is the tag's depends on the tag's
+    other files, so the bound takes the worst: the deepest folder, and the shortest of its
+    names replaced by the longest staging name.
+    """
+    folder = os.path.dirname(path)
+    names = [n.encode() for n in folder.split("/") if n]
+    staged = len(folder.encode()) + max(0, STAGING_NAME_MAX - min(map(len, names), default=STAGING_NAME_MAX))
+    written = max(len(os.path.basename(path).encode()), len(marker_name(tag).encode()),
+                  len(done_name(tag, node_rank).encode()), len(MEGATRON_TRACKER))
+    return staged + len("/") + written + TEMP_RESERVE
+
+
+def check_derived(path: str, tag: str, node_rank: int = 0, tiers: Sequence[Tier] = ()) -> None:
+    """Refuse ``path`` (PathNotAllowedError) when a name datastates derives from it, here or where its copy goes on
+    a slower tier, would not fit in PATH_MAX: the file would commit, but its tag's marker could not be written or
+    found, so no reader would see the tag."""
+    home = home_tier(list(tiers), path)
+    places = [(path, "")] + ([] if home is None else
+                             [(t.place(path, tiers[home]), f" on tier {t.name!r}") for t in tiers[home + 1:]])
+    longest, where = max((longest_derived(p, tag, node_rank), where) for p, where in places)
+    if longest >= PATH_MAX:
+        raise PathNotAllowedError(
+            f"path {path!r} refused: it is {len(path.encode())} bytes, and the names datastates writes for it in tag "
+            f"{tag!r}{where} (its marker, a re-save's staging copy, temporary names) may take {longest}, and a path "
+            f"may have at most {PATH_MAX - 1} (PATH_MAX); use a shorter path", path=path[:PATH_MAX])

@@ -278,6 +278,52 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    p_status.add_argument(\"--interval\", type=float,  # MUTATION: unchecked\n"),),
         ("tests/test_cli.py::test_status_watch_refuses_bad_arguments_without_a_traceback[--interval -1]",),
     ),
+    Mutation(
+        "one-writer-check-apart-from-registration",
+        "the one-writer-per-file check runs only on the admission thread, apart from the snapshot's registration: "
+        "two clients saving one file at once both pass it",
+        (Edit("daemon/server.py",
+              "        self.ledger.check_owner(plan.path, client.id, body.tag,\n"
+              "                                lambda other: self.clients.alive(other, self.cfg.client_timeout))\n",
+              "        pass  # MUTATION: no check beside the registration\n"),),
+        ("tests/faults/test_resave.py::"
+         "test_two_clients_that_snapshot_one_file_at_the_same_instant_are_never_both_told_it_committed",),
+    ),
+    Mutation(
+        "derived-names-past-path-max",
+        "a path whose tag marker, staging copy or temporary names pass PATH_MAX is admitted: its tag commits unseen",
+        (Edit("protocol/paths.py",
+              "    if longest >= PATH_MAX:\n",
+              "    if False:  # MUTATION: never refused\n"),),
+        ("tests/faults/test_limits.py::"
+         "test_a_path_whose_marker_would_pass_path_max_is_refused_at_snapshot_and_the_longest_one_commits",),
+    ),
+    Mutation(
+        "tier-copies-unchecked",
+        "a path is checked against PATH_MAX only where it lands, not where its copy goes on a slower tier",
+        (Edit("protocol/paths.py",
+              "[(t.place(path, tiers[home]), f\" on tier {t.name!r}\") for t in tiers[home + 1:]])",
+              "[])  # MUTATION: no tier's copy checked"),),
+        ("tests/faults/test_limits.py::test_a_path_whose_copy_on_a_slower_tier_would_pass_path_max_is_refused_at_snapshot",),
+    ),
+    Mutation(
+        "spoken-connection-kept",
+        "a connection that sent any message is kept for good, HELLO or not: one-byte messages pile up until EMFILE",
+        (Edit("daemon/connections.py",
+              "        if introduced:\n            self._introduced[inode] = fd\n",
+              "        if True:  # MUTATION: spoke, so kept\n            self._introduced[inode] = fd\n"),),
+        ("tests/faults/test_connections.py::"
+         "test_connections_that_send_one_byte_and_never_say_hello_are_shed_under_a_hard_limit_of_256",),
+    ),
+    Mutation(
+        "unintroduced-bound-ignores-limit",
+        "the daemon keeps 256 unintroduced connections whatever its open-files limit: under 256 ZeroMQ meets it",
+        (Edit("daemon/connections.py",
+              "    return min(MAX_UNINTRODUCED, limit // 4), limit - max(64, limit // 4)\n",
+              "    return MAX_UNINTRODUCED, limit  # MUTATION: fixed bound, no shedding near the limit\n"),),
+        ("tests/faults/test_connections.py::"
+         "test_connections_that_send_one_byte_and_never_say_hello_are_shed_under_a_hard_limit_of_256",),
+    ),
 )
 
 

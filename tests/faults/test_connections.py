@@ -10,6 +10,9 @@ that connected and never speaks forever. These start real daemons under a given
   serving real trainers, and its status says so. A daemon run as root raises even a hard
   limit of 1024 and outlives the same burst. (A user's daemon under a hard limit of 1024
   cannot: the burst outruns the shedding and ZeroMQ aborts it, so it warns at start.)
+- a connection every 10 ms that sends one byte (a raw socket: half a greeting; a ZeroMQ peer: a
+  one-byte message) and never says HELLO, under a hard limit of 256 the daemon may not raise:
+  it keeps at most a quarter of its limit unintroduced, sheds the rest, and serves a trainer;
 - eight trainers of 600 storages each checkpoint at a hard ``ulimit -n 1024`` (storages
   read in place cost the daemon no descriptor);
 - beyond ``max_clients`` a new client gets a clear refusal, and the others are served.
@@ -50,7 +53,7 @@ time.sleep(600)
 
 def _flood_and_train(d: DaemonProc) -> None:
     """2,000 silent peers connect at once; the daemon lives, sheds them, and serves real trainers meanwhile."""
-    from datastates.daemon.connections import MAX_SILENT
+    from datastates.daemon.connections import MAX_UNINTRODUCED
 
     peers = subprocess.Popen([sys.executable, "-c", SILENT_PEERS, d.endpoint, "2000"], stdout=subprocess.PIPE, text=True)
     try:
@@ -58,8 +61,8 @@ def _flood_and_train(d: DaemonProc) -> None:
         time.sleep(3)  # let ZeroMQ accept (and reconnect) as fast as it can
         assert d.proc.poll() is None, "the daemon died (ZeroMQ aborts on EMFILE)"
         st = daemon_status(d.endpoint, timeout=30)
-        assert st["connections"]["silent"] <= MAX_SILENT
-        assert st["connections"]["silent_shut_down"] > 0
+        assert st["connections"]["unintroduced"] <= MAX_UNINTRODUCED
+        assert st["connections"]["shut_down"] > 0
         # the peers reconnect as soon as they are shut (ZeroMQ's reconnect_ivl), so the daemon churns through
         # them; what it holds stays far from its limit, and fewer than the peers
         assert st["daemon"]["descriptors"]["open"] < 3072
@@ -117,6 +120,71 @@ def test_an_unprivileged_daemon_under_a_hard_limit_of_1024_warns_at_start(
     st = daemon_status(d.endpoint)["daemon"]["descriptors"]
     assert st["soft_limit"] == st["hard_limit"] == 1024
     assert "the open-files hard limit is 1024: that many connections at once would abort the daemon" in d.log.read_text()
+
+
+ONE_BYTE_PEERS = r"""
+import resource, socket, sys, time, zmq
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+endpoint, n = sys.argv[1], int(sys.argv[2])
+ctx = zmq.Context()
+ctx.max_sockets = 4 * n
+kept = []
+start = time.monotonic()
+for i in range(n):
+    if i % 2:  # a raw socket that sends one byte: never a whole ZeroMQ greeting
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)  # a daemon that stopped accepting must not hang the flood
+        try:
+            s.connect(endpoint.removeprefix("ipc://"))
+            s.send(b"\xff")
+        except OSError:  # shut by the daemon already, or not accepted
+            pass
+    else:  # a ZeroMQ peer that sends a one-byte message and never HELLO; shut, it stays away
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, -1)
+        s.connect(endpoint)
+        try:
+            s.send(b"x", zmq.NOBLOCK)
+        except zmq.Again:  # shut before its greeting: no peer to send to
+            pass
+    kept.append(s)
+    time.sleep(max(0.0, start + (i + 1) / 100 - time.monotonic()))  # about 100 a second
+print("SENT", flush=True)
+time.sleep(600)
+"""
+
+
+def test_connections_that_send_one_byte_and_never_say_hello_are_shed_under_a_hard_limit_of_256(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """1,500 connections at about 100 a second, each sending one byte and never HELLO, against a daemon whose
+    hard limit of 256 it may not raise: ZeroMQ aborted it ("Too many open files") within seconds. It lives,
+    keeps at most a quarter of its limit unintroduced, serves a trainer throughout, and says it shed."""
+    d = start_daemon(nofile=(256, 256), unprivileged=True)
+    peers = subprocess.Popen([sys.executable, "-c", ONE_BYTE_PEERS, d.endpoint, "1500"], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        with Client(d.endpoint, timeout=60) as c:
+            for step in range(5):  # amid the flood
+                state = {"w": torch.full((1000,), float(step))}
+                save(c, state, d.root / "amid-one-byte" / f"m{step}.pt")
+                assert_state_equal(state, datastates.load(d.root / "amid-one-byte" / f"m{step}.pt"))
+            assert peers.stdout is not None and peers.stdout.readline().strip() == "SENT"
+            assert d.proc.poll() is None, "the daemon died (ZeroMQ aborts on EMFILE)"
+            st = daemon_status(d.endpoint, timeout=30)
+            shed = st["connections"]
+            assert shed["max_unintroduced"] == 256 // 4 and shed["unintroduced"] <= shed["max_unintroduced"], shed
+            assert shed["shut_down"] > 1000, shed
+            assert st["daemon"]["descriptors"]["open"] < shed["shed_at_descriptors"], st["daemon"]["descriptors"]
+        with Client(d.endpoint, timeout=60) as c:  # a trainer that comes while the flood's peers are still there
+            state = {"w": torch.arange(1000.0)}
+            save(c, state, d.root / "after-one-byte" / "m.pt")
+            assert_state_equal(state, datastates.load(d.root / "after-one-byte" / "m.pt"))
+    finally:
+        peers.kill()
+        peers.wait()
+    assert d.proc.poll() is None
+    assert "shut down a connection that never said HELLO" in d.log_text()
 
 
 TRAINER = r"""
