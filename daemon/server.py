@@ -173,7 +173,7 @@ class Daemon:
             except Exception as exc:  # any refusal, an internal one too: committing the tag's other files would
                 # make a partial tag (the fault schedules, seed 92834)
                 why = exc.message if isinstance(exc, DatastatesError) else f"internal: {type(exc).__name__}: {exc}"
-                self.ledger.refuse(client.id, body.tag, f"{body.path}: {why}")
+                self.ledger.refuse(client.id, body.tag, f"{body.path}: {why}", client.ranks)
                 client.release_unopened(body.sources)
                 raise
             if ack.skipped:
@@ -213,7 +213,7 @@ class Daemon:
                           owner_alive=lambda: self.clients.alive(client.id, self.cfg.client_timeout))
         job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks)
         self.jobs.add(job)
-        self.ledger.add(job)
+        self.ledger.add(job, client.ranks)
         self._spawn(self._run(job, earlier))
         return m.SnapshotAck(snapshot_id=job.id, total_bytes=job.total_bytes)
 
