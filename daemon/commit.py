@@ -123,7 +123,7 @@ class _TagGroup:
     @property
     def failed(self) -> bool:
         """It failed, and waits only to tell the node's ranks still to commit it (see ``CommitLedger._fail_round``)."""
-        return self.done.done() and self.done.exception() is not None
+        return self.done.done() and not self.done.cancelled() and self.done.exception() is not None
 
 
 class CommitLedger:
@@ -216,6 +216,8 @@ class CommitLedger:
             group = None  # a round that failed, and told this rank: this snapshot is of the next one
         if group is None:
             group = self._groups[key] = _TagGroup.start(ranks, time.time_ns())
+            for stale in [k for k, g in self._groups.items() if g.failed][:-HISTORY]:  # ranks that never committed them
+                del self._groups[stale]
         if not group.done.done():
             group.done.set_exception(CommitError(
                 f"tag {tag!r} not committed: rank {ranks.rank}'s snapshot of it failed: {why}", tag=tag))
