@@ -40,7 +40,7 @@ class CommitEvent:
 
 
 class CommitListener(Protocol):
-    """What the ledger announces, to the daemon's parts that follow commits (the tier transfers)."""
+    """What the ledger announces, to the daemon's parts that follow commits (the tier transfers, the replicas)."""
 
     def committed(self, commit: CommitEvent) -> None:
         """``commit`` is committed on the tier its files were written to."""
