@@ -421,8 +421,8 @@ class Client:
         if found is None:
             return None
         tag, folder, marker = found.tag, found.folder, found.marker
-        size = next((f.size for f in marker.files if f.path == name), None)
-        if size is None:
+        entry = next((f for f in marker.files if f.path == name), None)
+        if entry is None:
             raise InvalidRequestError(f"{name!r} is not a file of tag {tag!r} (it has: "
                                       f"{', '.join(sorted(f.path for f in marker.files)[:8])})")
         path = os.path.join(folder, name)
@@ -430,7 +430,8 @@ class Client:
         if self._local is None:
             written = os.path.join(found.written, name)
             try:
-                reply = self._conn.call(m.Restore(path=written, tag=tag, size=size), self.timeout)
+                reply = self._conn.call(m.Restore(path=written, tag=tag, size=entry.size, snapshot=entry.snapshot),
+                                        self.timeout)
                 if reply.replica:
                     state = load(reply.replica, map_location, weights_only=weights_only)
                     log.info("restored %s (tag %s) from the daemon's memory", written, tag)

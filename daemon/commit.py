@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import functools
 import logging
 import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Ranks
@@ -43,6 +42,7 @@ from datastates.protocol.tags import listing, next_sequence, tag_files, unlisted
 
 from .config import HISTORY, StorageConfig
 from .engine import Engine
+from .events import CommitEvent, CommitListener
 from .job import SnapshotJob
 from .versions import Staging, Versions
 
@@ -95,46 +95,6 @@ def trackers(tag: str, folder: str) -> dict[str, bytes]:
     return out
 
 
-@dataclass(frozen=True)
-class CommitEvent:
-    """A node's files of a tag, durable, to commit where they lie; announced once committed on the first tier."""
-
-    client_id: str
-    tag: str
-    files: dict[str, int]
-    """Path → size."""
-    ranks: Ranks
-    requested_ns: int
-    order: int
-    """The newest snapshot id among the files: ties between equal sequences go to the newer snapshots."""
-    sequence: int
-    """The tag's place in its run's commit order (``CommitMarker.sequence``), fixed when the commit was asked for."""
-    snapshots: dict[str, str] = field(default_factory=dict)
-    """Path → the snapshot each file holds (``FileHeader.snapshot``), listed in the marker so readers can check it."""
-    wanted: Callable[[], None] | None = None
-    """Raises SnapshotFailedError once the trainer went on saving these files itself (it lost this daemon, and
-    ``fallback="local"``): asked in the flush call that renames the marker in, and right before a version switch."""
-
-    def moved(self, place: Callable[[str], str]) -> CommitEvent:
-        """The same commit with every file at ``place(path)``: a new version switched in, or a lower tier (which
-        the trainer's later moves never concern: ``wanted`` stays with the first commit)."""
-        return dataclasses.replace(self, files={place(p): n for p, n in self.files.items()},
-                                   snapshots={place(p): s for p, s in self.snapshots.items()}, wanted=None)
-
-
-class CommitListener(Protocol):
-    """What the ledger announces, to the daemon's parts that follow commits (the tier transfers)."""
-
-    def committed(self, commit: CommitEvent) -> None:
-        """``commit`` is committed on the tier its files were written to."""
-
-    def pruned(self, folders: list[str]) -> None:
-        """Retention deleted these tag folders."""
-
-    def holds(self) -> set[str]:
-        """Tags retention must not delete yet."""
-
-
 @dataclass
 class _TagGroup:
     """One tag of one multi-rank job on this node, while its local ranks commit."""
@@ -153,6 +113,17 @@ class _TagGroup:
     """The newest snapshot id among the node's files: see CommitLedger._tracked."""
     sequence: int = 0
     """The sequence of the node's first rank to ask (that named a file): the tag's place among the job's tags."""
+
+    @classmethod
+    def start(cls, ranks: Ranks, requested_ns: int) -> _TagGroup:
+        done = asyncio.get_running_loop().create_future()
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return cls(ranks=ranks, done=done, requested_ns=requested_ns)
+
+    @property
+    def failed(self) -> bool:
+        """It failed, and waits only to tell the node's ranks still to commit it (see ``CommitLedger._fail_round``)."""
+        return self.done.done() and not self.done.cancelled() and self.done.exception() is not None
 
 
 class CommitLedger:
@@ -209,16 +180,47 @@ class CommitLedger:
         jobs = self._committing.get((client_id, tag), [])
         return any(within(j.path, folder) for j in jobs)
 
-    def add(self, job: SnapshotJob) -> None:
+    def add(self, job: SnapshotJob, ranks: Ranks) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
+        if ranks.world_size > 1:
+            job.durable.add_done_callback(functools.partial(self._snapshot_done, ranks, job))
+
+    def _snapshot_done(self, ranks: Ranks, job: SnapshotJob, durable: asyncio.Future) -> None:
+        if not durable.cancelled() and durable.exception() is not None:
+            self._fail_round(ranks, job.tag, f"{job.path}: {durable.exception()}")
 
     def skip(self, client_id: str, tag: str, reason: str) -> None:
         """Remember why ``tag`` was skipped, so its commit says so instead of 'nothing to commit'."""
         _remember(self._skipped, (client_id, tag), reason)
 
-    def refuse(self, client_id: str, tag: str, reason: str) -> None:
-        """A snapshot of ``tag`` was refused: its commit fails, naming why, instead of committing the others."""
+    def refuse(self, client_id: str, tag: str, reason: str, ranks: Ranks) -> None:
+        """A snapshot of ``tag`` was refused: its commit fails, naming why, instead of committing the others; and so
+        does every other rank's commit of the tag, at once."""
         _remember(self._refused, (client_id, tag), reason)
+        self._fail_round(ranks, tag, reason)
+
+    def _fail_round(self, ranks: Ranks, tag: str, why: str) -> None:
+        """Rank ``ranks.rank``'s snapshot of ``tag`` was refused or failed before it committed the tag: the tag's
+        round on this node fails now, for the ranks waiting in it and those yet to commit it, not at commit_timeout.
+
+        A rank that committed the round already failed in a snapshot of its next one: its own
+        commit of that one says so.
+        """
+        if ranks.world_size == 1:
+            return
+        key = (ranks.job, ranks.world_size, tag)
+        group = self._groups.get(key)
+        if group is not None and ranks.rank in group.committed:
+            if not group.done.done():
+                return
+            group = None  # a round that failed, and told this rank: this snapshot is of the next one
+        if group is None:
+            group = self._groups[key] = _TagGroup.start(ranks, time.time_ns())
+            for stale in [k for k, g in self._groups.items() if g.failed][:-HISTORY]:  # ranks that never committed them
+                del self._groups[stale]
+        if not group.done.done():
+            group.done.set_exception(CommitError(
+                f"tag {tag!r} not committed: rank {ranks.rank}'s snapshot of it failed: {why}", tag=tag))
 
     def skipped(self, client_id: str, tag: str) -> str:
         return self._skipped.get((client_id, tag), "")
@@ -234,15 +236,22 @@ class CommitLedger:
     def rank_lost(self, ranks: Ranks) -> None:
         """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout."""
         for key, group in list(self._groups.items()):
-            if key[:2] == (ranks.job, ranks.world_size) and ranks.rank not in group.committed and not group.done.done():
-                group.done.set_exception(CommitError(
-                    f"tag {key[2]!r} not committed: rank {ranks.rank} is gone without committing it", tag=key[2]))
-                del self._groups[key]
+            if key[:2] == (ranks.job, ranks.world_size) and ranks.rank not in group.committed:
+                if not group.done.done():
+                    group.done.set_exception(CommitError(
+                        f"tag {key[2]!r} not committed: rank {ranks.rank} is gone without committing it", tag=key[2]))
+                self._told(key, group, ranks.rank)  # its restart's commit of the tag is of the next round
+
+    def _told(self, key: tuple[str, int, str], group: _TagGroup, rank: int) -> None:
+        """``rank`` was told that ``group``'s round failed: the group goes once every rank of the node was."""
+        group.committed.add(rank)
+        if len(group.committed) >= group.ranks.local_world_size and self._groups.get(key) is group:
+            del self._groups[key]
 
     def groups(self) -> list[dict[str, Any]]:
         """Multi-rank tags waiting for ranks or nodes, for ``status``."""
         return [{"tag": tag, "job": job, "committed_ranks": sorted(g.committed), "local_ranks": g.ranks.local_world_size,
-                 "nodes": g.ranks.num_nodes} for (job, _, tag), g in self._groups.items()]
+                 "nodes": g.ranks.num_nodes} for (job, _, tag), g in self._groups.items() if not g.failed]
 
     async def commit(self, client_id: str, tag: str, ranks: Ranks) -> m.Committed:
         key = (client_id, tag)
@@ -251,6 +260,9 @@ class CommitLedger:
             await self._drop(self._open.pop(key, []) + self._failed.pop(key, []), set())
             if skipped:
                 raise SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({skipped})", tag=tag)
+            group = self._groups.get((ranks.job, ranks.world_size, tag))
+            if group is not None and group.failed and ranks.rank not in group.committed:  # the round its refusal failed
+                self._told((ranks.job, ranks.world_size, tag), group, ranks.rank)
             raise CommitError(f"tag {tag!r} not committed: one of its snapshots was refused: {refused}", tag=tag)
         jobs = self._committing[key] = self._open.pop(key, None) or []
         self._versions.seal([j.path for j in jobs])  # before any await: a snapshot admitted next gets its own version
@@ -342,23 +354,25 @@ class CommitLedger:
         """One rank's share; the node's last rank to arrive finishes the tag for all of them."""
         key = (ranks.job, ranks.world_size, tag)
         group = self._groups.get(key)
+        if group is not None and group.failed and ranks.rank in group.committed:
+            group = None  # that round failed and told this rank: this commit is of the next one
         if group is None:
-            group = self._groups[key] = _TagGroup(
-                ranks=ranks, done=asyncio.get_running_loop().create_future(), requested_ns=requested_ns)
-            group.done.add_done_callback(lambda f: f.cancelled() or f.exception())
+            group = self._groups[key] = _TagGroup.start(ranks, requested_ns)
         if ranks.rank in group.committed:
             raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
         group.sequence = group.sequence or sequence  # the first rank to ask, unless it named no file
         group.committed.add(ranks.rank)
-        try:
-            group.files.update(await self._durable(tag, jobs))
-            group.snapshots.update({j.path: j.snapshot for j in jobs})
-            group.order = max([group.order, *(j.id for j in jobs)])
-        except CommitError as exc:
-            if not group.done.done():
-                group.done.set_exception(exc)
-            self._groups.pop(key, None)
-            raise
+        if not group.failed:
+            try:
+                group.files.update(await self._durable(tag, jobs))
+                group.snapshots.update({j.path: j.snapshot for j in jobs})
+                group.order = max([group.order, *(j.id for j in jobs)])
+            except CommitError as exc:
+                if not group.done.done():
+                    group.done.set_exception(exc)
+        if group.failed:  # a rank's snapshot was refused or failed: every rank is told at once
+            self._told(key, group, ranks.rank)
+            return await group.done
         group.durable += 1
         if group.durable == ranks.local_world_size:
             try:
@@ -502,7 +516,7 @@ class CommitLedger:
 
     def open_tags(self) -> set[str]:
         """Tags with snapshots not yet committed (being saved again), or held by a listener (a tier transfer): never pruned."""
-        held = {tag for _, tag in self._open} | {tag for _, _, tag in self._groups}
+        held = {tag for _, tag in self._open} | {tag for (_, _, tag), g in self._groups.items() if not g.failed}
         return held.union(*(listener.holds() for listener in self._listeners))
 
     async def _write(self, path: str, data: bytes, tag: str, check: Callable[[int], None] | None = None) -> None:

@@ -4,8 +4,12 @@ Most training faults are a dead trainer on a healthy node; its restart is fastes
 what the daemon still holds. With ``memory_restore: latest`` the engine's sink writes each
 snapshot a second time, from the same pool chunks (no storage read), as a replica: a file
 in the daemon's own folder under /dev/shm, within ``memory_restore_budget``. A replica
-serves restores only once its tag is committed, and a file's older replicas are dropped
-when a newer tag of it commits, so each rank keeps its newest committed snapshot. Files are
+serves restores only once its tag is committed, and only for the snapshot its tag's marker
+lists (its identity, ``FileHeader.snapshot``): a tag saved again (a rolling ``last``) lists
+its newest version, never an older one the daemon may still hold. The store follows the
+ledger's commits (a ``CommitListener``): each commit retires every replica of its files'
+rank files that it supersedes, of its own tag too, so each rank keeps its newest
+committed snapshot, and old versions never fill the budget. Files are
 told apart by their rank file (the run folder above the tag folder, and the file's name:
 rank3.pt under /ckpt), not by job id: a restarted job, with a new run id, still replaces
 the replicas of the run it restarts.
@@ -29,11 +33,12 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.paths import SHM_DIR
 
+from .events import CommitEvent
 from .instances import Gone
 
 log = logging.getLogger(__name__)
@@ -52,6 +57,8 @@ class Replica:
     size: int
     tag: str
     rank: tuple[str, int]
+    snapshot: str
+    """Which snapshot it holds (``FileHeader.snapshot``): it serves a restore only if its tag's marker lists that one."""
     committed: bool = False
     spare: str = ""
     """A superseded replica's file of the same rank file, for the writer to write over (or "")."""
@@ -116,7 +123,7 @@ class ReplicaStore:
         if policy != "none":
             os.makedirs(self.folder, mode=0o700, exist_ok=True)
 
-    def reserve(self, job_id: int, path: str, tag: str, size: int, ranks: Ranks) -> Replica | None:
+    def reserve(self, job_id: int, path: str, tag: str, size: int, ranks: Ranks, snapshot: str) -> Replica | None:
         """A replica to write for snapshot ``job_id``, or None when the policy is off or the budget or /dev/shm has no room."""
         if self.policy == "none":
             return None
@@ -136,7 +143,7 @@ class ReplicaStore:
             self._remove(spare.file if spare else "")
             return None
         replica = Replica(job_id, path, os.path.join(self.folder, f"{job_id}-{os.path.basename(path)}"), size,
-                          tag, (ranks.job, ranks.rank), spare=spare.file if spare else "")
+                          tag, (ranks.job, ranks.rank), snapshot, spare=spare.file if spare else "")
         self._held[job_id] = replica
         self.used += size
         return replica
@@ -174,30 +181,43 @@ class ReplicaStore:
         if any(paths):
             self._on_removed()
 
-    def committed(self, tag: str, job_ids: Iterable[int]) -> None:
-        """Snapshots ``job_ids`` (one client's, of ``tag``) are committed: their replicas serve restores, older ones of each file go."""
-        for job_id in job_ids:
-            replica = self._held.get(job_id)
-            if replica is None:
-                continue
-            replica.committed = True
-            for old in [r for r in self._held.values()
-                        if r.rank_file == replica.rank_file and r.job_id < replica.job_id and r.tag != tag]:
+    def committed(self, commit: CommitEvent) -> None:
+        """``commit``'s files are committed (at the paths readers see): the replicas of the snapshots it lists serve
+        restores, and every replica of the same rank files that it supersedes goes, of its own tag too: every other
+        committed one, and the older ones left uncommitted (a save of a failed commit) once written. Those of the
+        commit's files that have no replica (over budget) supersede just the same."""
+        for path, snapshot in commit.snapshots.items():
+            current = next((r for r in self._held.values() if r.path == path and r.snapshot == snapshot), None)
+            if current is not None:
+                current.committed = True
+            for old in [r for r in self._held.values() if r is not current and r.rank_file == rank_file(path)
+                        and (r.committed or (current is not None and r.job_id < current.job_id
+                                             and os.path.exists(r.file)))]:  # exists: written, not in flight
                 self._supersede(old)
 
-    def lookup(self, path: str, tag: str, size: int) -> tuple[Replica | None, str]:
-        """The committed replica of ``path`` for ``tag``, or None and why not."""
+    def pruned(self, folders: list[str]) -> None:
+        """Nothing to do: retention deletes a run's older tags, whose replicas went when newer ones committed."""
+
+    def holds(self) -> set[str]:
+        """Replicas hold no tag on storage."""
+        return set()
+
+    def lookup(self, path: str, tag: str, size: int, snapshot: str) -> tuple[Replica | None, str]:
+        """The committed replica of ``path`` for ``tag`` holding ``snapshot`` (what its marker lists), or None and why not."""
         if self.policy == "none":
             return None, "memory_restore is none on this daemon"
         found = [r for r in self._held.values() if r.path == path]
         if not found:
             return None, "the daemon holds no replica of it (not kept: over budget, or the daemon restarted)"
-        match = [r for r in found if r.tag == tag and r.committed and r.size == size and os.path.exists(r.file)]
-        if not match:
+        if not any(r.tag == tag for r in found):
             return None, f"the daemon's replica is of another tag ({', '.join(sorted({r.tag for r in found}))})"
-        replica = max(match, key=lambda r: r.job_id)
-        replica.served = True
-        return replica, ""
+        match = [r for r in found if r.tag == tag and r.snapshot == snapshot and r.committed and r.size == size
+                 and os.path.exists(r.file)]
+        if not snapshot or not match:
+            return None, (f"the daemon holds no replica of the version of tag {tag!r} its marker lists "
+                          f"(snapshot {snapshot or 'not named'}), only of another version")
+        match[0].served = True
+        return match[0], ""
 
     def close(self) -> None:
         """A stopped daemon's replicas serve no one: the next daemon knows nothing of them."""
@@ -212,5 +232,6 @@ class ReplicaStore:
             "spare_bytes": sum(sp.size for sp in self._spares.values()),
             "folder": self.folder,
             "replicas": [{"tag": r.tag, "path": r.path, "file": r.file, "size": r.size, "rank": r.rank[1], "job": r.rank[0],
-                          "committed": r.committed, "in_place": r.in_place} for r in self._held.values()],
+                          "snapshot": r.snapshot, "committed": r.committed, "in_place": r.in_place}
+                         for r in self._held.values()],
         }

@@ -74,6 +74,7 @@ class Daemon:
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
                                      on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed())
+        self.ledger.subscribe(self.replicas)
         self._tasks: set[asyncio.Task] = set()
         self._left: dict[str, str] = {}
         """Decision folders of clients that left, removed once none of their snapshots is pending."""
@@ -176,7 +177,7 @@ class Daemon:
             except Exception as exc:  # any refusal, an internal one too: committing the tag's other files would
                 # make a partial tag (the fault schedules, seed 92834)
                 why = exc.message if isinstance(exc, DatastatesError) else f"internal: {type(exc).__name__}: {exc}"
-                self.ledger.refuse(client.id, body.tag, f"{body.path}: {why}")
+                self.ledger.refuse(client.id, body.tag, f"{body.path}: {why}", client.ranks)
                 client.release_unopened(body.sources)
                 raise
             if ack.skipped:
@@ -219,9 +220,9 @@ class Daemon:
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
         job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision, fences=fences,
                           owner_alive=lambda: self.clients.alive(client.id, self.cfg.client_timeout))
-        job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks)
+        job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks, job.snapshot)
         self.jobs.add(job)
-        self.ledger.add(job)
+        self.ledger.add(job, client.ranks)
         self._spawn(self._run(job, earlier))
         return m.SnapshotAck(snapshot_id=job.id, total_bytes=job.total_bytes)
 
@@ -287,15 +288,14 @@ class Daemon:
     async def _commit(self, identity: bytes, body: m.Commit) -> m.Committed:
         client = self.clients.get(identity)
         await self.jobs.admitted(client.id)
-        mine = [j.id for j in self.jobs.of_client(client.id, body.tag)]
         committed = await self.ledger.commit(client.id, check_tag(body.tag), client.ranks)
-        self.replicas.committed(body.tag, mine)
         log.info("tag %s committed by %s: %s", body.tag, client.id, committed.marker)
         return committed
 
     async def _restore(self, identity: bytes, body: m.Restore) -> m.RestoreReply:
         self.clients.get(identity)
-        replica, why_not = self.replicas.lookup(check_path(body.path, self.cfg.storage.roots), body.tag, body.size)
+        replica, why_not = self.replicas.lookup(check_path(body.path, self.cfg.storage.roots), body.tag, body.size,
+                                                body.snapshot)
         return m.RestoreReply(replica=replica.file if replica else "", why_not=why_not)
 
     async def _status(self, identity: bytes, body: m.Status) -> m.StatusReply:

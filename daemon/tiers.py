@@ -33,7 +33,8 @@ from datastates.protocol.fileio import PAGE, open_for_reading
 from datastates.protocol.format import align_up, marker_name
 from datastates.protocol.tags import CommittedTag, committed_tags, read_marker
 
-from .commit import CommitEvent, CommitLedger
+from .commit import CommitLedger
+from .events import CommitEvent
 from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .sink import FileSink

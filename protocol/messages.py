@@ -156,12 +156,14 @@ class Committed(Body):
 
 @dataclass(frozen=True)
 class Restore(Body):
-    """Where the daemon's replica (its file in /dev/shm) of ``path`` is, if it holds one of ``tag`` with ``size`` bytes."""
+    """Where the daemon's replica (its file in /dev/shm) of ``path`` is, if it holds one of ``tag`` with ``size`` bytes
+    holding ``snapshot``, the snapshot the tag's marker lists for the file ("" from an older client: none serves)."""
 
     TYPE = MsgType.RESTORE
     path: str
     tag: str
     size: int
+    snapshot: str = ""
 
 
 @dataclass(frozen=True)

@@ -324,6 +324,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/faults/test_connections.py::"
          "test_connections_that_send_one_byte_and_never_say_hello_are_shed_under_a_hard_limit_of_256",),
     ),
+    Mutation(
+        "replica-identity-unchecked",
+        "a restore from memory takes any committed replica of the tag and file, not the snapshot its marker lists",
+        (Edit("daemon/replicas.py",
+              "r.tag == tag and r.snapshot == snapshot and r.committed",
+              "r.tag == tag and r.committed  # MUTATION: identity unchecked"),
+         Edit("daemon/replicas.py", "        if not snapshot or not match:\n", "        if not match:\n")),
+        ("tests/test_restore.py::test_a_tag_saved_again_without_the_daemon_never_restores_the_daemons_older_replica",),
+    ),
+    Mutation(
+        "replica-own-tag-kept",
+        "a commit retires the replicas of other tags only: a re-saved tag's old versions pile up in the budget",
+        (Edit("daemon/replicas.py",
+              "if r is not current and r.rank_file == rank_file(path)\n",
+              "if r is not current and r.rank_file == rank_file(path) and r.tag != commit.tag  # MUTATION\n"),),
+        ("tests/test_restore.py::test_a_re_saved_tag_restores_its_committed_version_and_keeps_no_older_replica[8MiB]",),
+    ),
+    Mutation(
+        "refused-rank-waits",
+        "a rank's refused snapshot fails its own commit only: the other ranks wait for it until commit_timeout",
+        (Edit("daemon/commit.py",
+              "        _remember(self._refused, (client_id, tag), reason)\n        self._fail_round(ranks, tag, reason)\n",
+              "        _remember(self._refused, (client_id, tag), reason)  # MUTATION: the round waits\n"),),
+        ("tests/test_multirank.py::test_a_refused_rank_fails_every_ranks_commit_at_once[True]",),
+    ),
 )
 
 

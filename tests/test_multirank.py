@@ -248,3 +248,69 @@ def test_a_rank_killed_before_committing_fails_the_tag_at_once(start_daemon: Cal
         with pytest.raises(CommitError, match="rank 1 is gone"):
             fut.result(timeout=120)
     assert datastates.latest(d.root) is None
+
+
+RANK = """
+import sys, torch
+from datastates.client import Client
+from datastates.protocol.descriptors import Ranks
+from datastates.protocol.errors import DatastatesError
+endpoint, rank, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ranks = Ranks(rank=rank, local_rank=rank, world_size=2, local_world_size=2, job="j1")
+with Client(endpoint, timeout=60, ranks=ranks) as c:
+    for step in ("save", "commit"):
+        input()  # the test says when
+        try:
+            if step == "save":
+                c.snapshot({"w": torch.ones(3)}, path, tag="global_step1")
+                c.wait()
+            else:
+                c.commit("global_step1").result(timeout=3600)
+            print("OK", flush=True)
+        except DatastatesError as exc:
+            print(type(exc).__name__, exc.message.replace("\\n", " "), flush=True)
+"""
+
+
+@pytest.mark.parametrize("refused_first", [True, False])
+def test_a_refused_rank_fails_every_ranks_commit_at_once(start_daemon: Callable[..., DaemonProc],
+                                                         refused_first: bool) -> None:
+    """Rank 0's snapshot is refused by the daemon (its path is a file of another committed tag): rank 1's commit
+    fails at once with that reason, whether it was already waiting or comes later, and rank 0's too.
+    commit_timeout is 600 s: a pass within pytest's own timeout shows it was not waited for."""
+    d = start_daemon(commit_timeout=600)
+    with Client(d.endpoint, timeout=60) as solo:
+        save(solo, {"w": torch.zeros(3)}, d.root / "other" / "rank0.pt", tag="other")
+    paths = [d.root / "other" / "rank0.pt", d.root / "global_step1" / "rank1.pt"]
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, d.endpoint, str(r), str(paths[r])], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+
+    def step(r: int) -> str:
+        proc = ranks[r]
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        return proc.stdout.readline().strip()
+
+    try:
+        assert step(1) == "OK"  # rank 1's snapshot
+        if refused_first:
+            assert step(0).startswith("PathNotAllowedError")
+            told = [step(1), step(0)]
+        else:
+            assert ranks[1].stdin is not None
+            ranks[1].stdin.write("\n")  # rank 1 commits and waits for rank 0
+            ranks[1].stdin.flush()
+            gathering_tags(d)
+            assert step(0).startswith("PathNotAllowedError")
+            assert ranks[1].stdout is not None
+            told = [ranks[1].stdout.readline().strip(), step(0)]
+        for r, line in enumerate(told):
+            assert line.startswith("CommitError") and "rank0.pt" in line and "refused" in line, (r, line)
+        for proc in ranks:
+            assert proc.wait(60) == 0
+    finally:
+        for proc in ranks:
+            proc.kill()
+    assert not (d.root / "global_step1" / marker_name("global_step1")).exists()
+    assert daemon_status(d.endpoint)["tags_gathering"] == []

@@ -23,6 +23,7 @@ import datastates
 from datastates.client import Client, daemon_status
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import CommitError, CorruptCheckpointError, InvalidRequestError
+from datastates.protocol.format import CommitMarker, marker_name
 
 from conftest import DaemonProc, assert_state_equal, mapped_files, save
 
@@ -252,3 +253,53 @@ def test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages(start_d
     # the served replica was removed, not reused: the daemon's kept mapping of it went too (its pages are freed)
     removed = [m for m in mapped_files(d, daemon_status(d.endpoint)["replicas"]["folder"]) if m.endswith("(deleted)")]
     assert not removed, f"the daemon still maps removed replicas: {removed}"
+
+
+@pytest.mark.parametrize("budget", ["1536KiB", "8MiB"])
+def test_a_re_saved_tag_restores_its_committed_version_and_keeps_no_older_replica(
+        start_daemon: Callable[..., DaemonProc], budget: str) -> None:
+    """A rolling tag ``last`` saved and committed again and again: every restore is the version its marker lists,
+    and the daemon holds no replica of an older version. 1.5 MiB holds one 1 MB replica, not two, so every other
+    version has none (its restore reads storage, never the older replica); 8 MiB would fill with old versions."""
+    d = start_daemon(memory_restore_budget=budget)
+    run = d.root / "run"
+    path = run / "last" / "rank0.pt"
+    sources = set()
+    with Client(d.endpoint, timeout=60) as c:
+        for step in range(1, 11):
+            state = {"w": torch.full((250_000,), float(step)), "step": step}
+            save(c, state, path, tag="last")
+            restored = c.restore(run, "rank0.pt", tag="last")
+            assert restored is not None
+            got = (restored.source, restored.state["step"])  # never the state itself: no tensor in a failure
+            assert got[1] == step, f"step {step} committed, restored {got}"
+            assert_state_equal(state, restored.state)
+            sources.add(restored.source)
+        replicas = c.status()["replicas"]
+    assert "memory" in sources, sources
+    listed = CommitMarker.read(str(run / "last" / marker_name("last")))
+    assert listed is not None
+    held = [(r["snapshot"], r["committed"]) for r in replicas["replicas"]]
+    assert held in ([], [(listed.files[0].snapshot, True)]), (held, listed.files[0].snapshot)
+    assert replicas["used_bytes"] == replicas["spare_bytes"] + sum(r["size"] for r in replicas["replicas"])
+    assert replicas["used_bytes"] <= 2 * path.stat().st_size, replicas  # the newest version's replica and one spare
+
+
+def test_a_tag_saved_again_without_the_daemon_never_restores_the_daemons_older_replica(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
+    """``last`` committed through the daemon, then saved again by a trainer on its own (``fallback="local"``, no
+    daemon): the daemon still holds its committed replica of the version before, same tag, path and size. The
+    marker lists the new snapshot, so the restore reads storage, never that replica."""
+    d = start_daemon()
+    run = d.root / "run"
+    path = run / "last" / "rank0.pt"
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, {"w": torch.full((1000,), 1.0), "step": 1}, path, tag="last")
+        with Client(f"ipc://{tmp_path}/no-daemon.sock", timeout=2, fallback="local") as local:
+            assert local.local
+            save(local, {"w": torch.full((1000,), 2.0), "step": 2}, path, tag="last")
+        assert [r["committed"] for r in c.status()["replicas"]["replicas"]] == [True]  # the case under test
+        restored = c.restore(run, "rank0.pt", tag="last")
+    assert restored is not None
+    assert (restored.source, restored.state["step"]) == ("storage", 2), restored.why_not_memory
+    assert "another version" in restored.why_not_memory
