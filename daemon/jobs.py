@@ -40,8 +40,8 @@ class JobTable:
     def get(self, job_id: int) -> SnapshotJob | None:
         return self._jobs.get(job_id)
 
-    def of_client(self, client_id: str, tag: str | None = None) -> list[SnapshotJob]:
-        return [j for j in self._jobs.values() if j.client_id == client_id and (tag is None or j.tag == tag)]
+    def of_client(self, client_id: str) -> list[SnapshotJob]:
+        return [j for j in self._jobs.values() if j.client_id == client_id]
 
     def pending(self) -> list[SnapshotJob]:
         return [j for j in self._jobs.values() if j.pending]
