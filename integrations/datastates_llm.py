@@ -174,7 +174,9 @@ class CheckpointEngine:
         """The state at ``path``, once no snapshot of it is still being written, by this rank or any other of the node.
 
         Waits for the snapshots the daemon has taken in: one whose message is still on its
-        way from another process is not seen.
+        way from another process is not seen. A new version of a committed ``path`` is
+        waited for until its commit puts it in place (or it is given up), not only until
+        it is written: till then ``path`` still holds the old version.
 
         Reads datastates files and, for a job that switched, files ``torch.save`` wrote.
         DeepSpeed trusts its own checkpoint folder (its torch engine loads with
@@ -182,8 +184,7 @@ class CheckpointEngine:
         """
         path = os.path.abspath(os.fspath(path))
         self.client.wait()  # the caller copies what it loads into tensors a snapshot may still be reading
-        while any(_same_file(s["path"], path) and s["state"] in ("copying", "flushing")
-                  for s in self.client.status()["snapshots"]):
+        while any(_writing(s, path) for s in self.client.status()["snapshots"]):
             time.sleep(POLL_S)
         return load_any(path, map_location, weights_only=False)
 
@@ -242,10 +243,31 @@ def _mend_deepspeeds_wrapper() -> None:
         engine.ckpt_engine = None
 
 
-def _same_file(written: str, path: str) -> bool:
-    """Whether the daemon's ``written`` path is ``path``, or its new version in the tag's hidden staging folder."""
+def _writing(snapshot: dict[str, Any], path: str) -> bool:
+    """Whether the daemon's ``snapshot`` (an entry of its status) is a version of ``path`` not yet readable there.
+
+    One of ``path`` itself while it is copied or flushed; a new version of a committed
+    ``path``, written in its tag's staging folder, until its commit switches it in (or it
+    is abandoned): both remove the staging folder, so the old version is read until then.
+    """
+    written = snapshot["path"]
     if written == path:
-        return True
-    staged, tag_folder = os.path.dirname(written), os.path.dirname(path)
-    return (os.path.basename(written) == os.path.basename(path) and bool(STAGING_RE.fullmatch(os.path.basename(staged)))
-            and os.path.dirname(staged) == os.path.dirname(tag_folder))
+        return snapshot["state"] in ("copying", "flushing")
+    return (snapshot["state"] in ("copying", "flushing", "durable") and snapshot["tag"] == tag_of(path)
+            and _staged_version(written, path) and os.path.isdir(_staging_folder(written)))
+
+
+def _staging_folder(written: str) -> str:
+    """The staging folder (protocol/format.py, STAGING_RE) ``written`` lies in, or ""."""
+    parts = written.split(os.sep)
+    at = next((i for i, name in enumerate(parts) if STAGING_RE.fullmatch(name)), None)
+    return os.sep.join(parts[:at + 1]) if at is not None else ""
+
+
+def _staged_version(written: str, path: str) -> bool:
+    """Whether ``written`` is a new version of ``path``: the same place below a staging folder beside its tag folder."""
+    staging = _staging_folder(written)
+    if not staging:
+        return False
+    rel = os.path.relpath(path, os.path.dirname(staging)).split(os.sep)
+    return rel[0] != os.pardir and len(rel) > 1 and rel[1:] == os.path.relpath(written, staging).split(os.sep)

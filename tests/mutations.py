@@ -238,6 +238,15 @@ MUTATIONS: tuple[Mutation, ...] = (
               "            result = closure()  # MUTATION: no wait before the update\n"),),
         ("tests/integrations/test_lightning.py::test_the_fence_keeps_each_checkpoint_at_its_step",),
     ),
+    Mutation(
+        "llm-load-reads-staged-early",
+        "DataStates-LLM load: a new version still in its tag's staging folder, written but not committed, is not "
+        "waited for, so the old version is read",
+        (Edit("integrations/datastates_llm.py",
+              'in ("copying", "flushing", "durable")',
+              'in ("copying", "flushing")'),),  # MUTATION: a durable staged version is not waited for
+        ("tests/integrations/test_datastates_llm.py::test_load_waits_for_a_file_another_rank_is_still_writing[True]",),
+    ),
 )
 
 
