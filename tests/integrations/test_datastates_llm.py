@@ -158,7 +158,7 @@ def test_a_program_that_never_shuts_down_still_commits(daemon: DaemonProc) -> No
 @pytest.mark.parametrize("resave", [False, True])
 def test_load_waits_for_a_file_another_rank_is_still_writing(daemon: DaemonProc, engine: Checkpointing,
                                                              resave: bool) -> None:
-    """Another process of the node saves a 256 MiB file; this one loads it as soon as that save() returned:
+    """Another process of the node saves a 256 MiB file; this one loads it as soon as the daemon holds its copy:
     ``load`` waits for the daemon to finish writing it instead of failing on a missing file or, when the path was
     committed before (``resave``: the new version is written in the tag's hidden staging folder), reading the old."""
     path = str(daemon.root / "global_step1" / "other_rank.pt")
@@ -172,7 +172,7 @@ def test_load_waits_for_a_file_another_rank_is_still_writing(daemon: DaemonProc,
             "e = datastates.CheckpointEngine({}, 1)\n"
             + before +
             f"e.save({{'w': torch.full((64 << 20,), 7.0)}}, {path!r})\n"
-            "e.client.status()\n"  # a round trip after the snapshot: the daemon has taken it in
+            "e.wait()\n"  # the daemon holds its copy, so it has taken the snapshot in (a STATUS may come first)
             "print('saved', flush=True)\n"
             + hold +
             "e.wait(True)\n")
