@@ -247,6 +247,23 @@ MUTATIONS: tuple[Mutation, ...] = (
               'in ("copying", "flushing")'),),  # MUTATION: a durable staged version is not waited for
         ("tests/integrations/test_datastates_llm.py::test_load_waits_for_a_file_another_rank_is_still_writing[True]",),
     ),
+    Mutation(
+        "client-stays-lost",
+        "after a daemon was lost (stalled past liveness), the client never connects again: every later call fails",
+        (Edit("client/client.py",
+              "        if self._local is None and (self._left or self._conn.lost):\n            self._reconnect()\n",
+              "        pass  # MUTATION: no reconnect\n"),),
+        ("tests/faults/test_stall.py::test_after_a_stall_the_client_connects_again_as_a_new_client",
+         "tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness"),
+    ),
+    Mutation(
+        "llm-step-raises-lost",
+        "DeepSpeed's datastates_ckpt path: a daemon lost at the optimizer step's fence is raised out of the step",
+        (Edit("integrations/datastates_llm.py",
+              "        except DaemonUnavailable as exc:\n            self._commits.lost(tags, exc)\n",
+              "        except DaemonUnavailable:\n            raise  # MUTATION: the step fails\n"),),
+        ("tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness",),
+    ),
 )
 
 

@@ -164,6 +164,34 @@ def test_a_daemon_stalled_before_its_rename_never_writes_over_a_trainer_that_wen
     assert not list(d.root.rglob(f"*{TEMP_SUFFIX}"))
 
 
+def test_after_a_stall_the_client_connects_again_as_a_new_client(stallable: DaemonProc) -> None:
+    """Issue 27 item 9: ``wait()`` said once that step 1 was lost (DaemonUnavailable); once the daemon is back, the
+    next snapshot connects again as a new client (the old one released, step 1 never written), and commits."""
+    d = stallable
+    c, t, copied, committed = stalled_save(d, d.root / "run" / "step1" / "m.pt", 0.15)
+    assert not copied, "the copy finished within 0.15 s: this machine is too fast for the case"
+    with pytest.raises(DaemonUnavailable):
+        committed.result(timeout=60)
+    lost = c.client_id
+    d.proc.send_signal(signal.SIGCONT)
+    try:
+        c.snapshot({"t": t}, d.root / "run" / "step2" / "m.pt")  # connects again
+        c.wait()
+        c.commit("step2").result(timeout=60)
+        assert c.client_id != lost and not c.local
+        settled(d)
+        for _ in range(1200):  # a hang guard: the daemon's watch releases the client that left
+            clients = [client["id"] for client in daemon_status(d.endpoint)["clients"]]
+            if lost not in clients:
+                break
+            time.sleep(0.05)
+        assert clients == [c.client_id], clients
+    finally:
+        c.close(timeout=5)
+    assert datastates.latest(d.root / "run") == "step2" and not (d.root / "run" / "step1" / "m.pt").exists()
+    assert torch.equal(datastates.load(d.root / "run" / "step2" / "m.pt")["t"], torch.full((ELEMENTS,), 2.0))
+
+
 @pytest.mark.parametrize("folder", ["/dev/shm/datastates-{uid}-client-1-0badc0de", "/tmp", "/dev/shm/../etc"],
                          ids=["missing", "not-a-decision-folder", "escape"])
 def test_a_bad_decision_folder_is_refused_at_hello_and_the_daemon_serves_on(stallable: DaemonProc, folder: str) -> None:
