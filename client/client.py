@@ -216,7 +216,7 @@ class Client:
         return self._gpu.blocks.shares
 
     def _probe_cuda(self, handle: str, expect: bytes) -> str:
-        reply = self._daemon().call(m.CudaProbe(handle=handle, expect=expect), self.timeout)
+        reply = self._conn.call(m.CudaProbe(handle=handle, expect=expect), self.timeout)
         return reply.refused
 
     @property
@@ -284,9 +284,7 @@ class Client:
         except DaemonUnavailable as exc:
             abandoned = self._give_up(pending)
             if abandoned:  # else the daemon had claimed every one copied: they are safe
-                local = self._go_local(DaemonUnavailable(
-                    f"{exc.message}; {len(abandoned)} snapshot(s) not yet copied are abandoned, the daemon will never "
-                    f"write them: {abandoned[:4]}", endpoint=self.endpoint))
+                local = self._go_local(self._abandoned(exc.message, abandoned))
                 for _ack, msg, cap in pending:  # unchanged since snapshot(): this is the fence
                     local.save(msg, cap.storages)
                 saved = {id(x): x[1].tag for x in pending}
@@ -317,6 +315,11 @@ class Client:
                         "comes back", self.endpoint)
         return abandoned
 
+    def _abandoned(self, why: str, abandoned: list[str]) -> DaemonUnavailable:
+        """The one report of a lost daemon: ``why``, and the snapshots given up (``_give_up``)."""
+        return DaemonUnavailable(f"{why}; {len(abandoned)} snapshot(s) not yet copied are abandoned, the daemon will "
+                                 f"never write them: {abandoned[:4]}", endpoint=self.endpoint)
+
     def _leave(self) -> None:
         """Leave this connection's daemon for good: a resumed daemon lets this client go instead of waiting on its
         pid, and writes nothing more for it (protocol/outcome.py)."""
@@ -326,7 +329,7 @@ class Client:
 
     def _daemon(self) -> Connection:
         """The connection to the daemon: after one was lost (and no fallback), a new one, as a new client."""
-        if self._local is None and (self._left or self._conn.lost):
+        if self.fallback is None and (self._left or self._conn.lost):
             self._reconnect()
         return self._conn
 
@@ -334,16 +337,19 @@ class Client:
         """Connect again to a daemon this client lost (stalled past liveness, restarted), as a new client.
 
         What the lost connection had not committed is lost with it, and said once: by the
-        ``wait()`` or the commit future that met the loss; snapshots the trainer has not
-        waited for yet are given up here, and that ``wait()`` raises instead. The first
+        ``wait()`` or the commit future that met the loss; snapshots not waited for yet are
+        given up here, and this call raises instead of that ``wait()``. The first
         connection's daemon was told this client left (protocol/outcome.py), so it releases
         what it held for it and never writes what was given up. A daemon still away raises
         DaemonUnavailable here, and the next call tries again.
         """
         if not self._left:  # the I/O thread met the loss; no call has said so yet
-            if self._uncopied:
-                self.wait()  # gives them up, and raises saying so
+            pending = list(self._uncopied)
+            abandoned = self._give_up(pending) if pending else []
+            self._drop(pending)
             self._leave()
+            if abandoned:
+                raise self._abandoned(f"datastatesd at {self.endpoint} was found gone", abandoned)
         lost = self.client_id
         self._gpu = GpuRoute(self._gpu.mode, self._staging, self._probe_cuda)  # the new client shares GPU memory anew
         self._connect()

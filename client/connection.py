@@ -97,9 +97,6 @@ class Connection:
         with self._lock:
             if self._closed:
                 raise DaemonUnavailable(f"connection to {self.endpoint} is closed")
-            if self.lost:  # its daemon would never answer, or would not know this client: fail now, not after liveness
-                raise DaemonUnavailable(f"datastatesd at {self.endpoint} was found gone: it no longer serves this "
-                                        "connection's client", endpoint=self.endpoint)
             msg_id = next(self._ids)
             self._pending[msg_id] = fut
             self._outbox.send_multipart(m.encode(body, msg_id))

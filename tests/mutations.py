@@ -251,7 +251,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "client-stays-lost",
         "after a daemon was lost (stalled past liveness), the client never connects again: every later call fails",
         (Edit("client/client.py",
-              "        if self._local is None and (self._left or self._conn.lost):\n            self._reconnect()\n",
+              "        if self.fallback is None and (self._left or self._conn.lost):\n            self._reconnect()\n",
               "        pass  # MUTATION: no reconnect\n"),),
         ("tests/faults/test_stall.py::test_after_a_stall_the_client_connects_again_as_a_new_client",
          "tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness"),

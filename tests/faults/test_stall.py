@@ -192,6 +192,34 @@ def test_after_a_stall_the_client_connects_again_as_a_new_client(stallable: Daem
     assert torch.equal(datastates.load(d.root / "run" / "step2" / "m.pt")["t"], torch.full((ELEMENTS,), 2.0))
 
 
+def test_a_loss_no_wait_met_is_told_by_the_next_call_which_then_connects_again(stallable: DaemonProc) -> None:
+    """The daemon is stopped before it takes a snapshot in; only the commit future meets the silence (no wait()).
+    Once the daemon is back, the next snapshot() says the lost snapshot was abandoned (once: a later wait() has
+    nothing to say), and the call after it connects again as a new client and commits."""
+    d = stallable
+    c = Client(d.endpoint, timeout=30, liveness=LIVENESS)
+    try:
+        d.proc.send_signal(signal.SIGSTOP)
+        c.snapshot({"t": torch.full((1 << 20,), 1.0)}, d.root / "run" / "step1" / "m.pt")
+        with pytest.raises(DaemonUnavailable, match="no sign of life"):
+            c.commit("step1").result(timeout=60)
+        d.proc.send_signal(signal.SIGCONT)
+        lost, t = c.client_id, torch.full((1 << 20,), 2.0)
+        with pytest.raises(DaemonUnavailable, match=r"1 snapshot\(s\) not yet copied are abandoned"):
+            c.snapshot({"t": t}, d.root / "run" / "step2" / "m.pt")
+        c.wait()  # told already
+        c.snapshot({"t": t}, d.root / "run" / "step2" / "m.pt")
+        c.wait()
+        c.commit("step2").result(timeout=60)
+        assert c.client_id != lost
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        c.close(timeout=5)
+    settled(d)
+    assert datastates.latest(d.root / "run") == "step2" and not (d.root / "run" / "step1" / "m.pt").exists()
+    assert torch.equal(datastates.load(d.root / "run" / "step2" / "m.pt")["t"], t)
+
+
 @pytest.mark.parametrize("folder", ["/dev/shm/datastates-{uid}-client-1-0badc0de", "/tmp", "/dev/shm/../etc"],
                          ids=["missing", "not-a-decision-folder", "escape"])
 def test_a_bad_decision_folder_is_refused_at_hello_and_the_daemon_serves_on(stallable: DaemonProc, folder: str) -> None:
