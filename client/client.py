@@ -30,7 +30,7 @@ from .cuda import GpuRoute
 from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
 from .inplace import Probe, allow_reader, yama_scope
 from .shm import Staging
-from .locate import locate
+from .locate import again_if_deleted, locate
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
 
@@ -467,10 +467,17 @@ class Client:
         From the daemon's memory when it holds a replica of that very tag, else from storage,
         and ``source`` says which. The tag comes from the commit markers on storage, so
         every rank of a job picks the same one and never mixes steps; None if none is committed.
-        ``weights_only`` as in ``datastates.load``: safe by default.
+        A tag deleted while it is read (another job's prune) gives way to the newest committed
+        one. ``weights_only`` as in ``datastates.load``: safe by default.
         """
         root = os.path.abspath(os.fspath(root))
-        found = locate(root, self.tiers, check_tag(tag) if tag is not None else None, self.ranks.num_nodes > 1)
+        tag = check_tag(tag) if tag is not None else None
+        return again_if_deleted(lambda: self._restore(root, name, tag, map_location, weights_only), root)
+
+    def _restore(self, root: str, name: str, tag: str | None, map_location: MapLocation,
+                 weights_only: bool) -> Restored | None:
+        """One try of ``restore``: FileNotFoundError where the tag it picked was deleted meanwhile."""
+        found = locate(root, self.tiers, tag, self.ranks.num_nodes > 1)
         if found is None:
             return None
         tag, folder, marker = found.tag, found.folder, found.marker

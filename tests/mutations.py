@@ -264,6 +264,16 @@ MUTATIONS: tuple[Mutation, ...] = (
               "        except DaemonUnavailable:\n            raise  # MUTATION: the step fails\n"),),
         ("tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness",),
     ),
+    Mutation(
+        "restore-races-prune",
+        "a restore whose tag another job's prune deleted between its choice and its read is not retried: a raw "
+        "FileNotFoundError",
+        (Edit("client/locate.py",
+              "        except FileNotFoundError as exc:\n",
+              "        except NotADirectoryError as exc:  # MUTATION: a deleted tag is not looked for again\n"),),
+        ("tests/integrations/test_manager.py::test_restore_racing_another_jobs_prune_restores_the_newest_committed_tag",
+         "tests/test_restore.py::test_a_restore_racing_another_jobs_prune_reads_the_newest_committed_tag"),
+    ),
 )
 
 
