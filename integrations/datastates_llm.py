@@ -282,8 +282,8 @@ def _writing(snapshot: dict[str, Any], path: str) -> bool:
     written = snapshot["path"]
     if written == path:
         return snapshot["state"] in ("copying", "flushing")
-    return (snapshot["state"] in ("copying", "flushing", "durable") and snapshot["tag"] == tag_of(path)
-            and _staged_version(written, path) and os.path.isdir(_staging_folder(written)))
+    return (snapshot["state"] in ("copying", "flushing", "durable") and _staged_version(written, path)
+            and os.path.isdir(_staging_folder(written)) and snapshot["tag"] == tag_of(path))
 
 
 def _staging_folder(written: str) -> str:
