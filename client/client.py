@@ -30,7 +30,7 @@ from .cuda import GpuRoute
 from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
 from .inplace import Probe, allow_reader, yama_scope
 from .shm import Staging
-from .locate import locate
+from .locate import again_if_deleted, locate
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
 
@@ -164,23 +164,37 @@ class Client:
         self._waiting = False
         """Whether ``wait()`` runs: a COMMIT the lost daemon fails meanwhile may be one it commits locally."""
         self._tickets = itertools.count(1)
+        self._name = name or f"pid{os.getpid()}"
+        self._on_busy = on_busy
+        self._liveness = liveness
+        self._left = False
+        """Set once this client left a daemon it lost: without the fallback, the next call connects again."""
+        try:
+            self._connect()
+        except DaemonUnavailable as exc:
+            self._go_local(exc)
+
+    def _connect(self) -> None:
+        """Say HELLO on a new connection, with a new decision folder: to the daemon, a new client.
+
+        At construction, and again after a lost daemon (``_reconnect``): a daemon that was
+        stalled past liveness, or restarted, does not know the old connection's client.
+        """
+        self._conn = Connection(self.endpoint, self._liveness)
         self._decisions = outcome.make_folder()
         """Where this client and the daemon agree on each snapshot's fate (protocol/outcome.py); the daemon removes it."""
-        self._conn = Connection(self.endpoint, liveness)
-        hello = m.Hello(pid=os.getpid(), name=name or f"pid{os.getpid()}", host=socket.gethostname(), on_busy=on_busy,
+        hello = m.Hello(pid=os.getpid(), name=self._name, host=socket.gethostname(), on_busy=self._on_busy,
                         pidns=pid_namespace(), started=process_start(os.getpid()) or "", ranks=self.ranks,
                         decisions=self._decisions, probe=str(self._probe or ""))
         try:
             if self._probe is not None and yama_scope() == 1:  # the daemon is no ancestor: name it our reader first
-                allow_reader(self._conn.call(m.Status(), timeout).status["daemon"]["pid"])
-            welcome = self._conn.call(hello, timeout)
-        except BaseException as exc:
+                allow_reader(self._conn.call(m.Status(), self.timeout).status["daemon"]["pid"])
+            welcome = self._conn.call(hello, self.timeout)
+        except BaseException:
             shutil.rmtree(self._decisions, ignore_errors=True)  # no daemon knows of it
-            if isinstance(exc, DaemonUnavailable):
-                self._go_local(exc)
-                return
             self._conn.close()
             raise
+        self._left = False
         self._conn.heartbeat = welcome.heartbeat_s
         self._conn.registered = True
         self.client_id = welcome.client_id
@@ -211,10 +225,9 @@ class Client:
         return self._local is not None
 
     def _go_local(self, exc: DaemonUnavailable) -> Any:
-        """Switch to local saves for good, or raise ``exc`` if the fallback is off."""
-        self._conn.close()
-        # for good: a resumed daemon lets this client go instead of waiting on its pid, and writes nothing more for it
-        outcome.leave(self._decisions, local=self.fallback == "local")
+        """Leave the daemon, then switch to local saves for good, or raise ``exc`` if the fallback is off (the next
+        call then connects again, as a new client)."""
+        self._leave()
         if self.fallback != "local":
             raise exc
         log.warning("%s; fallback='local': checkpoints are now written synchronously by the trainer", exc.message)
@@ -233,10 +246,10 @@ class Client:
         """
         path = os.path.abspath(os.fspath(path))
         tag = check_tag(tag if tag is not None else os.path.basename(os.path.dirname(path)))
-        if self._conn.lost and self._local is None:
-            self._go_local(DaemonUnavailable(f"datastatesd at {self.endpoint} was found gone; connect a new Client "
-                                             "once it is back", endpoint=self.endpoint))
+        if self._conn.lost and self._local is None and self.fallback == "local":
+            self._go_local(DaemonUnavailable(f"datastatesd at {self.endpoint} was found gone", endpoint=self.endpoint))
         if self._local is None:
+            conn = self._daemon()  # before the capture: a new connection shares this process's GPU memory anew
             # the daemon checks both again; this makes the error immediate
             check_derived(check_path(path, self.roots), tag, self.ranks.node_rank, self.tiers)
         if self._local is not None:  # this process saves it: it reads every storage itself
@@ -248,7 +261,7 @@ class Client:
         msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
                          ticket=str(next(self._tickets)), fences=cap.fences, retired=retired)
         try:
-            ack = self._conn.request(msg)
+            ack = conn.request(msg)
         except BaseException:
             self._gpu.blocks.untake(retired)
             raise
@@ -270,8 +283,9 @@ class Client:
         try:
             self._wait_daemon(pending, timeout)
         except DaemonUnavailable as exc:
-            if self._give_up(pending, exc):  # else the daemon had claimed every one copied: they are safe
-                local = self._go_local(exc)
+            abandoned = self._give_up(pending)
+            if abandoned:  # else the daemon had claimed every one copied: they are safe
+                local = self._go_local(self._abandoned(exc.message, abandoned))
                 for _ack, msg, cap in pending:  # unchanged since snapshot(): this is the fence
                     local.save(msg, cap.storages)
                 saved = {id(x): x[1].tag for x in pending}
@@ -289,7 +303,7 @@ class Client:
                 cap.give_back()
             self._uncopied = [x for x in self._uncopied if id(x) not in gone]
 
-    def _give_up(self, pending: list[tuple[Future, m.Snapshot, Capture]], exc: DaemonUnavailable) -> list[str]:
+    def _give_up(self, pending: list[tuple[Future, m.Snapshot, Capture]]) -> list[str]:
         """Claim every snapshot in ``pending`` abandoned; the paths of those the daemon had not claimed copied first.
 
         From here on the daemon can never write an abandoned snapshot, however long it was
@@ -297,12 +311,51 @@ class Client:
         """
         abandoned = [msg.path for _, msg, _ in pending
                      if outcome.decide(self._decisions, msg.ticket, outcome.ABANDONED) == outcome.ABANDONED]
-        if abandoned:
-            log.warning("%s; %d snapshot(s) not yet copied are abandoned, the daemon will never write them: %s",
-                        exc.message, len(abandoned), abandoned[:4])
-        else:
-            log.warning("%s; the daemon had copied every pending snapshot, it writes them if it comes back", exc.message)
+        if not abandoned:
+            log.warning("datastatesd at %s was lost; it had copied every pending snapshot, and writes them if it "
+                        "comes back", self.endpoint)
         return abandoned
+
+    def _abandoned(self, why: str, abandoned: list[str]) -> DaemonUnavailable:
+        """The one report of a lost daemon: ``why``, and the snapshots given up (``_give_up``)."""
+        return DaemonUnavailable(f"{why}; {len(abandoned)} snapshot(s) not yet copied are abandoned, the daemon will "
+                                 f"never write them: {abandoned[:4]}", endpoint=self.endpoint)
+
+    def _leave(self) -> None:
+        """Leave this connection's daemon for good: a resumed daemon lets this client go instead of waiting on its
+        pid, and writes nothing more for it (protocol/outcome.py)."""
+        self._conn.close()
+        outcome.leave(self._decisions, local=self.fallback == "local")
+        self._left = True
+
+    def _daemon(self) -> Connection:
+        """The connection to the daemon: after one was lost (and no fallback), a new one, as a new client."""
+        if self.fallback is None and (self._left or self._conn.lost):
+            self._reconnect()
+        return self._conn
+
+    def _reconnect(self) -> None:
+        """Connect again to a daemon this client lost (stalled past liveness, restarted), as a new client.
+
+        What the lost connection had not committed is lost with it, and said once: by the
+        ``wait()`` or the commit future that met the loss; snapshots not waited for yet are
+        given up here, and this call raises instead of that ``wait()``. The first
+        connection's daemon was told this client left (protocol/outcome.py), so it releases
+        what it held for it and never writes what was given up. A daemon still away raises
+        DaemonUnavailable here, and the next call tries again.
+        """
+        if not self._left:  # the I/O thread met the loss; no call has said so yet
+            pending = list(self._uncopied)
+            abandoned = self._give_up(pending) if pending else []
+            self._drop(pending)
+            self._leave()
+            if abandoned:
+                raise self._abandoned(f"datastatesd at {self.endpoint} was found gone", abandoned)
+        lost = self.client_id
+        self._gpu = GpuRoute(self._gpu.mode, self._staging, self._probe_cuda)  # the new client shares GPU memory anew
+        self._connect()
+        log.info("connected to datastatesd at %s again, as client %s (was %s): what the lost connection had not "
+                 "committed is lost", self.endpoint, self.client_id, lost)
 
     def _wait_daemon(self, pending: list[tuple[Future, m.Snapshot, Capture]], timeout: float | None) -> None:
         acks = [ack for ack, _, _ in pending]
@@ -347,9 +400,10 @@ class Client:
         check_tag(tag)
         if self._local is not None:
             return _done(self._local.commit(tag))
+        conn = self._daemon()
         with self._commits_lock:
             covered = [x for x in self._uncopied if x[1].tag == tag]
-        reply, caller = self._conn.request(m.Commit(tag=tag)), Future()
+        reply, caller = conn.request(m.Commit(tag=tag)), Future()
         with self._commits_lock:
             self._commits.append((tag, caller, reply, covered))
         # the reply comes as the argument: a closure over ``reply`` would make a cycle that keeps ``covered``'s
@@ -414,10 +468,17 @@ class Client:
         From the daemon's memory when it holds a replica of that very tag, else from storage,
         and ``source`` says which. The tag comes from the commit markers on storage, so
         every rank of a job picks the same one and never mixes steps; None if none is committed.
-        ``weights_only`` as in ``datastates.load``: safe by default.
+        A tag deleted while it is read (another job's prune) gives way to the newest committed
+        one. ``weights_only`` as in ``datastates.load``: safe by default.
         """
         root = os.path.abspath(os.fspath(root))
-        found = locate(root, self.tiers, check_tag(tag) if tag is not None else None, self.ranks.num_nodes > 1)
+        tag = check_tag(tag) if tag is not None else None
+        return again_if_deleted(lambda: self._restore(root, name, tag, map_location, weights_only), root)
+
+    def _restore(self, root: str, name: str, tag: str | None, map_location: MapLocation,
+                 weights_only: bool) -> Restored | None:
+        """One try of ``restore``: FileNotFoundError where the tag it picked was deleted meanwhile."""
+        found = locate(root, self.tiers, tag, self.ranks.num_nodes > 1)
         if found is None:
             return None
         tag, folder, marker = found.tag, found.folder, found.marker
@@ -430,8 +491,8 @@ class Client:
         if self._local is None:
             written = os.path.join(found.written, name)
             try:
-                reply = self._conn.call(m.Restore(path=written, tag=tag, size=entry.size, snapshot=entry.snapshot),
-                                        self.timeout)
+                reply = self._daemon().call(m.Restore(path=written, tag=tag, size=entry.size, snapshot=entry.snapshot),
+                                            self.timeout)
                 if reply.replica:
                     state = load(reply.replica, map_location, weights_only=weights_only)
                     log.info("restored %s (tag %s) from the daemon's memory", written, tag)
@@ -444,7 +505,7 @@ class Client:
                         why_not_memory=why_not, tier=found.tier)
 
     def status(self) -> dict[str, Any]:
-        return self._conn.call(m.Status(), self.timeout).status
+        return self._daemon().call(m.Status(), self.timeout).status
 
     def close(self, timeout: float | None = None) -> None:
         """Leave the daemon once outstanding requests (commits) are answered, or ``timeout`` passes.

@@ -10,14 +10,22 @@ fastest tier that holds that tag committed.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from datastates.protocol.paths import home_tier
 from datastates.protocol.descriptors import Tier
-from datastates.protocol.errors import CommitError
+from datastates.protocol.errors import CheckpointGoneError, CommitError
 from datastates.protocol.format import CommitMarker, marker_name
 from datastates.protocol.tags import newest, trusted_marker
+
+log = logging.getLogger(__name__)
+
+RESTORE_TRIES = 8
+"""How many tags in a row a restore may find deleted while it reads them before it gives up."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,3 +70,24 @@ def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: boo
             return Located(tag, folder, marker, tier.name if tier else "", os.path.join(places[0][1], tag))
     where = ", ".join(r for _, r in places)
     raise CommitError(f"tag {tag!r} is not committed under {where} (no valid {marker_name(tag)})", tag=tag)
+
+
+def again_if_deleted(restore: Callable[[], T], root: str) -> T:
+    """``restore()``, which picks a committed tag under ``root`` and reads it, again while a file vanishes under it.
+
+    Another job's prune (``datastatesctl prune``, the daemon's ``keep_last``, another
+    manager's) may delete the tag between its pick and its read, once a newer one is
+    committed: the read then meets a missing file, and the tag is picked anew (a tag asked
+    for by name is then not committed, CommitError). CheckpointGoneError after
+    ``RESTORE_TRIES`` tags in a row.
+    """
+    for _ in range(RESTORE_TRIES):
+        try:
+            return restore()
+        except FileNotFoundError as exc:
+            gone = exc.filename
+            log.info("%s was deleted while it was being restored (another job's prune?): the newest committed tag "
+                     "under %s is looked for again", gone, root)
+    raise CheckpointGoneError(f"{RESTORE_TRIES} checkpoints in a row under {root} were deleted while they were being "
+                              f"restored, the last {gone}: another job prunes there as fast as it commits; restore "
+                              "again", path=gone)

@@ -11,6 +11,9 @@ only. That wrapper never fences the optimizer step and never commits before clea
   waits until the daemon holds its copy of everything saved, the fence, then commits
   the tags saved so far; a save of a new tag, or of a file already saved in the open
   tag, commits the open tag first; exit commits what is left;
+- a daemon lost at such a fence (dead, restarted, stalled past liveness) never stops
+  training: one warning names the checkpoints lost with it, and the next save connects
+  again (the client's reconnect); ``wait(True)``, ``commit`` and ``shutdown`` raise instead;
 - the tag of a file is its ``global_step<N>`` (or Megatron ``iter_<N>``) folder, else its
   parent folder: the daemon writes the tag's marker there and the ``latest`` tracker
   beside it, which ``load_checkpoint(save_dir)`` reads.
@@ -37,7 +40,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from datastates.client.client import Client
-from datastates.protocol.errors import CommitError, InvalidRequestError
+from datastates.protocol.errors import CommitError, DaemonUnavailable, InvalidRequestError
 from datastates.protocol.format import STAGING_RE, check_tag
 
 from .commits import PendingCommits
@@ -146,10 +149,8 @@ class CheckpointEngine:
         self._commits.settle()
         path = os.path.abspath(os.fspath(path))
         tag = tag_of(path)
-        for open_tag, paths in list(self._open.items()):
-            if open_tag != tag or path in paths:  # a newer checkpoint begins, or this one is saved again
-                self._commit_open()
-                break
+        if any(open_tag != tag or path in paths for open_tag, paths in self._open.items()):
+            self._step()  # a newer checkpoint begins, or this one is saved again: the open one is committed first
         self.client.snapshot(state_dict, path, tag=tag)
         self._open.setdefault(tag, set()).add(path)
         return True
@@ -157,7 +158,7 @@ class CheckpointEngine:
     def wait(self, persist: bool = False) -> None:
         """``persist=False``: block until the daemon holds its copy of everything saved, so the state may change.
         ``persist=True``: also commit every tag saved so far and block until each is durable and committed."""
-        self.client.wait()
+        self._copied()
         if persist:
             self._commit_open()
             self._commits.wait()
@@ -174,16 +175,17 @@ class CheckpointEngine:
         """The state at ``path``, once no snapshot of it is still being written, by this rank or any other of the node.
 
         Waits for the snapshots the daemon has taken in: one whose message is still on its
-        way from another process is not seen.
+        way from another process is not seen. A new version of a committed ``path`` is
+        waited for until its commit puts it in place (or it is given up), not only until
+        it is written: till then ``path`` still holds the old version.
 
         Reads datastates files and, for a job that switched, files ``torch.save`` wrote.
         DeepSpeed trusts its own checkpoint folder (its torch engine loads with
         ``weights_only=False``), and so does this engine, for DeepSpeed's own objects.
         """
         path = os.path.abspath(os.fspath(path))
-        self.client.wait()  # the caller copies what it loads into tensors a snapshot may still be reading
-        while any(_same_file(s["path"], path) and s["state"] in ("copying", "flushing")
-                  for s in self.client.status()["snapshots"]):
+        self._copied()  # the caller copies what it loads into tensors a snapshot may still be reading
+        while any(_writing(s, path) for s in self.client.status()["snapshots"]):
             time.sleep(POLL_S)
         return load_any(path, map_location, weights_only=False)
 
@@ -201,16 +203,46 @@ class CheckpointEngine:
                 self.client.close()
 
     def __del__(self) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        """``shutdown()`` from the finalizer or the exit handler: a failure is logged, never raised nor printed as a
+        traceback at exit."""
         try:
             self.shutdown()
-        except BaseException as exc:  # never raise from a finalizer; the failure is the log's
+        except BaseException as exc:
             log.error("datastates: shutting down the checkpoint engine of rank %d failed: %s", self.rank, exc)
+
+    def _copied(self) -> None:
+        """``client.wait()``, the fence. A daemon lost meanwhile takes the open checkpoints with it: their snapshots
+        were given up, so they are forgotten here, and the loss raised."""
+        try:
+            self.client.wait()
+        except DaemonUnavailable:
+            self._open.clear()
+            raise
+
+    def _step(self) -> None:
+        """The fence of an optimizer step or of a save: commit the open checkpoints (or only wait, with none open).
+
+        Raising here would break the trainer's step or save, so a daemon lost meanwhile (dead,
+        restarted, stalled past liveness) is said once, as a warning naming the checkpoints lost
+        with it; training goes on, and the client connects again at the next save.
+        """
+        tags = sorted(self._open)
+        try:
+            if tags:
+                self._commit_open()
+            else:
+                self._copied()
+        except DaemonUnavailable as exc:
+            self._commits.lost(tags, exc)
 
     def _commit_open(self) -> None:
         """Fence, then commit every open tag; their outcomes are taken in later."""
         if not self._open:
             return
-        self.client.wait()
+        self._copied()
         for tag in list(self._open):
             self._commits.add(tag, self.client.commit(tag))
             del self._open[tag]
@@ -222,11 +254,9 @@ def _fence(ref: weakref.ref, persist: bool = False) -> None:
     if engine is None or engine._closed:
         return
     if persist:
-        engine.shutdown()
-    elif engine._open:
-        engine._commit_open()
+        engine._end()
     else:
-        engine.client.wait()
+        engine._step()
 
 
 def _mend_deepspeeds_wrapper() -> None:
@@ -242,10 +272,31 @@ def _mend_deepspeeds_wrapper() -> None:
         engine.ckpt_engine = None
 
 
-def _same_file(written: str, path: str) -> bool:
-    """Whether the daemon's ``written`` path is ``path``, or its new version in the tag's hidden staging folder."""
+def _writing(snapshot: dict[str, Any], path: str) -> bool:
+    """Whether the daemon's ``snapshot`` (an entry of its status) is a version of ``path`` not yet readable there.
+
+    One of ``path`` itself while it is copied or flushed; a new version of a committed
+    ``path``, written in its tag's staging folder, until its commit switches it in (or it
+    is abandoned): both remove the staging folder, so the old version is read until then.
+    """
+    written = snapshot["path"]
     if written == path:
-        return True
-    staged, tag_folder = os.path.dirname(written), os.path.dirname(path)
-    return (os.path.basename(written) == os.path.basename(path) and bool(STAGING_RE.fullmatch(os.path.basename(staged)))
-            and os.path.dirname(staged) == os.path.dirname(tag_folder))
+        return snapshot["state"] in ("copying", "flushing")
+    return (snapshot["state"] in ("copying", "flushing", "durable") and _staged_version(written, path)
+            and os.path.isdir(_staging_folder(written)) and snapshot["tag"] == tag_of(path))
+
+
+def _staging_folder(written: str) -> str:
+    """The staging folder (protocol/format.py, STAGING_RE) ``written`` lies in, or ""."""
+    parts = written.split(os.sep)
+    at = next((i for i, name in enumerate(parts) if STAGING_RE.fullmatch(name)), None)
+    return os.sep.join(parts[:at + 1]) if at is not None else ""
+
+
+def _staged_version(written: str, path: str) -> bool:
+    """Whether ``written`` is a new version of ``path``: the same place below a staging folder beside its tag folder."""
+    staging = _staging_folder(written)
+    if not staging:
+        return False
+    rel = os.path.relpath(path, os.path.dirname(staging)).split(os.sep)
+    return rel[0] != os.pardir and len(rel) > 1 and rel[1:] == os.path.relpath(written, staging).split(os.sep)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from datastates.client.client import Client
+from datastates.client.locate import again_if_deleted
 from datastates.client.reader import load
 from datastates.integrations.commits import PendingCommits
 from datastates.protocol.retention import prune
@@ -143,14 +144,10 @@ class CheckpointManager:
         ``datastates.load``: safe by default; False only for files you trust.
         """
         self.client.wait()  # model.load_state_dict copies into tensors a pending snapshot may still be reading
-        found = committed_tags(self.root, own_folder=True, accept=_TAG.fullmatch)
-        if not found:
+        newest = again_if_deleted(lambda: self._load_newest(weights_only), self.root)
+        if newest is None:
             return None
-        tag, path = found[0].tag, self.path(found[0].tag)
-        if os.path.basename(path) not in {f.path for f in found[0].marker.files}:
-            raise InvalidRequestError(f"tag {tag} under {self.root} is committed without {os.path.basename(path)}: "
-                                      "it was saved by a job of fewer ranks", path=path)
-        state = load(path, weights_only=weights_only)
+        path, state = newest
 
         def part(key: str) -> Any:
             if key not in state:
@@ -169,6 +166,17 @@ class CheckpointManager:
         _set_rng_state(state["rng"])
         log.info("restored step %d from %s", state["step"], path)
         return state["step"]
+
+    def _load_newest(self, weights_only: bool) -> tuple[str, dict[str, Any]] | None:
+        """This rank's file of the newest committed tag, and its state; None if no tag is committed."""
+        found = committed_tags(self.root, own_folder=True, accept=_TAG.fullmatch)
+        if not found:
+            return None
+        tag, path = found[0].tag, self.path(found[0].tag)
+        if os.path.basename(path) not in {f.path for f in found[0].marker.files}:
+            raise InvalidRequestError(f"tag {tag} under {self.root} is committed without {os.path.basename(path)}: "
+                                      "it was saved by a job of fewer ranks", path=path)
+        return path, load(path, weights_only=weights_only)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for every commit, prune, and remove the fence; raises a failed commit as CommitError.

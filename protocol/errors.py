@@ -142,6 +142,12 @@ class UnsupportedFormatError(DatastatesError):
     code = "unsupported_format"
 
 
+class CheckpointGoneError(DatastatesError):
+    """A committed checkpoint was deleted (a prune, retention) while it was being restored, again and again."""
+
+    code = "checkpoint_gone"
+
+
 def _all_subclasses(cls: type) -> list[type]:
     out = []
     for sub in cls.__subclasses__():

@@ -530,6 +530,21 @@ def sh(*cmd: str | os.PathLike) -> subprocess.CompletedProcess:
     return subprocess.run([os.fspath(c) for c in cmd], capture_output=True, text=True, timeout=60)
 
 
+def at_first_open(path: str, *commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """Run ``commands`` (real processes, one after the other) the first time this process opens ``path``, before
+    that open goes on: a window between a reader's choice of a file and its open, made certain. The results go in
+    the list returned. An audit hook, which stays for good: inert once it ran."""
+    ran: list[subprocess.CompletedProcess] = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and not ran and args and args[0] == path:
+            ran.append(subprocess.CompletedProcess([], -1))  # first: the opens of what runs come back through here
+            ran[:] = [subprocess.run(cmd, capture_output=True, text=True, timeout=600) for cmd in commands]
+
+    sys.addaudithook(hook)
+    return ran
+
+
 @contextlib.contextmanager
 def read_only(folder: Path) -> Iterator[None]:
     """``folder`` read-only for everyone while inside: a read-only bind mount of it onto itself."""

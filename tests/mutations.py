@@ -349,6 +349,42 @@ MUTATIONS: tuple[Mutation, ...] = (
               "        _remember(self._refused, (client_id, tag), reason)  # MUTATION: the round waits\n"),),
         ("tests/test_multirank.py::test_a_refused_rank_fails_every_ranks_commit_at_once[True]",),
     ),
+    Mutation(
+        "llm-load-reads-staged-early",
+        "DataStates-LLM load: a new version still in its tag's staging folder, written but not committed, is not "
+        "waited for, so the old version is read",
+        (Edit("integrations/datastates_llm.py",
+              'in ("copying", "flushing", "durable")',
+              'in ("copying", "flushing")'),),  # MUTATION: a durable staged version is not waited for
+        ("tests/integrations/test_datastates_llm.py::test_load_waits_for_a_file_another_rank_is_still_writing[True]",),
+    ),
+    Mutation(
+        "client-stays-lost",
+        "after a daemon was lost (stalled past liveness), the client never connects again: every later call fails",
+        (Edit("client/client.py",
+              "        if self.fallback is None and (self._left or self._conn.lost):\n            self._reconnect()\n",
+              "        pass  # MUTATION: no reconnect\n"),),
+        ("tests/faults/test_stall.py::test_after_a_stall_the_client_connects_again_as_a_new_client",
+         "tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness"),
+    ),
+    Mutation(
+        "llm-step-raises-lost",
+        "DeepSpeed's datastates_ckpt path: a daemon lost at the optimizer step's fence is raised out of the step",
+        (Edit("integrations/datastates_llm.py",
+              "        except DaemonUnavailable as exc:\n            self._commits.lost(tags, exc)\n",
+              "        except DaemonUnavailable:\n            raise  # MUTATION: the step fails\n"),),
+        ("tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness",),
+    ),
+    Mutation(
+        "restore-races-prune",
+        "a restore whose tag another job's prune deleted between its choice and its read is not retried: a raw "
+        "FileNotFoundError",
+        (Edit("client/locate.py",
+              "        except FileNotFoundError as exc:\n",
+              "        except NotADirectoryError as exc:  # MUTATION: a deleted tag is not looked for again\n"),),
+        ("tests/integrations/test_manager.py::test_restore_racing_another_jobs_prune_restores_the_newest_committed_tag",
+         "tests/test_restore.py::test_a_restore_racing_another_jobs_prune_reads_the_newest_committed_tag"),
+    ),
 )
 
 

@@ -25,7 +25,7 @@ from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import CommitError, CorruptCheckpointError, InvalidRequestError
 from datastates.protocol.format import CommitMarker, marker_name
 
-from conftest import DaemonProc, assert_state_equal, mapped_files, save
+from conftest import DATASTATESCTL, DaemonProc, assert_state_equal, at_first_open, mapped_files, save
 
 TRAINER = """
 import sys, time, torch
@@ -172,6 +172,32 @@ def test_restore_refusals_are_clear(start_daemon: Callable[..., DaemonProc], tmp
             c.restore(d.root, "rank7.pt")
         with pytest.raises(CommitError, match="not committed"):
             c.restore(d.root, "rank0.pt", tag="step9")
+
+
+def test_a_restore_racing_another_jobs_prune_reads_the_newest_committed_tag(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """Issue 27 item 11, for ``Client.restore``: between its choice of step 3 and its open of step 3's file, another
+    job commits step 4 and ``datastatesctl prune --keep-last 1`` deletes steps 1 to 3 (real processes, run by an
+    audit hook on that open). The restore reads step 4 bitwise, never a raw FileNotFoundError."""
+    d = start_daemon(memory_restore="none")  # from storage: the open the prune races
+    run = d.root / "run"
+    with Client(d.endpoint, timeout=60) as c:
+        for step in (1, 2, 3):
+            save(c, expected(step), run / f"step{step}" / "rank0.pt")
+        other = at_first_open(str(run / "step3" / "rank0.pt"), [sys.executable, "-c", (
+            "import sys, torch\n"
+            "from datastates.client import Client\n"
+            "sys.path.insert(0, sys.argv[3])\n"
+            "from conftest import save\n"
+            "from test_restore import expected\n"
+            "with Client(sys.argv[1], timeout=60) as c:\n"
+            "    save(c, expected(4), sys.argv[2])\n"), d.endpoint, str(run / "step4" / "rank0.pt"),
+            str(Path(__file__).parent)], [DATASTATESCTL, "prune", str(run), "--keep-last", "1"])
+        restored = c.restore(run, "rank0.pt")
+    assert [p.returncode for p in other] == [0, 0], other
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["step4"]
+    assert restored is not None and (restored.tag, restored.source) == ("step4", "storage"), restored
+    assert_state_equal(expected(4), restored.state)
 
 
 def test_a_restarted_job_replaces_the_copies_of_the_run_it_restarts(start_daemon: Callable[..., DaemonProc]) -> None:

@@ -164,6 +164,62 @@ def test_a_daemon_stalled_before_its_rename_never_writes_over_a_trainer_that_wen
     assert not list(d.root.rglob(f"*{TEMP_SUFFIX}"))
 
 
+def test_after_a_stall_the_client_connects_again_as_a_new_client(stallable: DaemonProc) -> None:
+    """Issue 27 item 9: ``wait()`` said once that step 1 was lost (DaemonUnavailable); once the daemon is back, the
+    next snapshot connects again as a new client (the old one released, step 1 never written), and commits."""
+    d = stallable
+    c, t, copied, committed = stalled_save(d, d.root / "run" / "step1" / "m.pt", 0.15)
+    assert not copied, "the copy finished within 0.15 s: this machine is too fast for the case"
+    with pytest.raises(DaemonUnavailable):
+        committed.result(timeout=60)
+    lost = c.client_id
+    d.proc.send_signal(signal.SIGCONT)
+    try:
+        c.snapshot({"t": t}, d.root / "run" / "step2" / "m.pt")  # connects again
+        c.wait()
+        c.commit("step2").result(timeout=60)
+        assert c.client_id != lost and not c.local
+        settled(d)
+        for _ in range(1200):  # a hang guard: the daemon's watch releases the client that left
+            clients = [client["id"] for client in daemon_status(d.endpoint)["clients"]]
+            if lost not in clients:
+                break
+            time.sleep(0.05)
+        assert clients == [c.client_id], clients
+    finally:
+        c.close(timeout=5)
+    assert datastates.latest(d.root / "run") == "step2" and not (d.root / "run" / "step1" / "m.pt").exists()
+    assert torch.equal(datastates.load(d.root / "run" / "step2" / "m.pt")["t"], torch.full((ELEMENTS,), 2.0))
+
+
+def test_a_loss_no_wait_met_is_told_by_the_next_call_which_then_connects_again(stallable: DaemonProc) -> None:
+    """The daemon is stopped before it takes a snapshot in; only the commit future meets the silence (no wait()).
+    Once the daemon is back, the next snapshot() says the lost snapshot was abandoned (once: a later wait() has
+    nothing to say), and the call after it connects again as a new client and commits."""
+    d = stallable
+    c = Client(d.endpoint, timeout=30, liveness=LIVENESS)
+    try:
+        d.proc.send_signal(signal.SIGSTOP)
+        c.snapshot({"t": torch.full((1 << 20,), 1.0)}, d.root / "run" / "step1" / "m.pt")
+        with pytest.raises(DaemonUnavailable, match="no sign of life"):
+            c.commit("step1").result(timeout=60)
+        d.proc.send_signal(signal.SIGCONT)
+        lost, t = c.client_id, torch.full((1 << 20,), 2.0)
+        with pytest.raises(DaemonUnavailable, match=r"1 snapshot\(s\) not yet copied are abandoned"):
+            c.snapshot({"t": t}, d.root / "run" / "step2" / "m.pt")
+        c.wait()  # told already
+        c.snapshot({"t": t}, d.root / "run" / "step2" / "m.pt")
+        c.wait()
+        c.commit("step2").result(timeout=60)
+        assert c.client_id != lost
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        c.close(timeout=5)
+    settled(d)
+    assert datastates.latest(d.root / "run") == "step2" and not (d.root / "run" / "step1" / "m.pt").exists()
+    assert torch.equal(datastates.load(d.root / "run" / "step2" / "m.pt")["t"], t)
+
+
 @pytest.mark.parametrize("folder", ["/dev/shm/datastates-{uid}-client-1-0badc0de", "/tmp", "/dev/shm/../etc"],
                          ids=["missing", "not-a-decision-folder", "escape"])
 def test_a_bad_decision_folder_is_refused_at_hello_and_the_daemon_serves_on(stallable: DaemonProc, folder: str) -> None:

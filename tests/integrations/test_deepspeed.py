@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ import datastates  # noqa: E402
 from datastates.integrations.deepspeed import DatastatesCheckpointEngine  # noqa: E402
 from datastates.protocol.endpoint import ENDPOINT_ENV  # noqa: E402
 from datastates.protocol.errors import CommitError, InvalidRequestError  # noqa: E402
+from datastates.protocol.format import marker_name  # noqa: E402
 
 from conftest import DaemonProc, assert_state_equal  # noqa: E402
 
@@ -321,6 +323,45 @@ def test_a_job_killed_between_two_saves_resumes_from_the_first(ds_dist: None, da
     fresh = ds_initialize(seed=1, datastates_ckpt={})
     fresh.load_checkpoint(str(save_dir))
     assert fresh.global_steps == 2
+    assert_state_equal(torch.load(expected), snapshot_of(fresh))
+    fresh.destroy()
+
+
+def test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness(
+        ds_dist: None, start_daemon: Callable[..., DaemonProc], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon is stopped (SIGSTOP) while global_step3's snapshots wait for it, past the client's liveness, then
+    resumed. The job is told once, by one warning naming global_step3 lost, and never by an exception: its later
+    steps and saves succeed (the client connects again, as a new client), global_step5 commits and loads bitwise,
+    and nothing is printed at exit."""
+    d = start_daemon()
+    save_dir, expected = d.root / "stalled", tmp_path / "expected.pt"
+    job = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ds_stalled_job.py")), d.endpoint,
+                            str(save_dir), str(expected)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        for said, then in (("stall", signal.SIGSTOP), ("lost", signal.SIGCONT)):
+            while (line := job.stdout.readline()) and line.strip() != said:  # DeepSpeed prints on stdout too
+                pass
+            assert line, f"the job ended before it said {said!r}: {job.stderr.read()[-4000:]}"
+            d.proc.send_signal(then)
+            job.stdin.write("go\n")
+            job.stdin.flush()
+        out, err = job.communicate(timeout=240)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        job.kill()
+    assert job.returncode == 0 and "done" in out, err[-4000:]
+    told = [line for line in err.splitlines() if "global_step3" in line]
+    assert len(told) == 1 and "lost" in told[0] and "no sign of life" in told[0], err[-4000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-4000:]
+    assert datastates.latest(save_dir) == "global_step5" and (save_dir / "latest").read_text() == "global_step5"
+    assert not (save_dir / "global_step3" / marker_name("global_step3")).exists()
+    assert d.ctl("verify", str(save_dir / "global_step5")).returncode == 0
+
+    monkeypatch.setenv(ENDPOINT_ENV, d.endpoint)
+    fresh = ds_initialize(seed=1, datastates_ckpt={})
+    fresh.load_checkpoint(str(save_dir))
+    assert fresh.global_steps == 5
     assert_state_equal(torch.load(expected), snapshot_of(fresh))
     fresh.destroy()
 

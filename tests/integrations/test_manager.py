@@ -6,6 +6,7 @@ import concurrent.futures
 import copy
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,7 +20,7 @@ from datastates.integrations.manager import CheckpointManager
 from datastates.protocol.errors import CommitError, InvalidRequestError
 from datastates.protocol.format import MARKER_PREFIX, marker_name
 
-from conftest import DaemonProc, assert_state_equal
+from conftest import DaemonProc, assert_state_equal, at_first_open
 from resume_job import build
 
 HANG_GUARD = 60
@@ -250,3 +251,30 @@ def test_a_tag_without_this_ranks_file_is_refused_by_name(shared_client: Client,
     with pytest.raises(InvalidRequestError, match="step00000001 .* is committed without rank0.pt"):
         rank0.restore()
     rank0.close()
+
+
+def test_restore_racing_another_jobs_prune_restores_the_newest_committed_tag(shared_client: Client, root: Path,
+                                                                           shared_daemon: DaemonProc,
+                                                                           tmp_path: Path) -> None:
+    """Issue 27 item 11: restore has listed step 3, the newest committed tag, and is opening its file, when another
+    job runs to its end: resume_job.py resumes from step 3, commits step 4, and its keep_last=1 deletes steps 1 to 3.
+    An audit hook on the open starts that job (a real process) at that very moment. restore then reads the newest
+    committed tag, step 4, bitwise, instead of raising a raw FileNotFoundError (4 times in 1,578 racing restores)."""
+    job = build()
+    manager = job.manager(shared_client, root)
+    for step in (1, 2, 3):
+        job.step()
+        manager.save(step)
+    manager.close()
+    out = tmp_path / "other.pt"
+    other = at_first_open(os.path.join(root, "step00000003", "rank0.pt"),
+                          [sys.executable, str(Path(__file__).with_name("resume_job.py")), shared_daemon.endpoint,
+                           str(root), str(out), "--steps", "4", "--every", "1", "--keep-last", "1"])
+    fresh = build(seed=1)
+    step = fresh.manager(shared_client, root).restore()
+    assert len(other) == 1 and other[0].returncode == 0, other
+    assert other[0].stdout.splitlines() == ["resumed from step 3", "step 4"], other[0].stdout
+    assert step == 4 and tag_folders(root) == ["step00000004"]
+    saved = torch.load(out)
+    assert_state_equal(saved["model"], fresh.model.state_dict())
+    assert_state_equal(saved["optimizer"], fresh.optimizer.state_dict())
