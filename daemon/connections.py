@@ -8,7 +8,9 @@ ROUTER socket's monitor: each accepted connection is recorded with its descripto
 HELLO welcomed, or a known client's request on a connection it reconnected). Every message
 marks its connection by ZeroMQ's ``SRCFD`` on the frames. An unintroduced connection is shut
 (``shutdown(2)`` on its socket; ZeroMQ then closes it as if the peer had left) once it is
-``UNINTRODUCED_S`` old, or, oldest first, when more than ``max_unintroduced`` are kept or the
+``UNINTRODUCED_S`` old without a request served (``datastatesctl status --watch`` and ``wait``
+poll without HELLO: shut between two polls, a request on its way would be lost), or, oldest
+first, when more than ``max_unintroduced`` are kept or the
 daemon's open descriptors reach ``shed_at``: both bounds follow the open-files limit, so a
 daemon that may not raise a low hard limit sheds before ZeroMQ meets it. A connection whose
 request is being handled (a HELLO being welcomed) is never shut. Shutting the oldest gives a
@@ -37,7 +39,7 @@ from zmq.utils.monitor import parse_monitor_message
 log = logging.getLogger(__name__)
 
 UNINTRODUCED_S = 10.0
-"""How long a connection may stay without its HELLO welcomed before it is shut."""
+"""How long a connection may stay without its HELLO welcomed, or a request served, before it is shut."""
 MAX_UNINTRODUCED = 256
 """The most connections kept that are not introduced yet, where the open-files limit allows that many."""
 SWEEP_S = 0.5
@@ -50,6 +52,8 @@ class _Pending:
     since: float
     inode: int
     spoke: bool = False
+    served: bool = False
+    """A request on it got an answer other than an error: a tool that polls without HELLO, never shut for its age."""
     busy: int = 0
     """Requests of this connection being handled: it is not shut under them."""
 
@@ -87,10 +91,11 @@ class Connections:
         entry.spoke = True
         return inode
 
-    def answered(self, fd: int, inode: int | None, introduced: bool) -> None:
+    def answered(self, fd: int, inode: int | None, introduced: bool, served: bool) -> None:
         """The message ``heard`` returned ``inode`` for is handled. ``introduced``: it came from a registered client,
-        whose connection this is now; else the connection gets ``UNINTRODUCED_S`` more from now, at the end of the
-        queue (``datastatesctl status --watch`` polls without HELLO); the bound on their number still holds."""
+        whose connection this is now; else the connection goes to the end of the queue, and ``served`` (answered
+        without an error, as ``datastatesctl status --watch`` is) spares it the age limit from now on; the bound on
+        their number still holds."""
         entry = self._pending.get(fd)
         if entry is None or entry.inode != inode or inode is None:
             return
@@ -101,6 +106,7 @@ class Connections:
         else:
             self._pending[fd] = entry
             entry.since = time.monotonic()
+            entry.served |= served
 
     def status(self) -> dict[str, int]:
         return {"silent": sum(not e.spoke for e in self._pending.values()),
@@ -119,7 +125,8 @@ class Connections:
                 if now - swept < SWEEP_S:
                     continue
                 swept = now
-                for fd in [fd for fd, e in self._pending.items() if now - e.since > UNINTRODUCED_S and not e.busy]:
+                for fd in [fd for fd, e in self._pending.items()
+                           if now - e.since > UNINTRODUCED_S and not e.busy and not e.served]:
                     self._shut(fd, f"not introduced in {UNINTRODUCED_S:.0f} s")
                 self._pending = {fd: e for fd, e in self._pending.items() if _inode(fd) == e.inode}
                 self._introduced = {inode: fd for inode, fd in self._introduced.items() if _inode(fd) == inode}

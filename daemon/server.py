@@ -131,6 +131,7 @@ class Daemon:
     async def _handle(self, identity: bytes, frames: list[bytes], fd: int, inode: int | None) -> None:
         """Answer one request that came on connection ``fd`` (its socket ``inode``: ``Connections.heard``)."""
         parent = None
+        reply: m.Body | None = None
         self.clients.touch(identity)
         try:
             header = m.decode_header(frames)
@@ -149,7 +150,8 @@ class Daemon:
             log.exception("internal error handling a request")
             reply = m.Error(code="internal", message=f"internal daemon error: {type(exc).__name__}: {exc}")
         finally:  # a connection stays only once a registered client speaks on it (daemon/connections.py)
-            self.connections.answered(fd, inode, self.clients.known(identity))
+            self.connections.answered(fd, inode, self.clients.known(identity),
+                                      served=reply is not None and not isinstance(reply, m.Error))
         await self._sock.send_multipart([identity, *m.encode(reply, 0, parent=parent)])
 
     # -- handlers ---------------------------------------------------------------------

@@ -113,9 +113,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "no-storage-index-bound",
         "a tensor entry's storage index checked only against 0, not against the number of sources",
-        (Edit("protocol/providers/tensor.py",
-              "        if not isinstance(storage, int) or isinstance(storage, bool) or not 0 <= storage < len(sources):\n",
-              "        if not isinstance(storage, int) or isinstance(storage, bool) or storage < 0:  # MUTATION: no upper bound\n"),),
+        (Edit("protocol/tensormeta.py",
+              "    if not isinstance(storage, int) or isinstance(storage, bool) or not 0 <= storage < len(storage_sizes):\n",
+              "    if not isinstance(storage, int) or isinstance(storage, bool) or storage < 0:  # MUTATION: no upper bound\n"),),
         ("tests/faults/test_fuzz_protocol.py::test_valid_looking_snapshots_over_real_memory",),
     ),
     Mutation(
@@ -130,8 +130,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "restore-by-path",
         "restore looks a replica up by path, ignoring the tag and the committed state",
         (Edit("daemon/replicas.py",
-              "        match = [r for r in found if r.tag == tag and r.committed and r.size == size and os.path.exists(r.file)]\n",
-              "        match = [r for r in found if r.size == size and os.path.exists(r.file)]  # MUTATION: by path\n"),),
+              "        match = [r for r in found if r.tag == tag and r.snapshot == snapshot and r.committed and r.size == size\n",
+              "        match = [r for r in found if r.size == size  # MUTATION: by path\n"),
+         Edit("daemon/replicas.py",
+              "        if not snapshot or not match:\n",
+              "        if not match:  # MUTATION: by path\n"),),
         ("tests/test_restore.py::test_restore_by_tag_returns_its_committed_version_never_a_newer_uncommitted_one",),
     ),
     Mutation(
@@ -193,8 +196,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "served-replica-reused",
         "a replica handed to a restore is written over by a later one while the trainer maps it",
         (Edit("daemon/replicas.py",
-              "        replica.served = True\n",
-              "        replica.served = False  # MUTATION: never marked\n"),),
+              "        match[0].served = True\n",
+              "        match[0].served = False  # MUTATION: never marked\n"),),
         ("tests/test_restore.py::test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages",),
     ),
     Mutation(
@@ -385,6 +388,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integrations/test_manager.py::test_restore_racing_another_jobs_prune_restores_the_newest_committed_tag",
          "tests/test_restore.py::test_a_restore_racing_another_jobs_prune_reads_the_newest_committed_tag"),
     ),
+    Mutation(
+        "served-poller-shut-for-age",
+        "a connection that polls STATUS without HELLO is shut for its age between two polls: a request on its way is lost",
+        (Edit("daemon/connections.py",
+              " and not e.busy and not e.served]:\n",
+              " and not e.busy]:  # MUTATION: served or not\n"),),
+        ("tests/faults/test_connections.py::test_a_tool_that_polls_status_without_hello_is_never_shut_for_its_age",),
+    ),
 )
 
 
@@ -444,7 +455,13 @@ def apply(tree: Path, edits: tuple[Edit, ...]) -> None:
         if found != 1:
             raise SystemExit(f"mutation edit of {edit.path}: the text to replace occurs {found} times, not once; "
                              f"the code moved, update tests/mutations.py:\n{edit.old}")
-        path.write_text(text.replace(edit.old, edit.new))
+        text = text.replace(edit.old, edit.new)
+        if path.suffix == ".py":  # a mutation caught by a SyntaxError would prove nothing about the tests
+            try:
+                compile(text, str(path), "exec")
+            except SyntaxError as exc:
+                raise SystemExit(f"mutation edit of {edit.path} does not compile ({exc}): fix tests/mutations.py")
+        path.write_text(text)
 
 
 @dataclass

@@ -34,7 +34,7 @@ import datastates
 from datastates.client import Client, daemon_status
 from datastates.protocol.errors import TooManyClientsError
 
-from conftest import DaemonProc, assert_state_equal, save
+from conftest import DaemonProc, RawPeer, assert_state_equal, save
 
 SILENT_PEERS = r"""
 import sys, time, zmq
@@ -224,3 +224,20 @@ def test_a_client_beyond_max_clients_is_refused_and_the_others_served(start_daem
     with Client(d.endpoint, timeout=30) as c:  # room again once they left
         save(c, {"x": torch.arange(4)}, d.root / "again" / "m.pt")
     assert_state_equal({"x": torch.arange(4)}, datastates.load(d.root / "again" / "m.pt"))
+
+
+def test_a_tool_that_polls_status_without_hello_is_never_shut_for_its_age(daemon: DaemonProc) -> None:
+    """``datastatesctl status --watch`` and ``wait`` poll without HELLO, one request every few seconds. Shut for
+    its age between two polls, a request on its way would be lost (the tool then times out): a connection whose
+    request was served stays, bounded only by the number kept; one that never got an answer still goes."""
+    from datastates.daemon.connections import SWEEP_S, UNINTRODUCED_S
+
+    poller = RawPeer(daemon.endpoint)
+    try:
+        _, first = poller.request("status", {})
+        assert first["status"]["connections"]["shut_down"] == 0, first["status"]["connections"]
+        time.sleep(UNINTRODUCED_S + 4 * SWEEP_S)  # a watch with a long interval, idle past the age limit
+        _, later = poller.request("status", {})
+        assert later["status"]["connections"]["shut_down"] == 0, later["status"]["connections"]
+    finally:
+        poller.close()
