@@ -131,7 +131,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "restore looks a replica up by path, ignoring the tag and the committed state",
         (Edit("daemon/replicas.py",
               "        match = [r for r in found if r.tag == tag and r.snapshot == snapshot and r.committed and r.size == size\n",
-              "        match = [r for r in found if r.size == size  # MUTATION: by path\n"),
+              "        match = [r for r in found[::-1] if r.size == size  # MUTATION: by path, the newest first\n"),
          Edit("daemon/replicas.py",
               "        if not snapshot or not match:\n",
               "        if not match:  # MUTATION: by path\n"),),
