@@ -263,6 +263,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/faults/test_kill_prune.py::test_a_killed_prune_leaves_nothing_half_deleted[prune]",
          "tests/faults/test_kill_prune.py::test_a_killed_prune_leaves_nothing_half_deleted[daemon start]"),
     ),
+    Mutation(
+        "anyones-deleting-folder-finished",
+        "prune deletes any folder named like a killed delete's leftover, another user's too",
+        (Edit("protocol/retention.py", "    why = untrusted_folder(folder)\n", "    why = \"\"  # MUTATION: no ownership check\n"),),
+        ("tests/faults/test_hostile_user.py::test_prune_leaves_another_users_folder_named_as_being_deleted",),
+    ),
 )
 
 

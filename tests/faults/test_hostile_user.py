@@ -32,7 +32,7 @@ from datastates.client.reader import verify
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import marker_name
 
-from conftest import DaemonProc, as_user, assert_state_equal, save
+from conftest import DATASTATESCTL, DaemonProc, as_user, assert_state_equal, save
 
 def test_a_tag_planted_by_another_user_is_never_restored(mallory: str, open_tmp: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
@@ -131,3 +131,15 @@ def test_a_marker_planted_above_the_root_changes_nothing(plant: str, mallory: st
         out = d.ctl("verify", str(path))
         assert out.returncode == 0, out.stdout + out.stderr
     assert d.stop() == 0  # SIGTERM drains and stops: no thread of it is stuck opening a FIFO
+
+
+def test_prune_leaves_another_users_folder_named_as_being_deleted(mallory: str, like_tmp: Path) -> None:
+    """Under a root others may write in, a folder named like what a killed delete leaves (``.<tag>.<token>.dsdel``)
+    is finished only if it is this user's: one another user made there is theirs, and ``prune`` leaves it."""
+    planted = like_tmp / ".step9.0123abcd.dsdel"
+    as_user(mallory, f"mkdir {planted} && touch {planted}/theirs")
+    out = subprocess.run([DATASTATESCTL, "prune", str(like_tmp), "--keep-last", "1"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (planted / "theirs").exists(), "prune deleted a folder of another user's"
+    assert "not finishing the delete" in out.stderr and f"uid {pwd.getpwnam(mallory).pw_uid}" in out.stderr, out.stderr
