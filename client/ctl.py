@@ -91,11 +91,10 @@ def _tag_files(target: str, root: str) -> list[str]:
         found = [p for p in marker_paths(target) if os.path.dirname(p) == os.path.abspath(target).rstrip("/")]
     else:
         found = [p for p in marker_paths(root) if os.path.basename(p) == marker_name(check_tag(target))]
-    for path in list(found):
-        why = distrust(path)
-        if why:
-            print(f"skipped  {path}: not a commit marker of this user's: {why}", file=sys.stderr)
-            found.remove(path)
+    untrusted = {path: why for path in found if (why := distrust(path))}
+    for path, why in untrusted.items():
+        print(f"skipped  {path}: not a commit marker of this user's: {why}", file=sys.stderr)
+    found = [path for path in found if path not in untrusted]
     if not found:
         raise CorruptCheckpointError(f"no commit marker for {target!r} (looked in {target if os.path.isdir(target) else root})")
     files = []
