@@ -14,9 +14,10 @@ from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DaemonNotRunning, DatastatesError
+from datastates.protocol.fileio import read_regular
 from datastates.protocol.format import CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import prune
-from datastates.protocol.tags import marker_paths, tag_files
+from datastates.protocol.tags import distrust, marker_paths, tag_files
 
 from .catalog import list_tags
 from .filecheck import verify
@@ -106,7 +107,8 @@ def _tag_files(target: str, root: str) -> list[str]:
     """The files to verify: ``target`` itself, or every file the commit markers of a tag list.
 
     ``target`` is a checkpoint file, a folder holding a tag's marker, or a tag name found
-    under ``root``. A listed file that is missing is still returned, so it is reported.
+    under ``root``. A listed file that is missing is still returned, so it is reported. A
+    marker this user may not trust (``distrust``: another user's, a FIFO) is skipped, saying why.
     """
     if os.path.isfile(target):
         return [target]
@@ -114,13 +116,16 @@ def _tag_files(target: str, root: str) -> list[str]:
         found = [p for p in marker_paths(target) if os.path.dirname(p) == os.path.abspath(target).rstrip("/")]
     else:
         found = [p for p in marker_paths(root) if os.path.basename(p) == marker_name(check_tag(target))]
+    untrusted = {path: why for path in found if (why := distrust(path))}
+    for path, why in untrusted.items():
+        print(f"skipped  {path}: not a commit marker of this user's: {why}", file=sys.stderr)
+    found = [path for path in found if path not in untrusted]
     if not found:
         raise CorruptCheckpointError(f"no commit marker for {target!r} (looked in {target if os.path.isdir(target) else root})")
     files = []
     for path in found:
         try:
-            with open(path, "rb") as f:
-                marker = CommitMarker.decode(f.read())
+            marker = CommitMarker.decode(read_regular(path))
         except (OSError, ValueError, DatastatesError) as exc:
             raise CorruptCheckpointError(f"{path}: unreadable commit marker: {exc}") from None
         files += tag_files(os.path.dirname(path), marker)

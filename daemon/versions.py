@@ -32,6 +32,7 @@ from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.fileio import open_folder, remove
 from datastates.protocol.format import STAGING_RE, CommitMarker, marker_name, staging_name
 from datastates.protocol.paths import shallow_walk, within
+from datastates.protocol.retention import finish_delete
 from datastates.protocol.tags import listing
 
 from .instances import Gone
@@ -150,13 +151,16 @@ class Versions:
 
     @staticmethod
     def remove_leftovers(root: str, gone: Gone) -> list[str]:
-        """Staging folders under ``root`` that killed daemons (``gone`` owners) left: an unfinished or a replaced version."""
+        """Staging folders under ``root`` that killed daemons (``gone`` owners) left: an unfinished or a replaced
+        version; and the tag folders a killed retention or ``datastatesctl prune`` had begun to delete."""
         removed = []
         for folder, dirs, _ in shallow_walk(root, LEFTOVER_DEPTH):
             for name in dirs:
                 match = STAGING_RE.fullmatch(name)
                 if match and gone(match.group(1), os.path.join(folder, name)):
                     _remove(os.path.join(folder, name), trusted=root)
+                    removed.append(os.path.join(folder, name))
+                elif finish_delete(os.path.join(folder, name), root):
                     removed.append(os.path.join(folder, name))
         return removed
 

@@ -10,6 +10,7 @@ import errno
 import mmap
 import os
 import shutil
+import stat
 
 PAGE = 4096
 """O_DIRECT's alignment of offsets, lengths and buffer addresses."""
@@ -93,15 +94,38 @@ def fsync_dir(path: str, trusted: str = "/") -> None:
 
 def remove(path: str, trusted: str = "/", tree: bool = False) -> None:
     """Unlink file ``path`` (with ``tree``: delete folder ``path`` and all it holds) through its parent's
-    descriptor, never through a link; FileNotFoundError if it is gone."""
+    descriptor, never through a link; FileNotFoundError if file ``path`` is gone.
+
+    A tree emptied by another process at the same time (two finishers of one interrupted
+    delete, protocol/retention.py) is no error: what it no longer finds is gone already.
+    """
     parent = open_folder(os.path.dirname(path), trusted=trusted)
     try:
         if tree:
-            shutil.rmtree(os.path.basename(path), dir_fd=parent)
+            shutil.rmtree(os.path.basename(path), dir_fd=parent, onerror=_gone_is_removed)
         else:
             os.unlink(os.path.basename(path), dir_fd=parent)
     finally:
         os.close(parent)
+
+
+def _gone_is_removed(func: object, path: str, exc_info: tuple) -> None:
+    """rmtree's error handler: re-raise anything but an entry already gone."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
+
+
+def read_regular(path: str) -> bytes:
+    """The bytes of regular file ``path``; OSError for anything else (a FIFO, a device, a link), without blocking.
+
+    Markers sit in folders other users may reach: opening a FIFO planted under a marker's
+    name would block the reader (a trainer's load, the daemon's admission) until someone
+    writes to it. ``O_NONBLOCK`` returns at once, and the type is checked on what was opened.
+    """
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return f.read()
 
 
 def aligned_block(data: bytes, size: int) -> memoryview:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import struct
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ import xxhash
 
 from .descriptors import EntryDesc
 from .errors import CorruptCheckpointError, DatastatesError, InvalidRequestError, UnsupportedFormatError
+from .fileio import read_regular
 from .schema import from_dict, pack, plain
 from .torchzip import Record, central_directory, local_header, local_header_size, plan_zip
 from .version import COMMIT_VERSION, FORMAT_VERSION, READABLE_FORMATS
@@ -65,6 +67,18 @@ def staging_name(owner: str, n: int) -> str:
 
 STAGING_NAME_MAX = len(staging_name("0" * 16, 2**64))
 """The longest staging folder name: a daemon's count of them never reaches 2**64."""
+DELETING_SUFFIX = ".dsdel"
+DELETING_RE = re.compile(r"\.(.+)\.[0-9a-f]{8}" + re.escape(DELETING_SUFFIX))
+"""A committed tag's folder being deleted, ``.<tag>.<token>.dsdel`` beside where it was (protocol/retention.py):
+renamed so first, in one step, so no reader ever sees it half-deleted; what a killed delete leaves under
+this name, the next prune or daemon start deletes."""
+
+
+def deleting_name(tag: str) -> str:
+    """The name a tag's folder is renamed to before it is deleted (DELETING_RE): unique, so deletes never collide."""
+    return f".{tag}.{secrets.token_hex(4)}{DELETING_SUFFIX}"
+
+
 MARKER_PREFIX = "datastates-commit."
 MARKER_SUFFIX = ".json"
 
@@ -342,9 +356,9 @@ class CommitMarker:
 
     @classmethod
     def read(cls, path: str) -> CommitMarker | None:
-        """The marker at ``path``, or None if it is absent, not yet renamed into place, or not a marker."""
+        """The marker at ``path``, or None if it is absent, not yet renamed into place, or not a marker
+        (a FIFO or a device named like one is never opened to wait: ``read_regular``)."""
         try:
-            with open(path, "rb") as f:
-                return cls.decode(f.read())
+            return cls.decode(read_regular(path))
         except (OSError, ValueError, DatastatesError):
             return None

@@ -10,6 +10,7 @@ from typing import Iterator, Sequence
 from .descriptors import Tier
 from .errors import PathNotAllowedError
 from .format import (
+    DELETING_RE,
     DONE_PREFIX,
     FILE_NAME_MAX,
     MARKER_PREFIX,
@@ -86,6 +87,8 @@ def check_path(path: str, roots: list[str]) -> str:
         raise refuse(f"a component is longer than {NAME_MAX} bytes")
     if "\x00" in path:
         raise refuse("it contains a NUL byte")
+    if any(DELETING_RE.fullmatch(p) for p in parts):
+        raise refuse("a folder of it is named like a tag being deleted (.<tag>.<token>.dsdel), which the next prune deletes")
     name = os.path.basename(path)
     if not name or name.endswith(TEMP_SUFFIX) or name.startswith((MARKER_PREFIX, DONE_PREFIX)):
         raise refuse("the file name is empty or reserved for datastates' own files")

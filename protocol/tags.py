@@ -100,44 +100,65 @@ def marker_paths(root: str, depth: int = 1) -> list[str]:
     """Every file named like a commit marker in ``root`` and ``depth`` folders down, whole or not."""
     if not os.path.isdir(root):
         return []
-    found = []
-    for folder in _folders(root, depth):
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            continue
-        found += [os.path.join(folder, n) for n in sorted(names) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX)]
-    return found
+    return [path for folder in _folders(root, depth) for path in _marker_names(folder)]
+
+
+def _marker_names(folder: str) -> list[str]:
+    """The entries of ``folder`` named like a commit marker, sorted: names only, none opened."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in sorted(names) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX)]
+
+
+def untrusted_folder(folder: str) -> str:
+    """Why folder ``folder`` must not be trusted to hold a commit marker, or anything below it ("" if it may).
+
+    A folder that is a link, that another user owns, or that group or others may write can
+    be made to hold anything, so nothing found in it, or reached through it, speaks for this user.
+    """
+    return _untrusted(folder, stat.S_ISDIR, "a folder")
 
 
 def distrust(marker: str) -> str:
     """Why the commit marker at ``marker`` must not be trusted ("" if it may), as ssh's StrictModes judges a key file.
 
     A marker names the files a restore loads, so a marker, or a tag folder, that another
-    user owns or can write could point this user's trainer at that user's files.
+    user owns or can write could point this user's trainer at that user's files. It must be
+    a regular file too: a FIFO named like a marker would block whoever opens it.
     """
+    return _untrusted(marker, stat.S_ISREG, "a regular file") or untrusted_folder(os.path.dirname(marker))
+
+
+def _untrusted(path: str, kind: Callable[[int], bool], what: str) -> str:
     me = os.geteuid()
-    for path in (marker, os.path.dirname(marker)):
-        try:
-            st = os.lstat(path)
-        except OSError as exc:
-            return f"{path}: {exc.strerror}"
-        if stat.S_ISLNK(st.st_mode):
-            return f"{path} is a symbolic link"
-        if st.st_uid not in (me, 0):
-            return f"{path} belongs to uid {st.st_uid}, not to this user (uid {me}) or root"
-        if st.st_mode & 0o022:
-            return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link"
+    if not kind(st.st_mode):
+        return f"{path} is not {what} (mode {stat.filemode(st.st_mode)})"
+    if st.st_uid not in (me, 0):
+        return f"{path} belongs to uid {st.st_uid}, not to this user (uid {me}) or root"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
     return ""
 
 
-def trusted_marker(path: str) -> CommitMarker | None:
-    """``read_marker(path)`` for a marker this user may trust (``distrust``); an untrusted one is logged and skipped."""
+def trusted_marker(path: str, whole: bool = True) -> CommitMarker | None:
+    """``read_marker(path)`` for a marker this user may trust (``distrust``); an untrusted one is logged and skipped.
+
+    ``whole`` False: the marker as it reads, whether or not its files are all there (what a
+    reader checking one file against its tag needs).
+    """
     why = distrust(path)
     if why:
         log.warning("skipping the commit marker %s: %s", path, why)
         return None
-    return read_marker(path)
+    return read_marker(path) if whole else CommitMarker.read(path)
 
 
 def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
@@ -160,24 +181,26 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
 
 
 def listing(path: str, depth: int = 3) -> list[tuple[str, CommitMarker, MarkerFile]]:
-    """(marker path, marker, its entry) for every commit marker in the ``depth`` folders above ``path`` that lists it.
+    """(marker path, marker, its entry) for every trusted commit marker in the ``depth`` folders above ``path`` that
+    lists it.
 
     A tag's marker sits in its tag folder, at or above its files: this is how a reader
-    given only a file's path finds what its tag says the file must be.
+    given only a file's path finds what its tag says the file must be. Only where a marker
+    of this user's can be: the climb stops at the first folder this user may not trust
+    (``untrusted_folder``: ``/tmp`` above the root ``/tmp/ckpt``, say), and a marker there
+    or above it, or one that fails ``distrust``, is never read.
     """
     out = []
     folder = os.path.dirname(os.path.abspath(path))
     for _ in range(depth):
-        try:
-            names = sorted(n for n in os.listdir(folder) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX))
-        except OSError:
-            names = []
+        if untrusted_folder(folder):
+            break
         rel = os.path.relpath(path, folder)
-        for name in names:
-            marker = CommitMarker.read(os.path.join(folder, name))
+        for marker_path in _marker_names(folder):
+            marker = trusted_marker(marker_path, whole=False)
             entry = next((f for f in marker.files if f.path == rel), None) if marker is not None else None
             if entry is not None:
-                out.append((os.path.join(folder, name), marker, entry))
+                out.append((marker_path, marker, entry))
         if os.path.dirname(folder) == folder:
             break
         folder = os.path.dirname(folder)

@@ -396,6 +396,37 @@ MUTATIONS: tuple[Mutation, ...] = (
               " and not e.busy]:  # MUTATION: served or not\n"),),
         ("tests/faults/test_connections.py::test_a_tool_that_polls_status_without_hello_is_never_shut_for_its_age",),
     ),
+    Mutation(
+        "markers-above-the-root-trusted",
+        "listing() climbs past folders others may write and reads every marker there, /tmp above /tmp/ckpt included",
+        (Edit("protocol/tags.py", "        if untrusted_folder(folder):\n            break\n",
+              "        pass  # MUTATION: no trust check of the folders climbed\n"),
+         Edit("protocol/tags.py", "marker = trusted_marker(marker_path, whole=False)",
+              "marker = CommitMarker.read(marker_path)  # MUTATION: any marker")),
+        ("tests/faults/test_hostile_user.py::test_a_marker_planted_above_the_root_changes_nothing[marker]",),
+    ),
+    Mutation(
+        "tag-deleted-in-place",
+        "retention deletes a tag's folder where it is, without renaming it to its deleting name first",
+        (Edit("protocol/retention.py",
+              "            os.rename(tag.tag, os.path.basename(doomed), src_dir_fd=parent, dst_dir_fd=parent)\n",
+              "            doomed = tag.folder  # MUTATION: deleted in place\n"),),
+        ("tests/faults/test_kill_prune.py::test_a_killed_prune_leaves_nothing_half_deleted[prune]",),
+    ),
+    Mutation(
+        "killed-delete-never-finished",
+        "neither prune nor the daemon start finishes what a killed delete left",
+        (Edit("protocol/retention.py", "    if not DELETING_RE.fullmatch(os.path.basename(folder)):\n",
+              "    if True:  # MUTATION: nothing is finished\n"),),
+        ("tests/faults/test_kill_prune.py::test_a_killed_prune_leaves_nothing_half_deleted[prune]",
+         "tests/faults/test_kill_prune.py::test_a_killed_prune_leaves_nothing_half_deleted[daemon start]"),
+    ),
+    Mutation(
+        "anyones-deleting-folder-finished",
+        "prune deletes any folder named like a killed delete's leftover, another user's too",
+        (Edit("protocol/retention.py", "    why = untrusted_folder(folder)\n", "    why = \"\"  # MUTATION: no ownership check\n"),),
+        ("tests/faults/test_hostile_user.py::test_prune_leaves_another_users_folder_named_as_being_deleted",),
+    ),
 )
 
 

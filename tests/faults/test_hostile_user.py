@@ -1,9 +1,12 @@
-"""Another local user plants a tag where this user's trainer restores from (issue 14, item 1).
+"""Another local user plants a tag where this user's trainer restores from (issue 14, item 1; issue 27, item 6).
 
 Under a root other users can write to (``/tmp`` in the shipped examples), a second user
 creates ``run/step2/`` with a marker that sorts last. ``latest()``, ``Client.restore`` and
 ``ls`` must skip it, as ssh's StrictModes skips a key file others could have written, and
-say why in the log. A real second user (``useradd``) does the planting.
+say why in the log. Above a root of this user's own (the documented ``/tmp/ckpt``), the
+folder others write is the root's parent: a marker planted there that lists this user's
+files, or a FIFO named like one, must change nothing for ``load``, ``verify``, the daemon's
+admission or its SIGTERM. A real second user (``useradd``) does the planting.
 """
 
 from __future__ import annotations
@@ -12,17 +15,24 @@ import json
 import logging
 import os
 import pwd
+import shlex
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import torch
 
 import datastates
 from datastates.client import Client
+from datastates.client.reader import verify
 from datastates.protocol.errors import CommitError
+from datastates.protocol.format import marker_name
 
-from conftest import as_user, assert_state_equal, save
+from conftest import DATASTATESCTL, DaemonProc, as_user, assert_state_equal, save
 
 def test_a_tag_planted_by_another_user_is_never_restored(mallory: str, open_tmp: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
@@ -60,3 +70,76 @@ def test_a_tag_planted_by_another_user_is_never_restored(mallory: str, open_tmp:
 
     os.chmod(run / "step1", 0o777)  # this user's own tag, but any user could have swapped its files
     assert datastates.latest(run) is None
+
+
+SAVE = """
+import sys, torch
+from datastates.client import Client
+with Client(sys.argv[1], timeout=60) as c:
+    handle = c.snapshot({"w": torch.arange(8.0) * 2, "step": 2}, sys.argv[2])
+    c.wait()
+    c.commit(handle.tag).result(timeout=120)
+"""
+"""A trainer's save, in a process of its own: one that hangs (admission stuck on a FIFO) is killed at its timeout."""
+
+
+@pytest.fixture
+def like_tmp() -> Iterator[Path]:
+    """A folder of mode 1777, as ``/tmp`` is: every user may create entries in it, each keeps its own."""
+    folder = Path(tempfile.mkdtemp(prefix="ds-above-", dir="/tmp"))
+    os.chmod(folder, 0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("plant", ["marker", "fifo"])
+def test_a_marker_planted_above_the_root_changes_nothing(plant: str, mallory: str, like_tmp: Path,
+                                                         start_daemon: Callable[..., DaemonProc]) -> None:
+    """The root is ``<like_tmp>/ckpt``, as ``/tmp/ckpt``; another user plants, in ``<like_tmp>``, a whole marker
+    listing this user's files (one committed, one about to be saved) under another snapshot, or a FIFO named like
+    a marker. Before issue 27, the first made load and verify refuse the good file and the daemon refuse the save;
+    the second hung all three, and the daemon's SIGTERM behind its stuck admission."""
+    root = like_tmp / "ckpt"
+    root.mkdir(mode=0o755)
+    d = start_daemon(storage={"roots": [str(root)]})
+    first, second = {"w": torch.arange(8.0), "step": 1}, {"w": torch.arange(8.0) * 2, "step": 2}
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, first, root / "step1" / "model.pt")
+    planted = like_tmp / marker_name("planted")
+    if plant == "marker":
+        marker = json.loads((root / "step1" / marker_name("step1")).read_text())
+        size = (root / "step1" / "model.pt").stat().st_size
+        marker.update(tag="planted", sequence=marker["sequence"] + 1000,
+                      files=[{"path": f"ckpt/step{n}/model.pt", "size": size, "snapshot": "planted/by/another-user"}
+                             for n in (1, 2)])
+        as_user(mallory, f"printf %s {shlex.quote(json.dumps(marker))} > {planted}")
+    else:
+        as_user(mallory, f"mkfifo {planted}")
+    assert planted.lstat().st_uid == pwd.getpwnam(mallory).pw_uid
+
+    try:  # admission looks for the markers that list the path: none above the root
+        out = subprocess.run([sys.executable, "-c", SAVE, d.endpoint, str(root / "step2" / "model.pt")],
+                             capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the save of step2 hung")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert datastates.latest(root) == "step2"
+    for step, state in ((1, first), (2, second)):
+        path = root / f"step{step}" / "model.pt"
+        assert_state_equal(state, datastates.load(path))
+        verify(path)
+        out = d.ctl("verify", str(path))
+        assert out.returncode == 0, out.stdout + out.stderr
+    assert d.stop() == 0  # SIGTERM drains and stops: no thread of it is stuck opening a FIFO
+
+
+def test_prune_leaves_another_users_folder_named_as_being_deleted(mallory: str, like_tmp: Path) -> None:
+    """Under a root others may write in, a folder named like what a killed delete leaves (``.<tag>.<token>.dsdel``)
+    is finished only if it is this user's: one another user made there is theirs, and ``prune`` leaves it."""
+    planted = like_tmp / ".step9.0123abcd.dsdel"
+    as_user(mallory, f"mkdir {planted} && touch {planted}/theirs")
+    out = subprocess.run([DATASTATESCTL, "prune", str(like_tmp), "--keep-last", "1"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (planted / "theirs").exists(), "prune deleted a folder of another user's"
+    assert "not finishing the delete" in out.stderr and f"uid {pwd.getpwnam(mallory).pw_uid}" in out.stderr, out.stderr

@@ -18,7 +18,7 @@ import datastates
 from datastates.client import Client
 from datastates.integrations.manager import CheckpointManager
 from datastates.protocol.errors import CommitError, InvalidRequestError
-from datastates.protocol.format import MARKER_PREFIX, marker_name
+from datastates.protocol.format import DELETING_RE, marker_name
 
 from conftest import DaemonProc, assert_state_equal, at_first_open
 from resume_job import build
@@ -47,33 +47,39 @@ def own_client(shared_daemon: DaemonProc) -> Iterator[Client]:
 def test_saves_every_k_and_keeps_the_newest(shared_client: Client, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """keep_last=2: each save prunes what the commits known so far leave beyond the two newest; close leaves exactly two.
 
-    Every deletion under the root, and every fsync of a tag folder, is watched: a tag's
-    marker goes first, and its removal is made durable before any of the tag's files goes,
-    so latest() never names a tag that is partly gone, even after a crash mid-prune.
+    Every deletion under the root, every rename in it and its every fsync are watched: a
+    tag's folder is first renamed to its deleting name, and the rename made durable, before
+    any of the tag's files goes, so latest() never names a tag that is partly gone, even
+    after a crash mid-prune (tests/faults/test_kill_prune.py kills one).
     """
     events: list[tuple[str, str]] = []
-    real_unlink, real_fsync = os.unlink, os.fsync
+    real_unlink, real_fsync, real_rename = os.unlink, os.fsync, os.rename
 
     def tag_of(folder: str) -> str | None:
-        return os.path.basename(folder) if os.path.dirname(folder) == str(root) else None
+        deleting = DELETING_RE.fullmatch(os.path.basename(folder))
+        return deleting.group(1) if deleting and os.path.dirname(folder) == str(root) else None
 
     def watched_unlink(path: Any, *, dir_fd: int | None = None) -> None:
         full = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else "", os.fspath(path))
         folder, name = os.path.split(full)
         tag = tag_of(folder)
         if tag is not None:
-            if not name.startswith(MARKER_PREFIX):
-                assert not os.path.exists(os.path.join(folder, marker_name(tag))), f"{name} of {tag} went before its marker"
-                assert datastates.latest(root) != tag
+            assert not (root / tag).exists(), f"{name} of {tag} went while its folder was still in place"
+            assert datastates.latest(root) != tag
             events.append((tag, name))
         real_unlink(path, dir_fd=dir_fd)
 
+    def watched_rename(src: Any, dst: Any, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
+        if src_dir_fd is not None and os.readlink(f"/proc/self/fd/{src_dir_fd}") == str(root):
+            events.append((os.fspath(src), "<renamed>"))
+        real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
     def watched_fsync(fd: int) -> None:
-        tag = tag_of(os.readlink(f"/proc/self/fd/{fd}"))
-        if tag is not None:
-            events.append((tag, "<fsync>"))
+        if os.readlink(f"/proc/self/fd/{fd}") == str(root):
+            events.append(("<root>", "<fsync>"))
         real_fsync(fd)
 
+    monkeypatch.setattr(os, "rename", watched_rename)
     monkeypatch.setattr(os, "fsync", watched_fsync)
     monkeypatch.setattr(os, "unlink", watched_unlink)
     job = build()
@@ -99,9 +105,11 @@ def test_saves_every_k_and_keeps_the_newest(shared_client: Client, root: Path, m
     assert datastates.latest(root) == "step00000012"
     files = sorted(f"rank{r}.pt" for r in range(OTHER_RANKS + 1))
     for tag in saved[:2]:
-        seen = [n for t, n in events if t == tag]
-        assert seen[:2] == [marker_name(tag), "<fsync>"] and sorted(seen[2:]) == files, seen
-    assert {t for t, _ in events} == set(saved[:2])
+        renamed = events.index((tag, "<renamed>"))
+        assert events[renamed + 1] == ("<root>", "<fsync>"), events[renamed:renamed + 2]
+        seen = [(k, n) for k, (t, n) in enumerate(events) if t == tag and n != "<renamed>"]
+        assert all(k > renamed for k, _ in seen) and sorted(n for _, n in seen) == sorted([*files, marker_name(tag)]), seen
+    assert {t for t, _ in events} - {"<root>"} == set(saved[:2])
 
 def test_restore_is_bitwise(shared_client: Client, root: Path) -> None:
     """The restored model, optimizer, scheduler, data order and RNGs are those of the saved step, to the bit."""
