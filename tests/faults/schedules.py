@@ -294,9 +294,12 @@ class Node:
         finished by a second prune or a daemon restart (drawn); every tag it was deleting must then be gone
         whole or still committed whole, never a folder left half-deleted."""
         self.trainer.call(op="drain", timeout=30)
-        doomed = committed_tags(str(run), own_folder=True)[1:]
+        tags = committed_tags(str(run), own_folder=True)
+        doomed = tags[1:]
         if not doomed:
             return
+        for tag in set(TAGS) - {tags[0].tag}:  # with keep_last's deletions before it, only the newest may stay
+            pruned[tag] = self.step
         for tag in doomed:
             filler = Path(tag.folder) / "extra"
             filler.mkdir(exist_ok=True)
@@ -316,8 +319,6 @@ class Node:
                 proc.kill()
                 break
         proc.wait(60)
-        for tag in doomed:
-            pruned[tag.tag] = self.step
         if rng.random() < 0.5:
             sh(DATASTATESCTL, "prune", run, "--keep-last", "1")
         else:
