@@ -225,8 +225,8 @@ def test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_wit
 def test_the_datastates_llm_engine_never_commits_a_checkpoint_part_of_which_went_with_a_restarted_daemon(
         start_daemon: Callable[..., DaemonProc], caplog: pytest.LogCaptureFixture) -> None:
     """Issue 27 review, finding A, through ``datastates.CheckpointEngine``: global_step1's a.pt was copied, the
-    daemon restarted, then DeepSpeed saves b.pt of the same checkpoint. The job is told once (a warning naming
-    global_step1 lost, no exception), global_step1 is never committed with b.pt alone, and global_step2 commits."""
+    daemon restarted, then DeepSpeed saves b.pt and d.pt of the same checkpoint. The job is told once (a warning
+    naming global_step1 lost, no exception), global_step1 is never committed without a.pt, and global_step2 commits."""
     d = start_daemon(client_timeout=3)
     engine = Checkpointing(runtime_config={"endpoint": d.endpoint, "liveness": 30.0}, rank=0)
     try:
@@ -234,7 +234,8 @@ def test_the_datastates_llm_engine_never_commits_a_checkpoint_part_of_which_went
         engine.wait()
         restarted_under(engine.client, d, start_daemon)
         with caplog.at_level(logging.WARNING, logger="datastates.integrations"):
-            engine.save({"b": torch.full((1000,), 2.0)}, d.root / "global_step1" / "b.pt")
+            engine.save({"b": torch.full((1000,), 2.0)}, d.root / "global_step1" / "b.pt")  # meets the loss
+            engine.save({"d": torch.full((1000,), 4.0)}, d.root / "global_step1" / "d.pt")  # connected again
             state = {"c": torch.full((1000,), 3.0)}
             engine.save(state, d.root / "global_step2" / "c.pt")
             engine.wait(True)
