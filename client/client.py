@@ -169,6 +169,9 @@ class Client:
         self._liveness = liveness
         self._left = False
         """Set once this client left a daemon it lost: without the fallback, the next call connects again."""
+        self._lost: dict[str, set[str]] = {}
+        """Tags part of which went with a daemon this client lost → the paths saved for them on that connection, not
+        committed by it and not saved again since: committing the rest alone would make a partial tag."""
         try:
             self._connect()
         except DaemonUnavailable as exc:
@@ -181,6 +184,10 @@ class Client:
         stalled past liveness, or restarted, does not know the old connection's client.
         """
         self._conn = Connection(self.endpoint, self._liveness)
+        self._saved: dict[str, dict[str, str]] = {}
+        """Tags snapshotted on this connection that no COMMIT it answered covers yet → their paths → the tickets."""
+        self._unasked: set[str] = set()
+        """Tags snapshotted on this connection since their last COMMIT was sent: no commit future would tell their loss."""
         self._decisions = outcome.make_folder()
         """Where this client and the daemon agree on each snapshot's fate (protocol/outcome.py); the daemon removes it."""
         hello = m.Hello(pid=os.getpid(), name=self._name, host=socket.gethostname(), on_busy=self._on_busy,
@@ -267,6 +274,12 @@ class Client:
             raise
         with self._commits_lock:
             self._uncopied.append((ack, msg, cap))
+            self._saved.setdefault(tag, {})[path] = msg.ticket
+            self._unasked.add(tag)
+            if path in self._lost.get(tag, ()):  # saved again: that part of the tag is whole once more
+                self._lost[tag].discard(path)
+                if not self._lost[tag]:
+                    del self._lost[tag]
         return SnapshotHandle(path=path, tag=tag, ack=ack)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -316,17 +329,30 @@ class Client:
                         "comes back", self.endpoint)
         return abandoned
 
-    def _abandoned(self, why: str, abandoned: list[str]) -> DaemonUnavailable:
-        """The one report of a lost daemon: ``why``, and the snapshots given up (``_give_up``)."""
-        return DaemonUnavailable(f"{why}; {len(abandoned)} snapshot(s) not yet copied are abandoned, the daemon will "
-                                 f"never write them: {abandoned[:4]}", endpoint=self.endpoint)
+    def _abandoned(self, why: str, abandoned: list[str], untold: list[str] = ()) -> DaemonUnavailable:
+        """The one report of a lost daemon: ``why``, the snapshots given up (``_give_up``), and the tags saved and not
+        yet committed that no commit future tells of (``untold``)."""
+        said = [why]
+        if abandoned:
+            said.append(f"{len(abandoned)} snapshot(s) not yet copied are abandoned, the daemon will never write them: "
+                        f"{abandoned[:4]}")
+        if untold:
+            said.append(f"tag(s) {untold[:4]} saved and not committed are lost with it: a commit of one fails unless "
+                        "every file saved for it is saved again first")
+        return DaemonUnavailable("; ".join(said), endpoint=self.endpoint)
 
-    def _leave(self) -> None:
+    def _leave(self) -> list[str]:
         """Leave this connection's daemon for good: a resumed daemon lets this client go instead of waiting on its
-        pid, and writes nothing more for it (protocol/outcome.py)."""
+        pid, and writes nothing more for it (protocol/outcome.py). The tags it had not committed are lost with it;
+        returns those no COMMIT was sent for since their last snapshot, so no commit future tells of them."""
         self._conn.close()
         outcome.leave(self._decisions, local=self.fallback == "local")
         self._left = True
+        with self._commits_lock:
+            for tag, paths in self._saved.items():
+                self._lost.setdefault(tag, set()).update(paths)
+            untold, self._saved, self._unasked = sorted(self._unasked), {}, set()
+        return untold
 
     def _daemon(self) -> Connection:
         """The connection to the daemon: after one was lost (and no fallback), a new one, as a new client."""
@@ -339,7 +365,10 @@ class Client:
 
         What the lost connection had not committed is lost with it, and said once: by the
         ``wait()`` or the commit future that met the loss; snapshots not waited for yet are
-        given up here, and this call raises instead of that ``wait()``. The first
+        given up here, and this call raises instead of that ``wait()``, as it does for tags
+        saved (even copied) with no COMMIT sent since. A later commit of a tag part of which
+        was lost fails once, unless every file saved for it on the lost connection was saved
+        again (``_lost``): committing only the files saved since would make a partial tag. The first
         connection's daemon was told this client left (protocol/outcome.py), so it releases
         what it held for it and never writes what was given up. A daemon still away raises
         DaemonUnavailable here, and the next call tries again.
@@ -348,9 +377,9 @@ class Client:
             pending = list(self._uncopied)
             abandoned = self._give_up(pending) if pending else []
             self._drop(pending)
-            self._leave()
-            if abandoned:
-                raise self._abandoned(f"datastatesd at {self.endpoint} was found gone", abandoned)
+            untold = self._leave()
+            if abandoned or untold:  # copied but never committed is lost too: the trainer must not think it saved
+                raise self._abandoned(f"datastatesd at {self.endpoint} was found gone", abandoned, untold)
         lost = self.client_id
         self._gpu = GpuRoute(self._gpu.mode, self._staging, self._probe_cuda)  # the new client shares GPU memory anew
         self._connect()
@@ -403,15 +432,21 @@ class Client:
         conn = self._daemon()
         with self._commits_lock:
             covered = [x for x in self._uncopied if x[1].tag == tag]
-        reply, caller = conn.request(m.Commit(tag=tag)), Future()
+            saved, asked = self._saved, dict(self._saved.get(tag, {}))
+            self._unasked.discard(tag)
+            missing = sorted(self._lost.pop(tag, ()))  # fails this once: a save after it starts clean
+        lost = (f"part of it was lost with the daemon this client lost ({len(missing)} file(s) saved through it and "
+                f"not saved again since: {missing[:4]}); save it again whole") if missing else ""
+        reply, caller = conn.request(m.Commit(tag=tag, lost=lost)), Future()
         with self._commits_lock:
             self._commits.append((tag, caller, reply, covered))
         # the reply comes as the argument: a closure over ``reply`` would make a cycle that keeps ``covered``'s
         # tensors alive until the garbage collector runs
-        reply.add_done_callback(lambda done: self._answer(tag, caller, done, covered))
+        reply.add_done_callback(lambda done: self._answer(tag, caller, done, covered, saved, asked))
         return caller
 
-    def _answer(self, tag: str, caller: Future, reply: Future, covered: list[tuple[Future, m.Snapshot, Capture]]) -> None:
+    def _answer(self, tag: str, caller: Future, reply: Future, covered: list[tuple[Future, m.Snapshot, Capture]],
+                saved: dict[str, dict[str, str]], asked: dict[str, str]) -> None:
         """Pass the daemon's reply on, unless the daemon went away while snapshots of ``tag`` were not yet
         copied and the local fallback is on: then ``wait()`` saves them again and commits ``tag`` locally.
 
@@ -420,6 +455,10 @@ class Client:
         more than the snapshots still in flight.
         """
         exc = reply.exception()
+        if not isinstance(exc, DaemonUnavailable):  # the daemon answered: the tag is no longer its to lose
+            with self._commits_lock:
+                if saved.get(tag) == asked:  # unless saved again since the COMMIT was sent
+                    saved.pop(tag, None)
         if exc is None:
             for _ack, msg, _cap in covered:
                 outcome.forget(self._decisions, msg.ticket)

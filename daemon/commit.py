@@ -141,7 +141,8 @@ class CommitLedger:
         """Snapshots of a commit that failed: a commit with no new snapshot of the tag retries them (see ``commit``)."""
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._refused: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
-        """Tags one of whose snapshots was refused at admission: committing the rest would make a partial tag."""
+        """Tags one of whose snapshots was refused at admission, or part of which went with a daemon the client lost
+        (COMMIT ``lost``): committing the rest would make a partial tag. → why, as the commit's error says it."""
         self._groups: dict[tuple[str, int, str], _TagGroup] = {}
         self._tracker_lock = asyncio.Lock()
         self._tracked: dict[str, tuple[int, int]] = {}
@@ -187,15 +188,15 @@ class CommitLedger:
 
     def _snapshot_done(self, ranks: Ranks, job: SnapshotJob, durable: asyncio.Future) -> None:
         if not durable.cancelled() and durable.exception() is not None:
-            self._fail_round(ranks, job.tag, f"{job.path}: {durable.exception()}")
+            self._fail_round(ranks, job.tag, f"its snapshot of {job.path} failed: {durable.exception()}")
 
     def skip(self, client_id: str, tag: str, reason: str) -> None:
         """Remember why ``tag`` was skipped, so its commit says so instead of 'nothing to commit'."""
         _remember(self._skipped, (client_id, tag), reason)
 
     def refuse(self, client_id: str, tag: str, reason: str, ranks: Ranks) -> None:
-        """A snapshot of ``tag`` was refused: its commit fails, naming why, instead of committing the others; and so
-        does every other rank's commit of the tag, at once."""
+        """A snapshot of ``tag`` was refused, or part of it lost (``reason`` says which): its commit fails, naming
+        why, instead of committing the others; and so does every other rank's commit of the tag, at once."""
         _remember(self._refused, (client_id, tag), reason)
         self._fail_round(ranks, tag, reason)
 
@@ -220,7 +221,13 @@ class CommitLedger:
                 del self._groups[stale]
         if not group.done.done():
             group.done.set_exception(CommitError(
-                f"tag {tag!r} not committed: rank {ranks.rank}'s snapshot of it failed: {why}", tag=tag))
+                f"tag {tag!r} not committed: rank {ranks.rank}: {why}", tag=tag))
+
+    def commit_states(self) -> dict[int, str]:
+        """Per snapshot id, where its tag's commit stands: ``open`` (not asked yet), ``committing`` (asked, not yet
+        answered) or ``failed`` (answered with a failure, kept for a retry); absent once committed or dropped."""
+        tables = (("open", self._open), ("committing", self._committing), ("failed", self._failed))
+        return {job.id: state for state, table in tables for jobs in table.values() for job in jobs}
 
     def skipped(self, client_id: str, tag: str) -> str:
         return self._skipped.get((client_id, tag), "")
@@ -263,7 +270,7 @@ class CommitLedger:
             group = self._groups.get((ranks.job, ranks.world_size, tag))
             if group is not None and group.failed and ranks.rank not in group.committed:  # the round its refusal failed
                 self._told((ranks.job, ranks.world_size, tag), group, ranks.rank)
-            raise CommitError(f"tag {tag!r} not committed: one of its snapshots was refused: {refused}", tag=tag)
+            raise CommitError(f"tag {tag!r} not committed: {refused}", tag=tag)
         jobs = self._committing[key] = self._open.pop(key, None) or []
         self._versions.seal([j.path for j in jobs])  # before any await: a snapshot admitted next gets its own version
         requested_ns = time.time_ns()

@@ -179,7 +179,7 @@ class Daemon:
             except Exception as exc:  # any refusal, an internal one too: committing the tag's other files would
                 # make a partial tag (the fault schedules, seed 92834)
                 why = exc.message if isinstance(exc, DatastatesError) else f"internal: {type(exc).__name__}: {exc}"
-                self.ledger.refuse(client.id, body.tag, f"{body.path}: {why}", client.ranks)
+                self.ledger.refuse(client.id, body.tag, f"its snapshot of {body.path} was refused: {why}", client.ranks)
                 client.release_unopened(body.sources)
                 raise
             if ack.skipped:
@@ -290,6 +290,8 @@ class Daemon:
     async def _commit(self, identity: bytes, body: m.Commit) -> m.Committed:
         client = self.clients.get(identity)
         await self.jobs.admitted(client.id)
+        if body.lost:  # part of the tag went with a daemon the client lost: the rest alone would be a partial tag
+            self.ledger.refuse(client.id, check_tag(body.tag), body.lost, client.ranks)
         committed = await self.ledger.commit(client.id, check_tag(body.tag), client.ranks)
         log.info("tag %s committed by %s: %s", body.tag, client.id, committed.marker)
         return committed
@@ -368,7 +370,8 @@ class Daemon:
         asyncio.get_running_loop().call_later(0.2, self.stopped.set)
 
     def status(self) -> dict[str, Any]:
-        jobs = self.jobs.status()
+        commits = self.ledger.commit_states()
+        jobs = [{**job, "commit": commits.get(job["id"], "")} for job in self.jobs.status()]
         return {
             "daemon": {
                 "pid": os.getpid(),

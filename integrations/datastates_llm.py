@@ -40,7 +40,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from datastates.client.client import Client
-from datastates.protocol.errors import CommitError, DaemonUnavailable, InvalidRequestError
+from datastates.protocol.errors import CommitError, DaemonUnavailable, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import STAGING_RE, check_tag
 
 from .commits import PendingCommits
@@ -60,6 +60,8 @@ NO_MEANING = {
 """DataStates-LLM keys that configure its in-process engine, which does not exist here."""
 _TAG_FOLDER = re.compile(r"global_step\d+|iter_\d+")
 POLL_S = 0.05
+LOAD_TIMEOUT_S = 600.0
+"""How long ``load`` waits, at most, for the versions of its path still being written or committed."""
 
 
 def datastates_options(runtime_config: Any) -> dict[str, Any]:
@@ -124,6 +126,10 @@ class CheckpointEngine:
                 raise
         self._open: dict[str, set[str]] = {}
         """Tags saved and not yet committed → the paths saved for each."""
+        self._lost: set[str] = set()
+        """Tags told lost with the daemon while still being saved: their later files are not saved, since the tag
+        cannot be whole again, until a save of another tag begins."""
+        self.load_timeout = LOAD_TIMEOUT_S
         self._commits = PendingCommits(f"rank {self.rank}")
         """Commits sent and not yet taken in: their failures are raised by the next save, wait(True) or shutdown."""
         ref = weakref.ref(self)
@@ -151,7 +157,14 @@ class CheckpointEngine:
         tag = tag_of(path)
         if any(open_tag != tag or path in paths for open_tag, paths in self._open.items()):
             self._step()  # a newer checkpoint begins, or this one is saved again: the open one is committed first
-        self.client.snapshot(state_dict, path, tag=tag)
+        if tag in self._lost:  # part of it went with the daemon, as the job was told: the rest alone is no checkpoint
+            return True
+        self._lost.clear()
+        try:
+            self.client.snapshot(state_dict, path, tag=tag)
+        except DaemonUnavailable as exc:  # a loss no fence met: said once, here, and training goes on
+            self._lose(sorted({*self._open, tag}), exc)
+            return True
         self._open.setdefault(tag, set()).add(path)
         return True
 
@@ -177,7 +190,11 @@ class CheckpointEngine:
         Waits for the snapshots the daemon has taken in: one whose message is still on its
         way from another process is not seen. A new version of a committed ``path`` is
         waited for until its commit puts it in place (or it is given up), not only until
-        it is written: till then ``path`` still holds the old version.
+        it is written: till then ``path`` still holds the old version. A new version whose
+        commit failed (kept by the daemon for a retry), or this engine's own not yet
+        committed, is not waited for: ``path`` holds the committed version. The whole wait
+        is bounded by ``load_timeout`` (``LOAD_TIMEOUT_S``, 600 s): past it, WaitTimeout
+        names the path and the snapshots still pending.
 
         Reads datastates files and, for a job that switched, files ``torch.save`` wrote.
         DeepSpeed trusts its own checkpoint folder (its torch engine loads with
@@ -185,7 +202,13 @@ class CheckpointEngine:
         """
         path = os.path.abspath(os.fspath(path))
         self._copied()  # the caller copies what it loads into tensors a snapshot may still be reading
-        while any(_writing(s, path) for s in self.client.status()["snapshots"]):
+        deadline = time.monotonic() + self.load_timeout
+        while writing := [s for s in self.client.status()["snapshots"] if _writing(s, path, self.client.client_id)]:
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"load({path!r}): after {self.load_timeout:.0f} s, {len(writing)} version(s) of it are "
+                                  "still being written or committed: " + ", ".join(
+                                      f"{s['path']} (tag {s['tag']}, {s['state']}, commit {s['commit'] or 'none'})"
+                                      for s in writing[:4]))
             time.sleep(POLL_S)
         return load_any(path, map_location, weights_only=False)
 
@@ -236,7 +259,13 @@ class CheckpointEngine:
             else:
                 self._copied()
         except DaemonUnavailable as exc:
-            self._commits.lost(tags, exc)
+            self._lose(tags, exc)
+
+    def _lose(self, tags: list[str], exc: DaemonUnavailable) -> None:
+        """Say once that ``tags`` went with the daemon; their files still to come are not saved."""
+        self._commits.lost(tags, exc)
+        self._open.clear()
+        self._lost = set(tags)
 
     def _commit_open(self) -> None:
         """Fence, then commit every open tag; their outcomes are taken in later."""
@@ -244,7 +273,12 @@ class CheckpointEngine:
             return
         self._copied()
         for tag in list(self._open):
-            self._commits.add(tag, self.client.commit(tag))
+            try:
+                fut = self.client.commit(tag)
+            except DaemonUnavailable:  # the client found its daemon lost: the open checkpoints went with it
+                self._open.clear()
+                raise
+            self._commits.add(tag, fut)
             del self._open[tag]
 
 
@@ -272,18 +306,24 @@ def _mend_deepspeeds_wrapper() -> None:
         engine.ckpt_engine = None
 
 
-def _writing(snapshot: dict[str, Any], path: str) -> bool:
+def _writing(snapshot: dict[str, Any], path: str, mine: str) -> bool:
     """Whether the daemon's ``snapshot`` (an entry of its status) is a version of ``path`` not yet readable there.
 
     One of ``path`` itself while it is copied or flushed; a new version of a committed
     ``path``, written in its tag's staging folder, until its commit switches it in (or it
     is abandoned): both remove the staging folder, so the old version is read until then.
+    A durable new version is waited for only while its commit is to come (another client's,
+    ``open``) or under way (``committing``): one whose commit failed waits for a retry that
+    may never come, and one of this engine's own client (``mine``) is committed by no one
+    while ``load`` waits.
     """
     written = snapshot["path"]
     if written == path:
         return snapshot["state"] in ("copying", "flushing")
-    return (snapshot["state"] in ("copying", "flushing", "durable") and _staged_version(written, path)
-            and os.path.isdir(_staging_folder(written)) and snapshot["tag"] == tag_of(path))
+    pending = snapshot["state"] in ("copying", "flushing") or snapshot["state"] == "durable" and (
+        snapshot["commit"] == "committing" or snapshot["commit"] == "open" and snapshot["client"] != mine)
+    return (pending and _staged_version(written, path) and os.path.isdir(_staging_folder(written))
+            and snapshot["tag"] == tag_of(path))
 
 
 def _staging_folder(written: str) -> str:

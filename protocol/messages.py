@@ -144,6 +144,9 @@ class WaitDone(Body):
 class Commit(Body):
     TYPE = MsgType.COMMIT
     tag: str
+    lost: str = ""
+    """Why part of the tag went with a daemon the client lost, "" if none did: the daemon then commits none of it
+    (this client's snapshots of it are dropped, its other ranks' commits fail), as for a refused snapshot."""
 
 
 @dataclass(frozen=True)

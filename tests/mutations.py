@@ -357,8 +357,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "DataStates-LLM load: a new version still in its tag's staging folder, written but not committed, is not "
         "waited for, so the old version is read",
         (Edit("integrations/datastates_llm.py",
-              'in ("copying", "flushing", "durable")',
-              'in ("copying", "flushing")'),),  # MUTATION: a durable staged version is not waited for
+              'snapshot["state"] == "durable" and (',
+              'False and (  # MUTATION: a durable staged version is not waited for\n        '),),
         ("tests/integrations/test_datastates_llm.py::test_load_waits_for_a_file_another_rank_is_still_writing[True]",),
     ),
     Mutation(
@@ -374,7 +374,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "llm-step-raises-lost",
         "DeepSpeed's datastates_ckpt path: a daemon lost at the optimizer step's fence is raised out of the step",
         (Edit("integrations/datastates_llm.py",
-              "        except DaemonUnavailable as exc:\n            self._commits.lost(tags, exc)\n",
+              "        except DaemonUnavailable as exc:\n            self._lose(tags, exc)\n",
               "        except DaemonUnavailable:\n            raise  # MUTATION: the step fails\n"),),
         ("tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness",),
     ),
@@ -426,6 +426,57 @@ MUTATIONS: tuple[Mutation, ...] = (
         "prune deletes any folder named like a killed delete's leftover, another user's too",
         (Edit("protocol/retention.py", "    why = untrusted_folder(folder)\n", "    why = \"\"  # MUTATION: no ownership check\n"),),
         ("tests/faults/test_hostile_user.py::test_prune_leaves_another_users_folder_named_as_being_deleted",),
+    ),
+    Mutation(
+        "lost-tag-untold",
+        "a client that connects again says nothing of a tag it saved (copied, so nothing was abandoned) and never "
+        "committed: the trainer goes on as if it were safe",
+        (Edit("client/client.py",
+              "            if abandoned or untold:",
+              "            if abandoned:  # MUTATION: a copied, uncommitted tag is lost silently\n               "),),
+        ("tests/faults/test_kill_daemon.py::test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_with_the_rest_alone[part-saved-again]",),
+    ),
+    Mutation(
+        "lost-part-committed",
+        "after a reconnect, a commit of a tag part of which went with the lost daemon commits the files saved since "
+        "alone: its marker lists some of its files",
+        (Edit("client/client.py",
+              "save it again whole\") if missing else \"\"",
+              "save it again whole\") if False else \"\"  # MUTATION"),),
+        ("tests/faults/test_kill_daemon.py::test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_with_the_rest_alone[part-saved-again]",),
+    ),
+    Mutation(
+        "lost-tag-never-whole",
+        "a tag part of which was lost stays lost even once every file of it is saved again: its commit fails",
+        (Edit("client/client.py",
+              "                self._lost[tag].discard(path)\n",
+              "                pass  # MUTATION: a save again never makes it whole\n"),),
+        ("tests/faults/test_kill_daemon.py::test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_with_the_rest_alone[all-saved-again]",),
+    ),
+    Mutation(
+        "llm-saves-rest-of-lost-checkpoint",
+        "DataStates-LLM engine: after a loss met at a save, the rest of that checkpoint is still saved and committed",
+        (Edit("integrations/datastates_llm.py",
+              "        if tag in self._lost:  #",
+              "        if False:  # MUTATION #"),),
+        ("tests/faults/test_kill_daemon.py::test_the_datastates_llm_engine_never_commits_a_checkpoint_part_of_which_went_with_a_restarted_daemon",),
+    ),
+    Mutation(
+        "llm-load-waits-failed-commit",
+        "DataStates-LLM load: a new version whose commit failed (kept for a retry) is waited for like one whose "
+        "commit is under way: load never returns",
+        (Edit("integrations/datastates_llm.py",
+              'snapshot["commit"] == "committing" or',
+              'snapshot["commit"] in ("committing", "failed") or  # MUTATION\n       '),),
+        ("tests/integrations/test_datastates_llm.py::test_load_returns_the_committed_version_while_a_resave_whose_commit_failed_waits_for_a_retry",),
+    ),
+    Mutation(
+        "llm-load-unbounded",
+        "DataStates-LLM load waits for ever for a new version whose commit never comes",
+        (Edit("integrations/datastates_llm.py",
+              "            if time.monotonic() > deadline:\n",
+              "            if False:  # MUTATION: no bound\n"),),
+        ("tests/integrations/test_datastates_llm.py::test_load_gives_up_on_a_new_version_whose_commit_never_comes_naming_it",),
     ),
 )
 

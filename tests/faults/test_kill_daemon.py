@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 import time
@@ -9,12 +10,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 
 import datastates
 from datastates.client import Client, daemon_status
 from datastates.client.reader import verify
-from datastates.protocol.errors import DaemonUnavailable, DatastatesError
+from datastates.llm import Checkpointing
+from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError
 from datastates.protocol.format import MEGATRON_TRACKER, TEMP_SUFFIX, TRACKER, marker_name
 from datastates.protocol.tags import read_marker
 
@@ -168,3 +171,78 @@ def test_a_daemon_restarted_on_the_same_endpoint_never_leaves_an_old_clients_wai
         again.wait()
         again.commit(tag_of(1)).result(timeout=60)
     assert_state_equal(state, datastates.load(path))
+
+
+def restarted_under(c: Client, d: DaemonProc, start_daemon: Callable[..., DaemonProc]) -> DaemonProc:
+    """kill -9 of ``d`` and a new daemon on its endpoint, once ``c`` heard it: its idle heartbeat met a daemon that
+    does not know it (no request of ``c`` was outstanding, so no wait() nor commit future met the loss)."""
+    d.proc.kill()
+    d.proc.wait(30)
+    new = start_daemon(endpoint=d.endpoint, client_timeout=3)  # a heartbeat every 0.5 s
+    for _ in range(2400):  # a hang guard only
+        if c._conn.lost:
+            return new
+        time.sleep(0.05)
+    raise AssertionError("the client never heard that the restarted daemon does not know it")
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["part-saved-again", "all-saved-again"])
+def test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_with_the_rest_alone(
+        start_daemon: Callable[..., DaemonProc], whole: bool) -> None:
+    """Issue 27 review, finding A: a.pt of step 1 was copied (wait() returned), then the daemon was killed and a new
+    one started on its endpoint. The next snapshot() says step 1 was lost (once, DaemonUnavailable), and connects
+    again at the call after. Saving only b.pt again, the commit of step 1 fails (CommitError naming a.pt), instead of
+    a marker listing b.pt alone beside an uncommitted a.pt; a save after that failure starts clean and commits both.
+    Saving every file again (``whole``) commits at once."""
+    d = start_daemon(client_timeout=3)
+    tag, first, second = tag_of(1), {"a": torch.full((1000,), 1.0)}, {"b": torch.full((1000,), 2.0)}
+    folder = d.root / tag
+    with Client(d.endpoint, timeout=30, liveness=30.0) as c:
+        c.snapshot(first, folder / "a.pt")
+        c.wait()  # copied: a loss has nothing to abandon
+        restarted_under(c, d, start_daemon)
+        with pytest.raises(DaemonUnavailable, match=f"tag\\(s\\) \\['{tag}'\\] saved and not committed are lost"):
+            c.snapshot(second, folder / "b.pt")
+        if whole:
+            c.snapshot(first, folder / "a.pt")
+        c.snapshot(second, folder / "b.pt")  # connects again, as a new client
+        c.wait()
+        if not whole:
+            with pytest.raises(CommitError, match="part of it was lost with the daemon.*a.pt"):
+                c.commit(tag).result(timeout=60)
+            assert not (folder / marker_name(tag)).exists() and datastates.latest(d.root) is None
+            c.snapshot(first, folder / "a.pt")
+            c.snapshot(second, folder / "b.pt")
+            c.wait()
+        committed = c.commit(tag).result(timeout=60)
+    assert sorted(Path(f).name for f in committed.files) == ["a.pt", "b.pt"]
+    assert [f.path for f in read_marker(folder / marker_name(tag)).files] == ["a.pt", "b.pt"]
+    assert datastates.latest(d.root) == tag
+    assert_state_equal(first, datastates.load(folder / "a.pt"))
+    assert_state_equal(second, datastates.load(folder / "b.pt"))
+
+
+def test_the_datastates_llm_engine_never_commits_a_checkpoint_part_of_which_went_with_a_restarted_daemon(
+        start_daemon: Callable[..., DaemonProc], caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 27 review, finding A, through ``datastates.CheckpointEngine``: global_step1's a.pt was copied, the
+    daemon restarted, then DeepSpeed saves b.pt and d.pt of the same checkpoint. The job is told once (a warning
+    naming global_step1 lost, no exception), global_step1 is never committed without a.pt, and global_step2 commits."""
+    d = start_daemon(client_timeout=3)
+    engine = Checkpointing(runtime_config={"endpoint": d.endpoint, "liveness": 30.0}, rank=0)
+    try:
+        engine.save({"a": torch.full((1000,), 1.0)}, d.root / "global_step1" / "a.pt")
+        engine.wait()
+        restarted_under(engine.client, d, start_daemon)
+        with caplog.at_level(logging.WARNING, logger="datastates.integrations"):
+            engine.save({"b": torch.full((1000,), 2.0)}, d.root / "global_step1" / "b.pt")  # meets the loss
+            engine.save({"d": torch.full((1000,), 4.0)}, d.root / "global_step1" / "d.pt")  # connected again
+            state = {"c": torch.full((1000,), 3.0)}
+            engine.save(state, d.root / "global_step2" / "c.pt")
+            engine.wait(True)
+        told = [r.getMessage() for r in caplog.records if "global_step1" in r.getMessage()]
+        assert len(told) == 1 and "lost" in told[0], told
+    finally:
+        engine.shutdown()
+    assert not (d.root / "global_step1" / marker_name("global_step1")).exists()
+    assert datastates.latest(d.root) == "global_step2"
+    assert_state_equal(state, datastates.load(d.root / "global_step2" / "c.pt"))

@@ -10,19 +10,22 @@ import collections
 import logging
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
 import torch
 
 import datastates
+from datastates.client import Client
 from datastates.llm import Checkpointing
 from datastates.protocol.endpoint import ENDPOINT_ENV
-from datastates.protocol.errors import CommitError, InvalidRequestError
+from datastates.protocol.errors import CommitError, InvalidRequestError, WaitTimeout
 
-from conftest import DaemonProc, assert_state_equal
+from conftest import DaemonProc, assert_state_equal, read_only
 
 
 @pytest.fixture
@@ -184,3 +187,59 @@ def test_load_waits_for_a_file_another_rank_is_still_writing(daemon: DaemonProc,
         assert (tuple(w.shape), wrong) == ((64 << 20,), 0), f"{wrong} elements are not 7.0; the first is {w[0].item()}"
     finally:
         assert writer.wait(120) == 0
+
+
+def new_version_durable(c: Client, path: Path) -> dict[str, Any]:
+    """The status entry of the new version of committed ``path`` (in its tag's staging folder), once durable."""
+    for _ in range(2400):  # a hang guard only
+        staged = [s for s in c.status()["snapshots"]
+                  if s["tag"] == path.parent.name and s["path"] != str(path) and s["path"].endswith(path.name)]
+        if staged and staged[-1]["state"] == "durable":
+            return staged[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no new version of {path} became durable: {staged}")
+
+
+def test_load_returns_the_committed_version_while_a_resave_whose_commit_failed_waits_for_a_retry(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """Issue 27 review, finding B: a re-save of global_step1 is durable in its staging folder, and its commit fails
+    (the root read-only when the marker is written); the daemon keeps it for a retry, staging folder and all. ``load``
+    returns the committed version, instead of polling the daemon's status for ever."""
+    d = start_daemon()
+    path = d.root / "global_step1" / "model_states.pt"
+    old = {"w": torch.full((1000,), 1.0)}
+    engine = Checkpointing(runtime_config={"endpoint": d.endpoint}, rank=0)
+    try:
+        engine.save(old, path)
+        engine.wait(True)
+        engine.save({"w": torch.full((1000,), 2.0)}, path)
+        engine.wait()
+        new_version_durable(engine.client, path)
+        with read_only(d.root):
+            with pytest.raises(CommitError, match="read-only"):
+                engine.wait(True)
+        assert new_version_durable(engine.client, path)["commit"] == "failed"
+        loading = ThreadPoolExecutor(1).submit(engine.load, str(path))
+        try:
+            got = loading.result(timeout=120)  # a hang guard: it returns at once
+        except TimeoutError:
+            raise AssertionError("load() waits for a new version whose commit failed, which may never be retried")
+        assert_state_equal(old, got)
+    finally:
+        engine.shutdown()
+
+
+def test_load_gives_up_on_a_new_version_whose_commit_never_comes_naming_it(daemon: DaemonProc, engine: Checkpointing) -> None:
+    """Another client of the node re-saved the file and never commits it: ``load`` waits at most ``load_timeout``,
+    then raises WaitTimeout naming the path and the version it waited for."""
+    path = daemon.root / "never" / "global_step1" / "never_committed.pt"
+    with Client(daemon.endpoint) as other:
+        other.snapshot({"w": torch.full((8,), 1.0)}, path)
+        other.commit("global_step1").result(timeout=60)
+        other.snapshot({"w": torch.full((8,), 2.0)}, path)
+        other.wait()
+        staged = new_version_durable(other, path)
+        engine.load_timeout = 1.0
+        with pytest.raises(WaitTimeout, match="never_committed.pt") as waited:
+            engine.load(path)
+        assert staged["path"] in waited.value.message and "commit open" in waited.value.message
