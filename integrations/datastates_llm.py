@@ -126,9 +126,10 @@ class CheckpointEngine:
                 raise
         self._open: dict[str, set[str]] = {}
         """Tags saved and not yet committed → the paths saved for each."""
-        self._lost: set[str] = set()
-        """Tags told lost with the daemon while still being saved: their later files are not saved, since the tag
-        cannot be whole again, until a save of another tag begins."""
+        self._lost: dict[str, set[str]] = {}
+        """Tags told lost with the daemon while still being saved → the paths saved or skipped for each: the rest of
+        that checkpoint is not saved, since it cannot be whole again, until the next one begins (a save of another
+        tag, or of one of these paths again: a fixed folder saved every time)."""
         self.load_timeout = LOAD_TIMEOUT_S
         self._commits = PendingCommits(f"rank {self.rank}")
         """Commits sent and not yet taken in: their failures are raised by the next save, wait(True) or shutdown."""
@@ -157,13 +158,15 @@ class CheckpointEngine:
         tag = tag_of(path)
         if any(open_tag != tag or path in paths for open_tag, paths in self._open.items()):
             self._step()  # a newer checkpoint begins, or this one is saved again: the open one is committed first
-        if tag in self._lost:  # part of it went with the daemon, as the job was told: the rest alone is no checkpoint
+        lost = self._lost.get(tag)
+        if lost is not None and path not in lost:  # part of it went with the daemon, as the job was told: the rest
+            lost.add(path)                         # alone is no checkpoint
             return True
         self._lost.clear()
         try:
             self.client.snapshot(state_dict, path, tag=tag)
         except DaemonUnavailable as exc:  # a loss no fence met: said once, here, and training goes on
-            self._lose(sorted({*self._open, tag}), exc)
+            self._lose(sorted({*self._open, tag}), exc, path)
             return True
         self._open.setdefault(tag, set()).add(path)
         return True
@@ -261,11 +264,14 @@ class CheckpointEngine:
         except DaemonUnavailable as exc:
             self._lose(tags, exc)
 
-    def _lose(self, tags: list[str], exc: DaemonUnavailable) -> None:
-        """Say once that ``tags`` went with the daemon; their files still to come are not saved."""
+    def _lose(self, tags: list[str], exc: DaemonUnavailable, path: str | None = None) -> None:
+        """Say once that ``tags`` went with the daemon (``path``: the save that found it); their files still to come
+        are not saved."""
         self._commits.lost(tags, exc)
+        self._lost = {tag: set(self._open.get(tag, ())) for tag in tags}
+        if path is not None:
+            self._lost[tag_of(path)].add(path)
         self._open.clear()
-        self._lost = set(tags)
 
     def _commit_open(self) -> None:
         """Fence, then commit every open tag; their outcomes are taken in later."""

@@ -457,7 +457,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "llm-saves-rest-of-lost-checkpoint",
         "DataStates-LLM engine: after a loss met at a save, the rest of that checkpoint is still saved and committed",
         (Edit("integrations/datastates_llm.py",
-              "        if tag in self._lost:  #",
+              "        if lost is not None and path not in lost:  #",
               "        if False:  # MUTATION #"),),
         ("tests/faults/test_kill_daemon.py::test_the_datastates_llm_engine_never_commits_a_checkpoint_part_of_which_went_with_a_restarted_daemon",),
     ),
@@ -477,6 +477,16 @@ MUTATIONS: tuple[Mutation, ...] = (
               "            if time.monotonic() > deadline:\n",
               "            if False:  # MUTATION: no bound\n"),),
         ("tests/integrations/test_datastates_llm.py::test_load_gives_up_on_a_new_version_whose_commit_never_comes_naming_it",),
+    ),
+    Mutation(
+        "llm-lost-tag-skipped-for-good",
+        "DataStates-LLM engine: a tag lost with the daemon is skipped until another tag is saved, so a fixed folder "
+        "(the same tag every checkpoint) is never saved again",
+        (Edit("integrations/datastates_llm.py",
+              "        if lost is not None and path not in lost:",
+              "        if lost is not None:  # MUTATION: skipped until another tag"),),
+        ("tests/faults/test_kill_daemon.py::"
+         "test_a_fixed_folder_saved_again_after_its_checkpoint_went_with_a_restarted_daemon_commits_again",),
     ),
 )
 

@@ -246,3 +246,31 @@ def test_the_datastates_llm_engine_never_commits_a_checkpoint_part_of_which_went
     assert not (d.root / "global_step1" / marker_name("global_step1")).exists()
     assert datastates.latest(d.root) == "global_step2"
     assert_state_equal(state, datastates.load(d.root / "global_step2" / "c.pt"))
+
+
+def test_a_fixed_folder_saved_again_after_its_checkpoint_went_with_a_restarted_daemon_commits_again(
+        start_daemon: Callable[..., DaemonProc], caplog: pytest.LogCaptureFixture) -> None:
+    """DataStates-LLM's fixed folder: every checkpoint is tag ``current``. Its checkpoint that met the loss is not
+    saved further (the job is told once), but the next checkpoint, the same files of the same tag, is saved and
+    committed whole: a lost tag's skip ends where its next checkpoint begins, not only at another tag."""
+    d = start_daemon(client_timeout=3)
+    engine = Checkpointing(runtime_config={"endpoint": d.endpoint, "liveness": 30.0}, rank=0)
+    folder = d.root / "current"
+    try:
+        engine.save({"a": torch.full((1000,), 1.0)}, folder / "a.pt")
+        engine.wait()
+        restarted_under(engine.client, d, start_daemon)
+        with caplog.at_level(logging.WARNING, logger="datastates.integrations"):
+            engine.save({"b": torch.full((1000,), 1.0)}, folder / "b.pt")  # meets the loss: the rest is skipped
+            engine.wait(True)
+            a, b = {"a": torch.full((1000,), 2.0)}, {"b": torch.full((1000,), 2.0)}
+            engine.save(a, folder / "a.pt")  # the next checkpoint, the same files again
+            engine.save(b, folder / "b.pt")
+            engine.wait(True)
+        told = [r.getMessage() for r in caplog.records if "current" in r.getMessage()]
+        assert len(told) == 1 and "lost" in told[0], told
+    finally:
+        engine.shutdown()
+    assert datastates.latest(d.root) == "current"
+    assert_state_equal(a, datastates.load(folder / "a.pt"))
+    assert_state_equal(b, datastates.load(folder / "b.pt"))
