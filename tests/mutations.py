@@ -385,6 +385,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integrations/test_manager.py::test_restore_racing_another_jobs_prune_restores_the_newest_committed_tag",
          "tests/test_restore.py::test_a_restore_racing_another_jobs_prune_reads_the_newest_committed_tag"),
     ),
+    Mutation(
+        "replica-retires-its-sibling",
+        "a commit retires the replica of another file it lists that shares its rank file (step/model/rank0.pt, "
+        "step/optim/rank0.pt): that file restores from storage",
+        (Edit("daemon/replicas.py",
+              "                        and commit.snapshots.get(r.path) != r.snapshot and r.job_id < newest\n",
+              "                        and r.job_id < newest  # MUTATION: a file of this same commit retires too\n"),),
+        ("tests/test_restore.py::test_files_of_one_tag_in_sibling_folders_with_one_name_all_restore_from_memory",),
+    ),
 )
 
 
