@@ -339,10 +339,13 @@ def refused_round(d: DaemonProc, r0: Client, r1: Client) -> None:
 
 
 def commit_both(d: DaemonProc, r0: Client, r1: Client, step: int) -> None:
-    """Both ranks save ``step`` and commit it: the marker lists both files, which hold that step."""
+    """Both ranks save ``step`` and commit it, rank 0 first (it waits in the round for rank 1): the marker lists
+    both files, which hold that step."""
     for c, name in ((r0, "r0.pt"), (r1, "r1.pt")):
         save_rank(c, d.root / "last" / name, step)
-    for future in [c.commit("last") for c in (r0, r1)]:
+    first = r0.commit("last")
+    gathering_tags(d)
+    for future in (first, r1.commit("last")):
         future.result(timeout=120)
     assert marker_files(d.root, "last") == ["r0.pt", "r1.pt"]
     for name in ("r0.pt", "r1.pt"):
