@@ -113,6 +113,9 @@ class _TagGroup:
     """The newest snapshot id among the node's files: see CommitLedger._tracked."""
     sequence: int = 0
     """The sequence of the node's first rank to ask (that named a file): the tag's place among the job's tags."""
+    failed_at: int = -1
+    """Once it failed: the newest snapshot id the node had admitted then. A rank's commit of none but newer snapshots
+    is of a later round (the rank skipped this one), so it is not handed this round's failure."""
 
     @classmethod
     def start(cls, ranks: Ranks, requested_ns: int) -> _TagGroup:
@@ -124,6 +127,16 @@ class _TagGroup:
     def failed(self) -> bool:
         """It failed, and waits only to tell the node's ranks still to commit it (see ``CommitLedger._fail_round``)."""
         return self.done.done() and not self.done.cancelled() and self.done.exception() is not None
+
+    def fail(self, exc: CommitError, newest: int) -> None:
+        """The round fails with ``exc`` (unless it ended already), as of snapshot ``newest``."""
+        if not self.done.done():
+            self.done.set_exception(exc)
+            self.failed_at = newest
+
+    def before(self, jobs: list[SnapshotJob]) -> bool:
+        """Whether a commit of ``jobs`` is of this failed round: none of them was admitted after it failed."""
+        return not jobs or min(j.id for j in jobs) <= self.failed_at
 
 
 class CommitLedger:
@@ -144,6 +157,8 @@ class CommitLedger:
         """Tags one of whose snapshots was refused at admission, or part of which went with a daemon the client lost
         (COMMIT ``lost``): committing the rest would make a partial tag. → why, as the commit's error says it."""
         self._groups: dict[tuple[str, int, str], _TagGroup] = {}
+        self._newest = 0
+        """The newest snapshot id admitted: where a round that fails now ends (``_TagGroup.failed_at``)."""
         self._tracker_lock = asyncio.Lock()
         self._tracked: dict[str, tuple[int, int]] = {}
         """Per tracker file, the (sequence, snapshot id) of the tag it names: commits that finish out of order never move it back."""
@@ -183,6 +198,7 @@ class CommitLedger:
 
     def add(self, job: SnapshotJob, ranks: Ranks) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
+        self._newest = max(self._newest, job.id)
         if ranks.world_size > 1:
             job.durable.add_done_callback(functools.partial(self._snapshot_done, ranks, job))
 
@@ -216,12 +232,28 @@ class CommitLedger:
                 return
             group = None  # a round that failed, and told this rank: this snapshot is of the next one
         if group is None:
-            group = self._groups[key] = _TagGroup.start(ranks, time.time_ns())
-            for stale in [k for k, g in self._groups.items() if g.failed][:-HISTORY]:  # ranks that never committed them
-                del self._groups[stale]
-        if not group.done.done():
-            group.done.set_exception(CommitError(
-                f"tag {tag!r} not committed: rank {ranks.rank}: {why}", tag=tag))
+            group = self._start(key, ranks, time.time_ns())
+        group.fail(CommitError(f"tag {tag!r} not committed: rank {ranks.rank}: {why}", tag=tag),
+                   self._newest)
+
+    def _start(self, key: tuple[str, int, str], ranks: Ranks, requested_ns: int) -> _TagGroup:
+        """A new round of the tag on this node, in place of the last one (failed, or none)."""
+        group = self._groups[key] = _TagGroup.start(ranks, requested_ns)
+        for stale in [k for k, g in self._groups.items() if g.failed][:-HISTORY]:  # ranks that never committed them
+            del self._groups[stale]
+        return group
+
+    def _abstain(self, ranks: Ranks, tag: str, exc: DatastatesError) -> None:
+        """Rank ``ranks.rank``'s commit of ``tag`` fails before it joins the node's round (its snapshot was refused,
+        or skipped): the round it owes fails with it now, for the ranks waiting in it, not at commit_timeout."""
+        if ranks.world_size == 1:
+            return
+        key = (ranks.job, ranks.world_size, tag)
+        group = self._groups.get(key)
+        if group is not None and ranks.rank not in group.committed:
+            group.fail(CommitError(f"tag {tag!r} not committed: rank {ranks.rank}'s commit of it failed: {exc.message}",
+                                   tag=tag), self._newest)
+            self._told(key, group, ranks.rank)
 
     def commit_states(self) -> dict[int, str]:
         """Per snapshot id, where its tag's commit stands: ``open`` (not asked yet), ``committing`` (asked, not yet
@@ -244,9 +276,8 @@ class CommitLedger:
         """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout."""
         for key, group in list(self._groups.items()):
             if key[:2] == (ranks.job, ranks.world_size) and ranks.rank not in group.committed:
-                if not group.done.done():
-                    group.done.set_exception(CommitError(
-                        f"tag {key[2]!r} not committed: rank {ranks.rank} is gone without committing it", tag=key[2]))
+                group.fail(CommitError(f"tag {key[2]!r} not committed: rank {ranks.rank} is gone without committing it",
+                                       tag=key[2]), self._newest)
                 self._told(key, group, ranks.rank)  # its restart's commit of the tag is of the next round
 
     def _told(self, key: tuple[str, int, str], group: _TagGroup, rank: int) -> None:
@@ -265,12 +296,10 @@ class CommitLedger:
         skipped, refused = self._skipped.pop(key, ""), self._refused.pop(key, "")
         if skipped or refused:  # none of the tag's snapshots will ever be committed
             await self._drop(self._open.pop(key, []) + self._failed.pop(key, []), set())
-            if skipped:
-                raise SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({skipped})", tag=tag)
-            group = self._groups.get((ranks.job, ranks.world_size, tag))
-            if group is not None and group.failed and ranks.rank not in group.committed:  # the round its refusal failed
-                self._told((ranks.job, ranks.world_size, tag), group, ranks.rank)
-            raise CommitError(f"tag {tag!r} not committed: {refused}", tag=tag)
+            exc = (SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({skipped})", tag=tag) if skipped
+                   else CommitError(f"tag {tag!r} not committed: {refused}", tag=tag))
+            self._abstain(ranks, tag, exc)
+            raise exc
         jobs = self._committing[key] = self._open.pop(key, None) or []
         self._versions.seal([j.path for j in jobs])  # before any await: a snapshot admitted next gets its own version
         requested_ns = time.time_ns()
@@ -361,10 +390,11 @@ class CommitLedger:
         """One rank's share; the node's last rank to arrive finishes the tag for all of them."""
         key = (ranks.job, ranks.world_size, tag)
         group = self._groups.get(key)
-        if group is not None and group.failed and ranks.rank in group.committed:
-            group = None  # that round failed and told this rank: this commit is of the next one
+        if group is not None and group.failed and (ranks.rank in group.committed or not group.before(jobs)):
+            self._told(key, group, ranks.rank)  # told of it, or skipped it: this commit is of the next round
+            group = None
         if group is None:
-            group = self._groups[key] = _TagGroup.start(ranks, requested_ns)
+            group = self._start(key, ranks, requested_ns)
         if ranks.rank in group.committed:
             raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
         group.sequence = group.sequence or sequence  # the first rank to ask, unless it named no file
@@ -375,29 +405,37 @@ class CommitLedger:
                 group.snapshots.update({j.path: j.snapshot for j in jobs})
                 group.order = max([group.order, *(j.id for j in jobs)])
             except CommitError as exc:
-                if not group.done.done():
-                    group.done.set_exception(exc)
+                group.fail(exc, self._newest)
         if group.failed:  # a rank's snapshot was refused or failed: every rank is told at once
             self._told(key, group, ranks.rank)
-            return await group.done
-        group.durable += 1
-        if group.durable == ranks.local_world_size:
+        else:
+            group.durable += 1
+            if group.durable == ranks.local_world_size:
+                try:
+                    group.done.set_result(await self._finish(client_id, tag, group))
+                except DatastatesError as exc:
+                    group.done.set_exception(exc if isinstance(exc, CommitError) else CommitError(
+                        f"tag {tag!r} not committed: {exc.message}", tag=tag))
+                finally:
+                    if self._groups.get(key) is group:
+                        del self._groups[key]
             try:
-                group.done.set_result(await self._finish(client_id, tag, group))
-            except DatastatesError as exc:
-                group.done.set_exception(exc if isinstance(exc, CommitError) else CommitError(
-                    f"tag {tag!r} not committed: {exc.message}", tag=tag))
-            finally:
-                self._groups.pop(key, None)
-        try:
-            return await asyncio.wait_for(asyncio.shield(group.done), self._timeout)
-        except TimeoutError:
-            missing = sorted(set(range(ranks.world_size)) - group.committed)
-            raise CommitError(
-                f"tag {tag!r} not committed: {ranks.local_world_size - len(group.committed)} rank(s) of this node "
-                f"did not commit within {self._timeout:.0f} s (committed: {sorted(group.committed)}; not yet: {missing[:16]})",
-                tag=tag,
-            ) from None
+                return await asyncio.wait_for(asyncio.shield(group.done), self._timeout)
+            except TimeoutError:
+                missing = sorted(set(range(ranks.world_size)) - group.committed)
+                exc = CommitError(
+                    f"tag {tag!r} not committed: {ranks.local_world_size - len(group.committed)} rank(s) of this node "
+                    f"did not commit within {self._timeout:.0f} s (committed: {sorted(group.committed)}; "
+                    f"not yet: {missing[:16]})", tag=tag,
+                )
+                if len(group.committed) >= ranks.local_world_size:  # its last rank is finishing it: that may still land
+                    raise exc from None
+                group.fail(exc, self._newest)  # the round ends here: a later commit never joins it
+            except DatastatesError:
+                if group.durable == ranks.local_world_size:  # its commit failed: what it wrote is left as it is
+                    raise
+        await self._drop(jobs, set())  # the round failed before its commit: no file, nor staged version, left of them
+        return await group.done
 
     async def _finish(self, client_id: str, tag: str, group: _TagGroup) -> m.Committed:
         if not group.files:

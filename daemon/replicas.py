@@ -183,16 +183,19 @@ class ReplicaStore:
 
     def committed(self, commit: CommitEvent) -> None:
         """``commit``'s files are committed (at the paths readers see): the replicas of the snapshots it lists serve
-        restores, and every replica of the same rank files that it supersedes goes, of its own tag too: every other
-        committed one, and the older ones left uncommitted (a save of a failed commit) once written. Those of the
-        commit's files that have no replica (over budget) supersede just the same."""
+        restores, and every older replica of the same rank files goes, of its own tag too: the committed ones, and
+        those left uncommitted (a save of a failed commit) once written. Those of the commit's files that have no
+        replica (over budget) supersede just the same. Never one this commit lists (files of one tag in sibling
+        folders share a rank file: step/model/rank0.pt, step/optim/rank0.pt), nor a newer snapshot's (a retried
+        commit of an older tag, landing after a newer tag's)."""
         for path, snapshot in commit.snapshots.items():
             current = next((r for r in self._held.values() if r.path == path and r.snapshot == snapshot), None)
             if current is not None:
                 current.committed = True
-            for old in [r for r in self._held.values() if r is not current and r.rank_file == rank_file(path)
-                        and (r.committed or (current is not None and r.job_id < current.job_id
-                                             and os.path.exists(r.file)))]:  # exists: written, not in flight
+            newest = current.job_id if current is not None else commit.order
+            for old in [r for r in self._held.values() if r.rank_file == rank_file(path)
+                        and commit.snapshots.get(r.path) != r.snapshot and r.job_id < newest
+                        and (r.committed or (current is not None and os.path.exists(r.file)))]:  # exists: written
                 self._supersede(old)
 
     def pruned(self, folders: list[str]) -> None:

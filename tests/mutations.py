@@ -488,6 +488,49 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/faults/test_kill_daemon.py::"
          "test_a_fixed_folder_saved_again_after_its_checkpoint_went_with_a_restarted_daemon_commits_again",),
     ),
+    Mutation(
+        "replica-retires-its-sibling",
+        "a commit retires the replica of another file it lists that shares its rank file (step/model/rank0.pt, "
+        "step/optim/rank0.pt): that file restores from storage",
+        (Edit("daemon/replicas.py",
+              "                        and commit.snapshots.get(r.path) != r.snapshot and r.job_id < newest\n",
+              "                        and r.job_id < newest  # MUTATION: a file of this same commit retires too\n"),),
+        ("tests/test_restore.py::test_files_of_one_tag_in_sibling_folders_with_one_name_all_restore_from_memory",),
+    ),
+    Mutation(
+        "round-outlives-its-timeout",
+        "a multi-rank round that timed out stays open: a later round's commit joins it, and its marker lists two steps",
+        (Edit("daemon/commit.py",
+              "                group.fail(exc, self._newest)  # the round ends here: a later commit never joins it\n",
+              "                raise exc from None  # MUTATION: the timed-out round stays open\n"),),
+        ("tests/test_multirank.py::test_a_round_that_timed_out_is_never_joined_by_a_later_commit",),
+    ),
+    Mutation(
+        "refused-commit-spares-the-round",
+        "a rank's commit that fails on its refused snapshot leaves the round another rank waits in open, until "
+        "commit_timeout",
+        (Edit("daemon/commit.py",
+              "        if group is not None and ranks.rank not in group.committed:\n            group.fail(CommitError(",
+              "        if group is not None and group.failed and ranks.rank not in group.committed:  # MUTATION\n"
+              "            group.fail(CommitError("),),
+        ("tests/test_multirank.py::test_a_refused_ranks_later_commit_fails_the_round_another_rank_waits_in",),
+    ),
+    Mutation(
+        "skipped-round-failure-handed-on",
+        "a rank that skipped a failed round is handed that round's failure by its commit of the next one",
+        (Edit("daemon/commit.py",
+              "and (ranks.rank in group.committed or not group.before(jobs)):",
+              "and (ranks.rank in group.committed):  # MUTATION: a rank's next round is not told apart"),),
+        ("tests/test_multirank.py::test_a_rank_that_skipped_a_failed_round_is_not_handed_its_failure",),
+    ),
+    Mutation(
+        "failed-round-keeps-its-version",
+        "a rank told its round failed keeps its snapshots' staged new version: it leaks",
+        (Edit("daemon/commit.py",
+              "        await self._drop(jobs, set())  # the round failed before its commit",
+              "        pass  # MUTATION: await self._drop(jobs, set())  # the round failed before its commit"),),
+        ("tests/test_multirank.py::test_a_rank_told_its_round_failed_leaves_no_new_version_behind",),
+    ),
 )
 
 

@@ -23,7 +23,7 @@ import torch
 import datastates
 from datastates.client import Client, daemon_status
 from datastates.protocol.descriptors import Ranks
-from datastates.protocol.errors import CommitError
+from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.format import TRACKER, done_name, marker_name
 
 from conftest import BIN, DaemonProc, assert_state_equal, save
@@ -314,3 +314,106 @@ def test_a_refused_rank_fails_every_ranks_commit_at_once(start_daemon: Callable[
             proc.kill()
     assert not (d.root / "global_step1" / marker_name("global_step1")).exists()
     assert daemon_status(d.endpoint)["tags_gathering"] == []
+
+
+def step_state(step: int) -> dict:
+    return {"w": torch.full((1000,), float(step)), "step": step}
+
+
+def save_rank(c: Client, path: Path, step: int) -> None:
+    """One rank's snapshot of rolling tag ``last``, durable."""
+    c.snapshot(step_state(step), path, tag="last")
+    c.wait()
+
+
+def refused_round(d: DaemonProc, r0: Client, r1: Client) -> None:
+    """Round 1 of ``last``: rank 0's snapshot is refused (it names rank 1's uncommitted file), so rank 1's commit
+    fails at once; rank 0's trainer carries on without committing the round."""
+    save_rank(r1, d.root / "last" / "r1.pt", 1)
+    told = r1.commit("last")
+    r0.snapshot(step_state(1), d.root / "last" / "r1.pt", tag="last")
+    with pytest.raises(PathNotAllowedError):
+        r0.wait()
+    with pytest.raises(CommitError, match="rank 0"):
+        told.result(timeout=120)
+
+
+def commit_both(d: DaemonProc, r0: Client, r1: Client, step: int) -> None:
+    """Both ranks save ``step`` and commit it, rank 0 first (it waits in the round for rank 1): the marker lists
+    both files, which hold that step."""
+    for c, name in ((r0, "r0.pt"), (r1, "r1.pt")):
+        save_rank(c, d.root / "last" / name, step)
+    first = r0.commit("last")
+    gathering_tags(d)
+    for future in (first, r1.commit("last")):
+        future.result(timeout=120)
+    assert marker_files(d.root, "last") == ["r0.pt", "r1.pt"]
+    for name in ("r0.pt", "r1.pt"):
+        assert datastates.load(d.root / "last" / name)["step"] == step, name
+
+
+def test_a_round_that_timed_out_is_never_joined_by_a_later_commit(start_daemon: Callable[..., DaemonProc]) -> None:
+    """Rank 0 skipped round 1 (its snapshot was refused); its round-2 commit is told that refusal, so rank 1's
+    round 2 waits for rank 0 until commit_timeout. Round 3 then commits both ranks' round-3 files: rank 0 does not
+    join round 2's timed-out group, which would list rank 1's round-2 file beside rank 0's round-3 one."""
+    d = start_daemon(commit_timeout=5)
+    with rank_client(d, 0, 2, 2, 1) as r0, rank_client(d, 1, 2, 2, 1) as r1:
+        refused_round(d, r0, r1)
+        save_rank(r0, d.root / "last" / "r0.pt", 2)
+        with pytest.raises(CommitError, match="refused"):
+            r0.commit("last").result(timeout=120)
+        save_rank(r1, d.root / "last" / "r1.pt", 2)
+        with pytest.raises(CommitError, match="did not commit within"):
+            r1.commit("last").result(timeout=120)
+        commit_both(d, r0, r1, 3)
+
+
+def test_a_refused_ranks_later_commit_fails_the_round_another_rank_waits_in(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """Rank 1 waits in round 2 when rank 0, refused in round 1, commits: rank 1 is told at once, not at
+    commit_timeout (600 s: a pass within the 120 s the test waits shows it was not waited for); round 3 commits."""
+    d = start_daemon(commit_timeout=600)
+    with rank_client(d, 0, 2, 2, 1) as r0, rank_client(d, 1, 2, 2, 1) as r1:
+        refused_round(d, r0, r1)
+        save_rank(r1, d.root / "last" / "r1.pt", 2)
+        waiting = r1.commit("last")
+        gathering_tags(d)
+        save_rank(r0, d.root / "last" / "r0.pt", 2)
+        with pytest.raises(CommitError, match="refused"):
+            r0.commit("last").result(timeout=120)
+        with pytest.raises(CommitError, match="rank 0"):
+            waiting.result(timeout=120)
+        commit_both(d, r0, r1, 3)
+
+
+def test_a_rank_that_skipped_a_failed_round_is_not_handed_its_failure(start_daemon: Callable[..., DaemonProc]) -> None:
+    """Rank 1's snapshot is refused in round 1 and rank 1 commits it (told why); rank 0 skipped that round. Rank 0's
+    round-2 commit, of snapshots newer than the failure, is of round 2: it commits with rank 1's, instead of being
+    handed round 1's failure while rank 1 waits for it until commit_timeout."""
+    d = start_daemon(commit_timeout=600)
+    with Client(d.endpoint, timeout=60) as solo:
+        save(solo, {"w": torch.zeros(3)}, d.root / "other" / "r1.pt", tag="other")
+    with rank_client(d, 0, 2, 2, 1) as r0, rank_client(d, 1, 2, 2, 1) as r1:
+        r1.snapshot(step_state(1), d.root / "other" / "r1.pt", tag="last")
+        with pytest.raises(PathNotAllowedError):
+            r1.wait()
+        with pytest.raises(CommitError, match="refused"):
+            r1.commit("last").result(timeout=120)
+        commit_both(d, r0, r1, 2)
+
+
+def test_a_rank_told_its_round_failed_leaves_no_new_version_behind(start_daemon: Callable[..., DaemonProc]) -> None:
+    """``last`` is committed; rank 1 saves it again (a new version, staged beside it), then rank 0's snapshot is
+    refused and rank 1's commit is told the round failed: that version is removed, not left staged."""
+    d = start_daemon(commit_timeout=600)
+    with rank_client(d, 0, 2, 2, 1) as r0, rank_client(d, 1, 2, 2, 1) as r1:
+        commit_both(d, r0, r1, 1)
+        save_rank(r1, d.root / "last" / "r1.pt", 2)
+        assert [p.name for p in d.root.iterdir() if p.name.endswith(".dsgen")]  # the case under test: it was staged
+        r0.snapshot(step_state(2), d.root / "last" / "r1.pt", tag="last")
+        with pytest.raises(PathNotAllowedError):
+            r0.wait()
+        with pytest.raises(CommitError, match="rank 0"):
+            r1.commit("last").result(timeout=120)
+        assert [p.name for p in d.root.iterdir() if p.name.endswith(".dsgen")] == []
+        assert datastates.load(d.root / "last" / "r1.pt")["step"] == 1  # the committed version stands

@@ -329,3 +329,22 @@ def test_a_tag_saved_again_without_the_daemon_never_restores_the_daemons_older_r
     assert restored is not None
     assert (restored.source, restored.state["step"]) == ("storage", 2), restored.why_not_memory
     assert "another version" in restored.why_not_memory
+
+
+def test_files_of_one_tag_in_sibling_folders_with_one_name_all_restore_from_memory(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """step1/model/rank0.pt and step1/optim/rank0.pt share a run folder and a name: committing the second file's
+    replica must not retire the first's, which the same marker lists."""
+    d = start_daemon()
+    run = d.root / "run"
+    states = {name: {"w": torch.full((1000,), float(i)), "i": i} for i, name in enumerate(("model", "optim"))}
+    with Client(d.endpoint, timeout=60) as c:
+        for name, state in states.items():
+            c.snapshot(state, run / "step1" / name / "rank0.pt", tag="step1")
+        c.wait()
+        c.commit("step1").result(timeout=120)
+        for name, state in states.items():
+            restored = c.restore(run, f"{name}/rank0.pt")
+            assert restored is not None and (restored.tag, restored.source) == ("step1", "memory"), (
+                name, restored.why_not_memory)
+            assert_state_equal(state, restored.state)
