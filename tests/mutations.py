@@ -340,8 +340,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "replica-own-tag-kept",
         "a commit retires the replicas of other tags only: a re-saved tag's old versions pile up in the budget",
         (Edit("daemon/replicas.py",
-              "if r is not current and r.rank_file == rank_file(path)\n",
-              "if r is not current and r.rank_file == rank_file(path) and r.tag != commit.tag  # MUTATION\n"),),
+              "            for old in [r for r in self._held.values() if r.rank_file == rank_file(path)\n",
+              "            for old in [r for r in self._held.values() if r.rank_file == rank_file(path) and r.tag != commit.tag  # MUTATION\n"),),
         ("tests/test_restore.py::test_a_re_saved_tag_restores_its_committed_version_and_keeps_no_older_replica[8MiB]",),
     ),
     Mutation(
