@@ -713,10 +713,19 @@ def as_user(user: str, script: str) -> None:
     subprocess.run(["runuser", "-u", user, "--", "sh", "-c", script], check=True, timeout=60)
 
 
+@contextlib.contextmanager
+def tmp_folder(prefix: str, mode: int) -> Iterator[Path]:
+    """A folder under /tmp of ``mode``, removed after (pytest's own tmp folders are private to this user)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chmod(folder, mode)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture
 def open_tmp() -> Iterator[Path]:
-    """A folder other users can reach (pytest's own tmp folders are private to this user)."""
-    folder = Path(tempfile.mkdtemp(prefix="ds-hostile-", dir="/tmp"))
-    os.chmod(folder, 0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    """A folder other users can reach."""
+    with tmp_folder("ds-hostile-", 0o755) as folder:
+        yield folder

@@ -19,7 +19,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -32,7 +31,7 @@ from datastates.client.reader import verify
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import marker_name
 
-from conftest import DATASTATESCTL, DaemonProc, as_user, assert_state_equal, save
+from conftest import DATASTATESCTL, DaemonProc, as_user, assert_state_equal, save, tmp_folder
 
 def test_a_tag_planted_by_another_user_is_never_restored(mallory: str, open_tmp: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
@@ -86,10 +85,8 @@ with Client(sys.argv[1], timeout=60) as c:
 @pytest.fixture
 def like_tmp() -> Iterator[Path]:
     """A folder of mode 1777, as ``/tmp`` is: every user may create entries in it, each keeps its own."""
-    folder = Path(tempfile.mkdtemp(prefix="ds-above-", dir="/tmp"))
-    os.chmod(folder, 0o1777)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    with tmp_folder("ds-above-", 0o1777) as folder:
+        yield folder
 
 
 @pytest.mark.parametrize("plant", ["marker", "fifo"])

@@ -206,6 +206,30 @@ def ds_initialize(seed: int, stage: int = 1, **extra: Any) -> Any:
     return engine
 
 
+def one_rank_job(endpoint: str, **datastates_ckpt: Any) -> Any:
+    """The engine of a one-rank job in this process (a job script's), its process group and endpoint set up as
+    torchrun and a job script would: ``ds_initialize(seed=0)`` with ``datastates_ckpt``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({ENDPOINT_ENV: endpoint, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                       "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as the ds_dist fixture
+    deepspeed.init_distributed(dist_backend="gloo")
+    return ds_initialize(seed=0, datastates_ckpt=datastates_ckpt)
+
+
+def assert_resumes(d: DaemonProc, save_dir: Path, expected: Path, steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh engine of another seed loads ``save_dir``'s newest checkpoint: ``steps`` steps, the state in
+    ``expected`` (``torch.save``d by the job) bitwise."""
+    monkeypatch.setenv(ENDPOINT_ENV, d.endpoint)
+    fresh = ds_initialize(seed=1, datastates_ckpt={})
+    fresh.load_checkpoint(str(save_dir))
+    assert fresh.global_steps == steps
+    assert_state_equal(torch.load(expected), snapshot_of(fresh))
+    fresh.destroy()
+
+
 def train_step(engine: Any, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     loss = engine(torch.randn(1, 8, generator=g)).square().sum()
@@ -319,12 +343,7 @@ def test_a_job_killed_between_two_saves_resumes_from_the_first(ds_dist: None, da
     assert "still pending" not in done.stderr and "global_step2" not in done.stdout + done.stderr, done.stderr
     assert datastates.latest(save_dir) == "global_step2"
 
-    monkeypatch.setenv(ENDPOINT_ENV, daemon.endpoint)
-    fresh = ds_initialize(seed=1, datastates_ckpt={})
-    fresh.load_checkpoint(str(save_dir))
-    assert fresh.global_steps == 2
-    assert_state_equal(torch.load(expected), snapshot_of(fresh))
-    fresh.destroy()
+    assert_resumes(daemon, save_dir, expected, 2, monkeypatch)
 
 
 def test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness(
@@ -358,12 +377,7 @@ def test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness(
     assert not (save_dir / "global_step3" / marker_name("global_step3")).exists()
     assert d.ctl("verify", str(save_dir / "global_step5")).returncode == 0
 
-    monkeypatch.setenv(ENDPOINT_ENV, d.endpoint)
-    fresh = ds_initialize(seed=1, datastates_ckpt={})
-    fresh.load_checkpoint(str(save_dir))
-    assert fresh.global_steps == 5
-    assert_state_equal(torch.load(expected), snapshot_of(fresh))
-    fresh.destroy()
+    assert_resumes(d, save_dir, expected, 5, monkeypatch)
 
 
 def test_two_ranks_each_commit_the_config_entrys_tags(daemon: DaemonProc, tmp_path: Path) -> None:
