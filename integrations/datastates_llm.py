@@ -166,7 +166,7 @@ class CheckpointEngine:
         try:
             self.client.snapshot(state_dict, path, tag=tag)
         except DaemonUnavailable as exc:  # a loss no fence met: said once, here, and training goes on
-            self._lose(sorted({*self._open, tag}), exc, path)
+            self._lose({**self._opened(), tag: self._open.get(tag, set()) | {path}}, exc)
             return True
         self._open.setdefault(tag, set()).add(path)
         return True
@@ -255,22 +255,24 @@ class CheckpointEngine:
         restarted, stalled past liveness) is said once, as a warning naming the checkpoints lost
         with it; training goes on, and the client connects again at the next save.
         """
-        tags = sorted(self._open)
+        opened = self._opened()  # the fence forgets them if it meets the loss
         try:
-            if tags:
+            if opened:
                 self._commit_open()
             else:
                 self._copied()
         except DaemonUnavailable as exc:
-            self._lose(tags, exc)
+            self._lose(opened, exc)
 
-    def _lose(self, tags: list[str], exc: DaemonUnavailable, path: str | None = None) -> None:
-        """Say once that ``tags`` went with the daemon (``path``: the save that found it); their files still to come
-        are not saved."""
-        self._commits.lost(tags, exc)
-        self._lost = {tag: set(self._open.get(tag, ())) for tag in tags}
-        if path is not None:
-            self._lost[tag_of(path)].add(path)
+    def _opened(self) -> dict[str, set[str]]:
+        """The open checkpoints: tag → the paths saved for it (a copy)."""
+        return {tag: set(paths) for tag, paths in self._open.items()}
+
+    def _lose(self, lost: dict[str, set[str]], exc: DaemonUnavailable) -> None:
+        """Say once that the checkpoints ``lost`` (tag → its paths saved so far) went with the daemon; the rest of
+        each is not saved, until its next checkpoint begins."""
+        self._commits.lost(sorted(lost), exc)
+        self._lost = lost
         self._open.clear()
 
     def _commit_open(self) -> None:

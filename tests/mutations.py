@@ -531,6 +531,16 @@ MUTATIONS: tuple[Mutation, ...] = (
               "        pass  # MUTATION: await self._drop(jobs, set())  # the round failed before its commit"),),
         ("tests/test_multirank.py::test_a_rank_told_its_round_failed_leaves_no_new_version_behind",),
     ),
+    Mutation(
+        "llm-fence-loss-forgets-paths",
+        "DataStates-LLM engine: a loss met at the fence records the lost checkpoint without its paths, so the next "
+        "checkpoint of a fixed folder is skipped whole, silently",
+        (Edit("integrations/datastates_llm.py",
+              "            self._lose(opened, exc)\n",
+              "            self._lose({tag: set() for tag in opened}, exc)  # MUTATION: the paths forgotten\n"),),
+        ("tests/faults/test_kill_daemon.py::"
+         "test_a_fixed_folder_saved_again_after_its_checkpoint_went_with_a_restarted_daemon_commits_again[fence]",),
+    ),
 )
 
 

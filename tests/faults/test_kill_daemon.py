@@ -248,21 +248,29 @@ def test_the_datastates_llm_engine_never_commits_a_checkpoint_part_of_which_went
     assert_state_equal(state, datastates.load(d.root / "global_step2" / "c.pt"))
 
 
+@pytest.mark.parametrize("found_at", ["save", "fence"])
 def test_a_fixed_folder_saved_again_after_its_checkpoint_went_with_a_restarted_daemon_commits_again(
-        start_daemon: Callable[..., DaemonProc], caplog: pytest.LogCaptureFixture) -> None:
-    """DataStates-LLM's fixed folder: every checkpoint is tag ``current``. Its checkpoint that met the loss is not
-    saved further (the job is told once), but the next checkpoint, the same files of the same tag, is saved and
-    committed whole: a lost tag's skip ends where its next checkpoint begins, not only at another tag."""
+        start_daemon: Callable[..., DaemonProc], caplog: pytest.LogCaptureFixture, found_at: str) -> None:
+    """DataStates-LLM's fixed folder: every checkpoint is tag ``current``. The checkpoint that met the loss (at its
+    next save, or at the optimizer step's fence, DeepSpeed's usual place) is not saved further (the job is told
+    once), but the next checkpoint, the same files of the same tag, is saved and committed whole: a lost tag's skip
+    ends where its next checkpoint begins, not only at another tag."""
     d = start_daemon(client_timeout=3)
     engine = Checkpointing(runtime_config={"endpoint": d.endpoint, "liveness": 30.0}, rank=0)
     folder = d.root / "current"
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([param], lr=0.1)
     try:
         engine.save({"a": torch.full((1000,), 1.0)}, folder / "a.pt")
+        if found_at == "fence":
+            engine.save({"b": torch.full((1000,), 1.0)}, folder / "b.pt")
         engine.wait()
         restarted_under(engine.client, d, start_daemon)
         with caplog.at_level(logging.WARNING, logger="datastates.integrations"):
-            engine.save({"b": torch.full((1000,), 1.0)}, folder / "b.pt")  # meets the loss: the rest is skipped
-            engine.wait(True)
+            if found_at == "save":
+                engine.save({"b": torch.full((1000,), 1.0)}, folder / "b.pt")  # meets the loss: the rest is skipped
+            param.grad = torch.ones(4)
+            optimizer.step()  # the fence (the engine's step pre-hook)
             a, b = {"a": torch.full((1000,), 2.0)}, {"b": torch.full((1000,), 2.0)}
             engine.save(a, folder / "a.pt")  # the next checkpoint, the same files again
             engine.save(b, folder / "b.pt")
