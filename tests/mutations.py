@@ -374,7 +374,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "llm-step-raises-lost",
         "DeepSpeed's datastates_ckpt path: a daemon lost at the optimizer step's fence is raised out of the step",
         (Edit("integrations/datastates_llm.py",
-              "        except DaemonUnavailable as exc:\n            self._lose(tags, exc)\n",
+              "        except DaemonUnavailable as exc:\n            self._lose(opened, exc)\n",
               "        except DaemonUnavailable:\n            raise  # MUTATION: the step fails\n"),),
         ("tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness",),
     ),
