@@ -26,7 +26,7 @@ import os
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.fileio import open_folder, remove
@@ -82,15 +82,17 @@ class Versions:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # admission runs on executor threads
 
-    def place(self, path: str, tag: str, folder: str, versioned: bool = True, committing: bool = False) -> str:
+    def place(self, path: str, tag: str, folder: str, versioned: bool = True, committing: bool = False,
+              roots: Sequence[str] | None = None) -> str:
         """Where a snapshot of ``path`` for ``tag`` (marker folder ``folder``) is written; refuses another tag's file.
 
         ``versioned`` False (a multi-node job, whose nodes cannot switch one folder together):
         a committed tag is refused instead of saved again. ``committing``: a commit of the tag in
         ``folder`` is in flight, so the tag counts as committed already (its marker may land before
-        this snapshot's file is renamed into place).
+        this snapshot's file is renamed into place). ``roots``: the daemon's, within which every
+        marker listing ``path`` counts, whatever its folder's trust (``listing``).
         """
-        others = sorted({mk.tag for _, mk, _ in listing(path) if mk.tag != tag})
+        others = sorted({mk.tag for _, mk, _ in listing(path, roots=roots) if mk.tag != tag})
         if others:
             raise PathNotAllowedError(f"path {path!r} refused: it is a file of committed tag(s) {others}, whose bytes "
                                       "must not change; save it under a new path, or under the same tag", path=path)
