@@ -19,7 +19,6 @@ refused: saving it would change that tag's bytes. A file system without RENAME_E
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import os
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
-from datastates.protocol.fileio import open_folder, remove
+from datastates.protocol.fileio import RENAME_EXCHANGE, open_folder, remove, rename_within
 from datastates.protocol.format import STAGING_RE, CommitMarker, marker_name, staging_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.retention import finish_delete
@@ -42,18 +41,13 @@ log = logging.getLogger(__name__)
 
 LEFTOVER_DEPTH = 3
 """Staging folders sit beside tag folders: <root>/<run>/.<owner>-<n>.dsgen is depth 2."""
-_RENAME_EXCHANGE = 2
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def exchange(a: str, b: str) -> None:
     """Swap the sibling folders ``a`` and ``b`` atomically, through their parent's descriptor; then make it durable."""
     parent = open_folder(os.path.dirname(a))
     try:
-        if _libc.renameat2(parent, os.path.basename(a).encode(), parent, os.path.basename(b).encode(),
-                           _RENAME_EXCHANGE) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), a)
+        rename_within(parent, os.path.basename(a), os.path.basename(b), RENAME_EXCHANGE)
         os.fsync(parent)
     finally:
         os.close(parent)
