@@ -20,7 +20,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Ranks
@@ -335,7 +335,7 @@ class CommitLedger:
         await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
         stale = [j.path for j in jobs if j.path not in keep]
         if stale:
-            await self._engine.flush(_remove_uncommitted, stale)
+            await self._engine.flush(_remove_uncommitted, stale, self._roots)
             self._versions.abandon(stale)  # a new version never to be committed goes whole
 
     async def _next_sequence(self, tag: str, jobs: list[SnapshotJob]) -> int:
@@ -607,10 +607,11 @@ def _remember(table: collections.OrderedDict[tuple[str, str], str], key: tuple[s
         table.popitem(last=False)
 
 
-def _remove_uncommitted(paths: list[str]) -> None:
-    """Delete the files of superseded snapshots, unless a committed marker lists one (then it is not theirs)."""
+def _remove_uncommitted(paths: list[str], roots: Sequence[str]) -> None:
+    """Delete the files of superseded snapshots, unless a committed marker lists one (then it is not theirs):
+    any marker within ``roots``, whatever its folder's trust (``listing``)."""
     for path in paths:
-        if not listing(path):
+        if not listing(path, roots=roots):
             _unlink(path)
 
 

@@ -206,7 +206,7 @@ class Daemon:
             check_derived(path, body.tag, client.ranks.node_rank, self.cfg.storage.tiers)
             folder = tag_folder(body.tag, {path: 0}, roots)
             written = self.versions.place(path, body.tag, folder, versioned=client.ranks.num_nodes == 1,
-                                          committing=self.ledger.committing(client.id, body.tag, folder))
+                                          committing=self.ledger.committing(client.id, body.tag, folder), roots=roots)
             self.ledger.check_owner(written, client.id, body.tag,
                                     lambda other: self.clients.alive(other, self.cfg.client_timeout))
             plan = plan_snapshot(body, written, self.cfg.chunk_size, f"{self.instance.owner}/{client.id}/{job_id}")

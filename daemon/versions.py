@@ -19,17 +19,16 @@ refused: saving it would change that tag's bytes. A file system without RENAME_E
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import os
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from datastates.protocol.errors import CommitError, PathNotAllowedError
-from datastates.protocol.fileio import open_folder, remove
+from datastates.protocol.fileio import RENAME_EXCHANGE, open_folder, remove, rename_within
 from datastates.protocol.format import STAGING_RE, CommitMarker, marker_name, staging_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.retention import finish_delete
@@ -42,18 +41,13 @@ log = logging.getLogger(__name__)
 
 LEFTOVER_DEPTH = 3
 """Staging folders sit beside tag folders: <root>/<run>/.<owner>-<n>.dsgen is depth 2."""
-_RENAME_EXCHANGE = 2
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def exchange(a: str, b: str) -> None:
     """Swap the sibling folders ``a`` and ``b`` atomically, through their parent's descriptor; then make it durable."""
     parent = open_folder(os.path.dirname(a))
     try:
-        if _libc.renameat2(parent, os.path.basename(a).encode(), parent, os.path.basename(b).encode(),
-                           _RENAME_EXCHANGE) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), a)
+        rename_within(parent, os.path.basename(a), os.path.basename(b), RENAME_EXCHANGE)
         os.fsync(parent)
     finally:
         os.close(parent)
@@ -82,15 +76,17 @@ class Versions:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # admission runs on executor threads
 
-    def place(self, path: str, tag: str, folder: str, versioned: bool = True, committing: bool = False) -> str:
+    def place(self, path: str, tag: str, folder: str, versioned: bool = True, committing: bool = False,
+              roots: Sequence[str] | None = None) -> str:
         """Where a snapshot of ``path`` for ``tag`` (marker folder ``folder``) is written; refuses another tag's file.
 
         ``versioned`` False (a multi-node job, whose nodes cannot switch one folder together):
         a committed tag is refused instead of saved again. ``committing``: a commit of the tag in
         ``folder`` is in flight, so the tag counts as committed already (its marker may land before
-        this snapshot's file is renamed into place).
+        this snapshot's file is renamed into place). ``roots``: the daemon's, within which every
+        marker listing ``path`` counts, whatever its folder's trust (``listing``).
         """
-        others = sorted({mk.tag for _, mk, _ in listing(path) if mk.tag != tag})
+        others = sorted({mk.tag for _, mk, _ in listing(path, roots=roots) if mk.tag != tag})
         if others:
             raise PathNotAllowedError(f"path {path!r} refused: it is a file of committed tag(s) {others}, whose bytes "
                                       "must not change; save it under a new path, or under the same tag", path=path)

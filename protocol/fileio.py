@@ -6,6 +6,7 @@ and large reads and writes go around the page cache where the file system allows
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -14,6 +15,10 @@ import stat
 
 PAGE = 4096
 """O_DIRECT's alignment of offsets, lengths and buffer addresses."""
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+"""renameat2(2) flags: refuse to replace an entry; swap two entries atomically."""
+_libc = ctypes.CDLL(None, use_errno=True)
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 """Linux 5.14+: map a whole range in one call instead of one fault per page (Python 3.12 names them)."""
@@ -81,6 +86,14 @@ def open_folder(path: str, create: bool = False, mode: int = 0o755, trusted: str
         os.close(fd)
         raise
     return fd
+
+
+def rename_within(folder_fd: int, src: str, dst: str, flags: int) -> None:
+    """renameat2(2) of entry ``src`` to ``dst`` of one folder (its descriptor), with ``flags`` (``RENAME_*``): what
+    ``os.rename`` cannot do, swap two folders or refuse to replace one; OSError as the call fails."""
+    if _libc.renameat2(folder_fd, src.encode(), folder_fd, dst.encode(), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), src)
 
 
 def fsync_dir(path: str, trusted: str = "/") -> None:

@@ -84,7 +84,7 @@ MARKER_SUFFIX = ".json"
 
 TAG_MAX = 160
 """Characters of a tag: its markers (``datastates-done.<tag>.node<rank>.json`` the longest) are files too."""
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=-]{0,%d}$" % (TAG_MAX - 1))
+_TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,%d}" % (TAG_MAX - 1))  # fullmatch: "$" would pass "tag\n"
 
 
 def align_up(n: int, a: int) -> int:
@@ -284,7 +284,7 @@ def parse_header(body: bytes, expected_hash: int, path: str) -> FileHeader:
 
 def check_tag(tag: str) -> str:
     """Tags name files and markers, so they must be one safe path component."""
-    if not isinstance(tag, str) or not _TAG_RE.match(tag):
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag):
         raise InvalidRequestError(
             f"invalid tag {tag!r}: use 1-{TAG_MAX} characters of letters, digits and ._+=- , not starting with '.' or '-'",
             tag=str(tag)[:256],

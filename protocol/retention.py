@@ -19,26 +19,46 @@ import logging
 import os
 from typing import Callable, Iterable
 
-from .fileio import fsync_dir, open_folder, remove
-from .format import DELETING_RE, deleting_name
-from .tags import CommittedTag, committed_tags, untrusted_folder
+from .fileio import RENAME_NOREPLACE, fsync_dir, open_folder, remove, rename_within
+from .format import DELETING_RE, CommitMarker, deleting_name, marker_name
+from .tags import CommittedTag, committed_tags, marker_paths, untrusted_folder
 
 log = logging.getLogger(__name__)
 
 
-def delete_tag(tag: CommittedTag, root: str) -> None:
+def delete_tag(tag: CommittedTag, root: str) -> bool:
     """Withdraw the tag in one durable step before any file goes: a half-deleted tag is never taken as committed.
 
     A tag in a folder of its own is renamed to its deleting name (the withdrawal), then goes
     whole. A tag sharing its folder with others (Lightning's files, one tag each) loses its
     marker first, then the files its marker lists, those still there. Below ``root`` nothing
     is reached through a link, so a folder swapped for one deletes nothing elsewhere.
+
+    Whether it went: a tag that is no longer as listed stays, and is logged (``kept``): its
+    folder gone already (another prune's), committed again since, or holding another tag's marker.
     """
+    why = kept(tag, tag.folder)
+    if why:
+        log.warning("not deleting checkpoint %s of %s: %s", tag.tag, tag.folder, why)
+        return False
     if tag.own_folder:
         doomed = os.path.join(tag.run, deleting_name(tag.tag))
-        parent = open_folder(tag.run, trusted=root)
         try:
-            os.rename(tag.tag, os.path.basename(doomed), src_dir_fd=parent, dst_dir_fd=parent)
+            parent = open_folder(tag.run, trusted=root)
+        except FileNotFoundError:
+            log.warning("not deleting checkpoint %s of %s: its run folder is gone", tag.tag, tag.folder)
+            return False
+        try:
+            try:
+                os.rename(tag.tag, os.path.basename(doomed), src_dir_fd=parent, dst_dir_fd=parent)
+            except FileNotFoundError:  # deleted or renamed meanwhile: another prune's
+                log.warning("not deleting checkpoint %s of %s: it is gone already", tag.tag, tag.folder)
+                return False
+            why = kept(tag, doomed)  # committed again between the listing and the rename: renamed back
+            if why:
+                rename_within(parent, os.path.basename(doomed), tag.tag, RENAME_NOREPLACE)
+                log.warning("not deleting checkpoint %s of %s: %s", tag.tag, tag.folder, why)
+                return False
             os.fsync(parent)
         finally:
             os.close(parent)
@@ -54,17 +74,41 @@ def delete_tag(tag: CommittedTag, root: str) -> None:
                 pass
         fsync_dir(tag.folder, trusted=root)
     log.info("deleted checkpoint %s of %s", tag.tag, tag.folder)
+    return True
+
+
+def kept(tag: CommittedTag, folder: str) -> str:
+    """Why ``folder``, the listed ``tag``'s folder, must not be deleted now ("" if it may).
+
+    Its marker must still be the one listed: a daemon's new version of the tag, switched in
+    since (the trainer was told it is committed), is not this listing's to delete. A tag folder
+    of its own goes whole, so one that also holds another tag's marker (a "best" tag whose
+    file was saved into it) stays, as ``Versions.switch`` refuses to replace it.
+    """
+    if not os.path.isdir(folder):
+        return "it is gone already"
+    now = CommitMarker.read(os.path.join(folder, marker_name(tag.tag)))
+    if now != tag.marker:
+        return "it was committed again since it was listed" if now is not None else "its commit marker is gone"
+    if tag.own_folder:
+        others = [os.path.basename(p) for p in marker_paths(folder, depth=0)
+                  if os.path.basename(p) != marker_name(tag.tag)]
+        if others:
+            return f"its folder also holds the commit marker(s) {others} of other tags, which would go with it"
+    return ""
 
 
 def finish_delete(folder: str, root: str) -> bool:
     """Delete ``folder`` if it is what a killed delete left (DELETING_RE) and this user's own; whether it went.
 
-    Only a folder this user may trust (``untrusted_folder``) goes: a folder another user
-    planted under that name, or a link, is left alone (and logged), never followed.
+    Only a folder this user may trust (``untrusted_folder``), in a parent folder this user may
+    trust, goes: a folder another user planted under that name, or a link, is left alone (and
+    logged), never followed; and so is one in a folder others may write, where anyone could
+    have renamed this user's committed tag folder to that name.
     """
     if not DELETING_RE.fullmatch(os.path.basename(folder)):
         return False
-    why = untrusted_folder(folder)
+    why = untrusted_folder(folder) or untrusted_folder(os.path.dirname(folder))
     if why:
         log.warning("not finishing the delete of %s: %s", folder, why)
         return False
@@ -94,8 +138,13 @@ def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable
     for tag in committed_tags(root, own_folder=True, accept=accept)[keep_last:]:
         if tag.tag in spare:
             continue
-        if not dry_run:
-            delete_tag(tag, root)
+        if dry_run:
+            why = kept(tag, tag.folder)
+            if why:
+                log.warning("would not delete checkpoint %s of %s: %s", tag.tag, tag.folder, why)
+                continue
+        elif not delete_tag(tag, root):
+            continue
         gone.append(tag.folder)
     return gone
 

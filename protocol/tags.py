@@ -13,9 +13,10 @@ import logging
 import os
 import stat
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from .format import MARKER_PREFIX, MARKER_SUFFIX, CommitMarker, MarkerFile, marker_name
+from .paths import within
 
 log = logging.getLogger(__name__)
 
@@ -180,24 +181,30 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
     return sorted(found, key=lambda c: c.marker.newness, reverse=True)
 
 
-def listing(path: str, depth: int = 3) -> list[tuple[str, CommitMarker, MarkerFile]]:
-    """(marker path, marker, its entry) for every trusted commit marker in the ``depth`` folders above ``path`` that
-    lists it.
+def listing(path: str, depth: int = 3, roots: Sequence[str] | None = None) -> list[tuple[str, CommitMarker, MarkerFile]]:
+    """(marker path, marker, its entry) for every commit marker in the ``depth`` folders above ``path`` that lists it.
 
     A tag's marker sits in its tag folder, at or above its files: this is how a reader
     given only a file's path finds what its tag says the file must be. Only where a marker
     of this user's can be: the climb stops at the first folder this user may not trust
     (``untrusted_folder``: ``/tmp`` above the root ``/tmp/ckpt``, say), and a marker there
     or above it, or one that fails ``distrust``, is never read.
+
+    ``roots`` (the daemon's guards: refusing a save over a committed file, keeping a file
+    a marker lists) turns that round: a guard must see more markers, not fewer, so every
+    marker by name (read without blocking) in the folders at or below one of ``roots``
+    counts, whatever its folder's trust (a setgid 2775 run folder, one made under umask
+    002); the climb still stops at a root, so a marker planted above one changes nothing.
     """
     out = []
     folder = os.path.dirname(os.path.abspath(path))
     for _ in range(depth):
-        if untrusted_folder(folder):
+        beyond = not any(within(folder, r) for r in roots) if roots is not None else untrusted_folder(folder)
+        if beyond:
             break
         rel = os.path.relpath(path, folder)
         for marker_path in _marker_names(folder):
-            marker = trusted_marker(marker_path, whole=False)
+            marker = trusted_marker(marker_path, whole=False) if roots is None else CommitMarker.read(marker_path)
             entry = next((f for f in marker.files if f.path == rel), None) if marker is not None else None
             if entry is not None:
                 out.append((marker_path, marker, entry))

@@ -399,9 +399,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "markers-above-the-root-trusted",
         "listing() climbs past folders others may write and reads every marker there, /tmp above /tmp/ckpt included",
-        (Edit("protocol/tags.py", "        if untrusted_folder(folder):\n            break\n",
-              "        pass  # MUTATION: no trust check of the folders climbed\n"),
-         Edit("protocol/tags.py", "marker = trusted_marker(marker_path, whole=False)",
+        (Edit("protocol/tags.py", "if roots is not None else untrusted_folder(folder)",
+              "if roots is not None else \"\"  # MUTATION: no trust check of the folders climbed"),
+         Edit("protocol/tags.py",
+              "marker = trusted_marker(marker_path, whole=False) if roots is None else CommitMarker.read(marker_path)",
               "marker = CommitMarker.read(marker_path)  # MUTATION: any marker")),
         ("tests/faults/test_hostile_user.py::test_a_marker_planted_above_the_root_changes_nothing[marker]",),
     ),
@@ -424,7 +425,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "anyones-deleting-folder-finished",
         "prune deletes any folder named like a killed delete's leftover, another user's too",
-        (Edit("protocol/retention.py", "    why = untrusted_folder(folder)\n", "    why = \"\"  # MUTATION: no ownership check\n"),),
+        (Edit("protocol/retention.py",
+              "    why = untrusted_folder(folder) or untrusted_folder(os.path.dirname(folder))\n",
+              "    why = \"\"  # MUTATION: no ownership check\n"),),
         ("tests/faults/test_hostile_user.py::test_prune_leaves_another_users_folder_named_as_being_deleted",),
     ),
     Mutation(
@@ -540,6 +543,42 @@ MUTATIONS: tuple[Mutation, ...] = (
               "            self._lose({tag: set() for tag in opened}, exc)  # MUTATION: the paths forgotten\n"),),
         ("tests/faults/test_kill_daemon.py::"
          "test_a_fixed_folder_saved_again_after_its_checkpoint_went_with_a_restarted_daemon_commits_again[fence]",),
+    ),
+    Mutation(
+        "guards-trust-filtered",
+        "the daemon's guards (a save over a committed file, keeping a file a marker lists) skip the markers of "
+        "folders a reader may not trust: a group-writable run folder's committed file is saved over",
+        (Edit("daemon/versions.py", "listing(path, roots=roots)", "listing(path, roots=None)"),),
+        ("tests/faults/test_shared_run_folder.py::test_a_group_writable_run_folder_keeps_the_save_guard",),
+    ),
+    Mutation(
+        "strangers-folder-pruned",
+        "retention deletes a tag folder whole though it holds another (newer) tag's marker, which goes with it",
+        (Edit("protocol/retention.py", "        if others:\n", "        if False:  # MUTATION: other markers ignored\n"),),
+        ("tests/faults/test_shared_run_folder.py::test_keep_last_never_deletes_a_folder_holding_a_newer_tags_marker",
+         "tests/faults/test_shared_run_folder.py::test_prune_never_deletes_a_folder_holding_a_newer_tags_marker"),
+    ),
+    Mutation(
+        "recommitted-tag-pruned",
+        "retention deletes a tag from a stale listing though a new version of it was committed since",
+        (Edit("protocol/retention.py", "    if now != tag.marker:\n", "    if now is None:  # MUTATION: any marker will do\n"),),
+        ("tests/faults/test_shared_run_folder.py::test_a_tag_committed_again_after_the_listing_is_not_deleted",),
+    ),
+    Mutation(
+        "deleting-folders-parent-trusted",
+        "prune finishes a folder named as being deleted in a folder others may write, where one renamed this "
+        "user's committed tag so",
+        (Edit("protocol/retention.py",
+              "    why = untrusted_folder(folder) or untrusted_folder(os.path.dirname(folder))\n",
+              "    why = untrusted_folder(folder)  # MUTATION: its parent unchecked\n"),),
+        ("tests/faults/test_hostile_user.py::"
+         "test_prune_leaves_this_users_folder_another_user_renamed_as_being_deleted",),
+    ),
+    Mutation(
+        "tag-prefix-matched",
+        "a tag is checked for a valid prefix only: \"step1\\n\" names a marker file with a newline in it",
+        (Edit("protocol/format.py", "_TAG_RE.fullmatch(tag)", "_TAG_RE.match(tag)"),),
+        ("tests/test_refusals.py::test_a_tag_ending_in_a_newline_is_refused",),
     ),
 )
 

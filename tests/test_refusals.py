@@ -404,6 +404,15 @@ def test_folder_name_that_cannot_be_a_tag(shared_client: Client, shared_daemon: 
         shared_client.snapshot({"w": torch.randn(3)}, shared_daemon.root / folder / "model.pt")
 
 
+def test_a_tag_ending_in_a_newline_is_refused(shared_client: Client, shared_daemon: DaemonProc) -> None:
+    """A tag of "step1" and a newline would name a marker file with a newline in it: refused like any invalid tag
+    (the check's pattern ended in ``$``, which also matches before a trailing newline)."""
+    path = shared_daemon.root / "step1" / "m.pt"
+    with pytest.raises(InvalidRequestError, match="invalid tag 'step1\\\\n'"):
+        shared_client.snapshot({"w": torch.randn(3)}, path, tag="step1\n")
+    assert not path.exists()
+
+
 def test_client_without_a_daemon(short_tmp: Path) -> None:
     """A trainer started before its daemon is told at once that none runs there, and how to start one."""
     endpoint = f"ipc://{short_tmp}/nobody.sock"

@@ -140,3 +140,24 @@ def test_prune_leaves_another_users_folder_named_as_being_deleted(mallory: str, 
     assert out.returncode == 0, out.stderr
     assert (planted / "theirs").exists(), "prune deleted a folder of another user's"
     assert "not finishing the delete" in out.stderr and f"uid {pwd.getpwnam(mallory).pw_uid}" in out.stderr, out.stderr
+
+
+def test_prune_leaves_this_users_folder_another_user_renamed_as_being_deleted(mallory: str, open_tmp: Path) -> None:
+    """In a run folder others may write (mode 777, no sticky bit), another user renames this user's committed tag
+    folder to a killed delete's name (``.step10.<token>.dsdel``); this user's next ``prune`` leaves it, and says why.
+    Before, only the folder's own owner was checked, and the prune deleted the committed tag."""
+    run = open_tmp / "run"
+    run.mkdir()
+    os.chmod(run, 0o777)
+    mine = {"w": torch.arange(6.0), "step": 10}
+    with Client(f"ipc://{open_tmp}/no-daemon.sock", timeout=2, fallback="local") as c:  # saves in this process
+        save(c, mine, run / "step10" / "model.pt", tag="step10")
+    renamed = run / ".step10.deadbeef.dsdel"
+    as_user(mallory, f"mv {run}/step10 {renamed}")
+    out = subprocess.run([DATASTATESCTL, "prune", str(run), "--keep-last", "1"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (renamed / "model.pt").exists(), "prune deleted this user's committed tag another user renamed"
+    assert "not finishing the delete" in out.stderr and "writable by group or others" in out.stderr, out.stderr
+    os.rename(renamed, run / "step10")
+    assert_state_equal(mine, datastates.load(run / "step10" / "model.pt"))
