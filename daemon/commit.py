@@ -113,9 +113,6 @@ class _TagGroup:
     """The newest snapshot id among the node's files: see CommitLedger._tracked."""
     sequence: int = 0
     """The sequence of the node's first rank to ask (that named a file): the tag's place among the job's tags."""
-    failed_at: int = -1
-    """Once it failed: the newest snapshot id the node had admitted then. A rank's commit of none but newer snapshots
-    is of a later round (the rank skipped this one), so it is not handed this round's failure."""
 
     @classmethod
     def start(cls, ranks: Ranks, requested_ns: int) -> _TagGroup:
@@ -128,15 +125,10 @@ class _TagGroup:
         """It failed, and waits only to tell the node's ranks still to commit it (see ``CommitLedger._fail_round``)."""
         return self.done.done() and not self.done.cancelled() and self.done.exception() is not None
 
-    def fail(self, exc: CommitError, newest: int) -> None:
-        """The round fails with ``exc`` (unless it ended already), as of snapshot ``newest``."""
+    def fail(self, exc: CommitError) -> None:
+        """The round fails with ``exc``, unless it ended already."""
         if not self.done.done():
             self.done.set_exception(exc)
-            self.failed_at = newest
-
-    def before(self, jobs: list[SnapshotJob]) -> bool:
-        """Whether a commit of ``jobs`` is of this failed round: none of them was admitted after it failed."""
-        return not jobs or min(j.id for j in jobs) <= self.failed_at
 
 
 class CommitLedger:
@@ -157,8 +149,6 @@ class CommitLedger:
         """Tags one of whose snapshots was refused at admission, or part of which went with a daemon the client lost
         (COMMIT ``lost``): committing the rest would make a partial tag. → why, as the commit's error says it."""
         self._groups: dict[tuple[str, int, str], _TagGroup] = {}
-        self._newest = 0
-        """The newest snapshot id admitted: where a round that fails now ends (``_TagGroup.failed_at``)."""
         self._tracker_lock = asyncio.Lock()
         self._tracked: dict[str, tuple[int, int]] = {}
         """Per tracker file, the (sequence, snapshot id) of the tag it names: commits that finish out of order never move it back."""
@@ -198,7 +188,6 @@ class CommitLedger:
 
     def add(self, job: SnapshotJob, ranks: Ranks) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
-        self._newest = max(self._newest, job.id)
         if ranks.world_size > 1:
             job.durable.add_done_callback(functools.partial(self._snapshot_done, ranks, job))
 
@@ -233,8 +222,7 @@ class CommitLedger:
             group = None  # a round that failed, and told this rank: this snapshot is of the next one
         if group is None:
             group = self._start(key, ranks, time.time_ns())
-        group.fail(CommitError(f"tag {tag!r} not committed: rank {ranks.rank}: {why}", tag=tag),
-                   self._newest)
+        group.fail(CommitError(f"tag {tag!r} not committed: rank {ranks.rank}: {why}", tag=tag))
 
     def _start(self, key: tuple[str, int, str], ranks: Ranks, requested_ns: int) -> _TagGroup:
         """A new round of the tag on this node, in place of the last one (failed, or none)."""
@@ -252,7 +240,7 @@ class CommitLedger:
         group = self._groups.get(key)
         if group is not None and ranks.rank not in group.committed:
             group.fail(CommitError(f"tag {tag!r} not committed: rank {ranks.rank}'s commit of it failed: {exc.message}",
-                                   tag=tag), self._newest)
+                                   tag=tag))
             self._told(key, group, ranks.rank)
 
     def commit_states(self) -> dict[int, str]:
@@ -277,7 +265,7 @@ class CommitLedger:
         for key, group in list(self._groups.items()):
             if key[:2] == (ranks.job, ranks.world_size) and ranks.rank not in group.committed:
                 group.fail(CommitError(f"tag {key[2]!r} not committed: rank {ranks.rank} is gone without committing it",
-                                       tag=key[2]), self._newest)
+                                       tag=key[2]))
                 self._told(key, group, ranks.rank)  # its restart's commit of the tag is of the next round
 
     def _told(self, key: tuple[str, int, str], group: _TagGroup, rank: int) -> None:
@@ -387,12 +375,16 @@ class CommitLedger:
     async def _commit_rank(
         self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob], requested_ns: int, sequence: int,
     ) -> m.Committed:
-        """One rank's share; the node's last rank to arrive finishes the tag for all of them."""
+        """One rank's share; the node's last rank to arrive finishes the tag for all of them.
+
+        A rank not yet told of the node's failed round is handed its failure, even one whose snapshots came after it
+        failed: nothing tells them from that round's step (a rank's save can follow another rank's failure), so it
+        gets a false failure rather than a marker that lists two steps.
+        """
         key = (ranks.job, ranks.world_size, tag)
         group = self._groups.get(key)
-        if group is not None and group.failed and (ranks.rank in group.committed or not group.before(jobs)):
-            self._told(key, group, ranks.rank)  # told of it, or skipped it: this commit is of the next round
-            group = None
+        if group is not None and group.failed and ranks.rank in group.committed:
+            group = None  # that round failed and told this rank: this commit is of the next one
         if group is None:
             group = self._start(key, ranks, requested_ns)
         if ranks.rank in group.committed:
@@ -405,7 +397,7 @@ class CommitLedger:
                 group.snapshots.update({j.path: j.snapshot for j in jobs})
                 group.order = max([group.order, *(j.id for j in jobs)])
             except CommitError as exc:
-                group.fail(exc, self._newest)
+                group.fail(exc)
         if group.failed:  # a rank's snapshot was refused or failed: every rank is told at once
             self._told(key, group, ranks.rank)
         else:
@@ -430,7 +422,7 @@ class CommitLedger:
                 )
                 if len(group.committed) >= ranks.local_world_size:  # its last rank is finishing it: that may still land
                     raise exc from None
-                group.fail(exc, self._newest)  # the round ends here: a later commit never joins it
+                group.fail(exc)  # the round ends here: a later commit never joins it
             except DatastatesError:
                 if group.durable == ranks.local_world_size:  # its commit failed: what it wrote is left as it is
                     raise
@@ -619,5 +611,5 @@ def _unlink(path: str) -> None:
     """Remove ``path`` through its folder's descriptor, reached without following a link (protocol/fileio.py)."""
     try:
         remove(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no file there: its folder is gone, or is a file (a failed save's)
         pass

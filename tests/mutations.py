@@ -504,7 +504,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "round-outlives-its-timeout",
         "a multi-rank round that timed out stays open: a later round's commit joins it, and its marker lists two steps",
         (Edit("daemon/commit.py",
-              "                group.fail(exc, self._newest)  # the round ends here: a later commit never joins it\n",
+              "                group.fail(exc)  # the round ends here: a later commit never joins it\n",
               "                raise exc from None  # MUTATION: the timed-out round stays open\n"),),
         ("tests/test_multirank.py::test_a_round_that_timed_out_is_never_joined_by_a_later_commit",),
     ),
@@ -519,12 +519,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_multirank.py::test_a_refused_ranks_later_commit_fails_the_round_another_rank_waits_in",),
     ),
     Mutation(
-        "skipped-round-failure-handed-on",
-        "a rank that skipped a failed round is handed that round's failure by its commit of the next one",
+        "round-joined-across-a-failure",
+        "a rank with snapshots, not yet told of the node's failed round, starts a round of its own instead of being "
+        "handed that failure: another rank's next step joins it, and both are told committed for a marker of two steps",
         (Edit("daemon/commit.py",
-              "and (ranks.rank in group.committed or not group.before(jobs)):",
-              "and (ranks.rank in group.committed):  # MUTATION: a rank's next round is not told apart"),),
-        ("tests/test_multirank.py::test_a_rank_that_skipped_a_failed_round_is_not_handed_its_failure",),
+              "if group is not None and group.failed and ranks.rank in group.committed:",
+              "if group is not None and group.failed and (ranks.rank in group.committed or jobs):  # MUTATION"),),
+        ("tests/test_multirank.py::test_a_rank_whose_snapshot_came_after_its_rounds_failure_is_handed_it",),
     ),
     Mutation(
         "failed-round-keeps-its-version",
@@ -579,6 +580,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a tag is checked for a valid prefix only: \"step1\\n\" names a marker file with a newline in it",
         (Edit("protocol/format.py", "_TAG_RE.fullmatch(tag)", "_TAG_RE.match(tag)"),),
         ("tests/test_refusals.py::test_a_tag_ending_in_a_newline_is_refused",),
+    ),
+    Mutation(
+        "drop-under-a-file-crashes",
+        "a snapshot that failed because its folder is a file crashes the drop of its files (an internal error) "
+        "instead of finding none there",
+        (Edit("daemon/commit.py", "    except (FileNotFoundError, NotADirectoryError):",
+              "    except FileNotFoundError:  # MUTATION"),),
+        ("tests/test_multirank.py::test_a_rank_whose_snapshot_came_after_its_rounds_failure_is_handed_it",),
     ),
 )
 

@@ -7,6 +7,7 @@ system. The torchrun case launches 2 nodes x 2 ranks for real, with gloo on loop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -255,21 +256,60 @@ import sys, torch
 from datastates.client import Client
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import DatastatesError
-endpoint, rank, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+endpoint, rank, tag = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 ranks = Ranks(rank=rank, local_rank=rank, world_size=2, local_world_size=2, job="j1")
 with Client(endpoint, timeout=60, ranks=ranks) as c:
-    for step in ("save", "commit"):
-        input()  # the test says when
+    for line in iter(sys.stdin.readline, ""):  # the test says what and when: "save PATH STEP" or "commit"
         try:
-            if step == "save":
-                c.snapshot({"w": torch.ones(3)}, path, tag="global_step1")
+            if line.startswith("save "):
+                path, _, step = line[len("save "):].rstrip("\\n").rpartition(" ")
+                c.snapshot({"w": torch.full((1000,), float(step)), "step": int(step)}, path, tag=tag)
                 c.wait()
             else:
-                c.commit("global_step1").result(timeout=3600)
+                c.commit(tag).result(timeout=3600)
             print("OK", flush=True)
         except DatastatesError as exc:
             print(type(exc).__name__, exc.message.replace("\\n", " "), flush=True)
 """
+
+
+class RankProc:
+    """One rank of job j1 (2 ranks, both on this node) in a process of its own, saving and committing ``tag`` as the
+    test tells it; each answer is a line: OK, or the error's class and message."""
+
+    def __init__(self, d: DaemonProc, rank: int, tag: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", RANK, d.endpoint, str(rank), tag], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def told(self) -> str:
+        """The answer to the oldest command not yet read."""
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
+
+    def ask(self, line: str) -> str:
+        self.send(line)
+        return self.told()
+
+
+@contextlib.contextmanager
+def rank_procs(d: DaemonProc, tag: str) -> Iterator[tuple[RankProc, RankProc]]:
+    """Ranks 0 and 1 of job j1, each a process of its own; they must exit cleanly once told nothing more."""
+    ranks = (RankProc(d, 0, tag), RankProc(d, 1, tag))
+    try:
+        yield ranks
+        for r in ranks:
+            assert r.proc.stdin is not None
+            r.proc.stdin.close()
+        for r in ranks:
+            assert r.proc.wait(60) == 0
+    finally:
+        for r in ranks:
+            r.proc.kill()
 
 
 @pytest.mark.parametrize("refused_first", [True, False])
@@ -282,36 +322,18 @@ def test_a_refused_rank_fails_every_ranks_commit_at_once(start_daemon: Callable[
     with Client(d.endpoint, timeout=60) as solo:
         save(solo, {"w": torch.zeros(3)}, d.root / "other" / "rank0.pt", tag="other")
     paths = [d.root / "other" / "rank0.pt", d.root / "global_step1" / "rank1.pt"]
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, d.endpoint, str(r), str(paths[r])], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for r in range(2)]
-
-    def step(r: int) -> str:
-        proc = ranks[r]
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        return proc.stdout.readline().strip()
-
-    try:
-        assert step(1) == "OK"  # rank 1's snapshot
+    with rank_procs(d, "global_step1") as (r0, r1):
+        assert r1.ask(f"save {paths[1]} 1") == "OK"
         if refused_first:
-            assert step(0).startswith("PathNotAllowedError")
-            told = [step(1), step(0)]
+            assert r0.ask(f"save {paths[0]} 1").startswith("PathNotAllowedError")
+            told = [r1.ask("commit"), r0.ask("commit")]
         else:
-            assert ranks[1].stdin is not None
-            ranks[1].stdin.write("\n")  # rank 1 commits and waits for rank 0
-            ranks[1].stdin.flush()
+            r1.send("commit")  # rank 1 commits and waits for rank 0
             gathering_tags(d)
-            assert step(0).startswith("PathNotAllowedError")
-            assert ranks[1].stdout is not None
-            told = [ranks[1].stdout.readline().strip(), step(0)]
+            assert r0.ask(f"save {paths[0]} 1").startswith("PathNotAllowedError")
+            told = [r1.told(), r0.ask("commit")]
         for r, line in enumerate(told):
             assert line.startswith("CommitError") and "rank0.pt" in line and "refused" in line, (r, line)
-        for proc in ranks:
-            assert proc.wait(60) == 0
-    finally:
-        for proc in ranks:
-            proc.kill()
     assert not (d.root / "global_step1" / marker_name("global_step1")).exists()
     assert daemon_status(d.endpoint)["tags_gathering"] == []
 
@@ -353,19 +375,19 @@ def commit_both(d: DaemonProc, r0: Client, r1: Client, step: int) -> None:
 
 
 def test_a_round_that_timed_out_is_never_joined_by_a_later_commit(start_daemon: Callable[..., DaemonProc]) -> None:
-    """Rank 0 skipped round 1 (its snapshot was refused); its round-2 commit is told that refusal, so rank 1's
-    round 2 waits for rank 0 until commit_timeout. Round 3 then commits both ranks' round-3 files: rank 0 does not
-    join round 2's timed-out group, which would list rank 1's round-2 file beside rank 0's round-3 one."""
+    """Rank 1's commit of step 1 waits for rank 0 until commit_timeout and is told so. Rank 0's step-1 commit, come
+    late, is told the same failure: it does not join the timed-out round and commit the tag rank 1 was told had
+    failed. Step 2 then commits both ranks' step-2 files."""
     d = start_daemon(commit_timeout=5)
     with rank_client(d, 0, 2, 2, 1) as r0, rank_client(d, 1, 2, 2, 1) as r1:
-        refused_round(d, r0, r1)
-        save_rank(r0, d.root / "last" / "r0.pt", 2)
-        with pytest.raises(CommitError, match="refused"):
-            r0.commit("last").result(timeout=120)
-        save_rank(r1, d.root / "last" / "r1.pt", 2)
+        save_rank(r1, d.root / "last" / "r1.pt", 1)
         with pytest.raises(CommitError, match="did not commit within"):
             r1.commit("last").result(timeout=120)
-        commit_both(d, r0, r1, 3)
+        save_rank(r0, d.root / "last" / "r0.pt", 1)
+        with pytest.raises(CommitError, match="did not commit within"):
+            r0.commit("last").result(timeout=120)
+        assert not (d.root / "last" / marker_name("last")).exists()
+        commit_both(d, r0, r1, 2)
 
 
 def test_a_refused_ranks_later_commit_fails_the_round_another_rank_waits_in(
@@ -386,20 +408,52 @@ def test_a_refused_ranks_later_commit_fails_the_round_another_rank_waits_in(
         commit_both(d, r0, r1, 3)
 
 
-def test_a_rank_that_skipped_a_failed_round_is_not_handed_its_failure(start_daemon: Callable[..., DaemonProc]) -> None:
-    """Rank 1's snapshot is refused in round 1 and rank 1 commits it (told why); rank 0 skipped that round. Rank 0's
-    round-2 commit, of snapshots newer than the failure, is of round 2: it commits with rank 1's, instead of being
-    handed round 1's failure while rank 1 waits for it until commit_timeout."""
-    d = start_daemon(commit_timeout=600)
-    with Client(d.endpoint, timeout=60) as solo:
-        save(solo, {"w": torch.zeros(3)}, d.root / "other" / "r1.pt", tag="other")
-    with rank_client(d, 0, 2, 2, 1) as r0, rank_client(d, 1, 2, 2, 1) as r1:
-        r1.snapshot(step_state(1), d.root / "other" / "r1.pt", tag="last")
-        with pytest.raises(PathNotAllowedError):
-            r1.wait()
-        with pytest.raises(CommitError, match="refused"):
-            r1.commit("last").result(timeout=120)
-        commit_both(d, r0, r1, 2)
+def committed_steps(root: Path, tag: str) -> dict[str, int]:
+    """Per file the tag's marker lists, the step it holds (none while the tag was never committed)."""
+    if not (root / tag / marker_name(tag)).exists():
+        return {}
+    return {name: datastates.load(root / tag / name)["step"] for name in marker_files(root, tag)}
+
+
+def wait_asked(d: DaemonProc, path: Path) -> None:
+    """Once the COMMIT sent just now of the snapshot of ``path`` has reached the daemon (a hang guard)."""
+    for _ in range(1200):
+        if all(s["commit"] != "open" for s in daemon_status(d.endpoint)["snapshots"] if s["path"] == str(path)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the daemon never took the commit of {path}")
+
+
+def test_a_rank_whose_snapshot_came_after_its_rounds_failure_is_handed_it(start_daemon: Callable[..., DaemonProc]) -> None:
+    """Rolling tag ``last``, never committed, two rank processes. Rank 0's step-1 snapshot fails to write (its
+    folder is a file), then rank 1 saves step 1, and rank 0's commit is told the round failed. Rank 1's commit of
+    step 1 is told the same failure, at once, though its snapshot came after it: nothing tells its step from the
+    next one's. Rank 0 then saves step 2 and commits, then rank 1: both are told committed, for step 2's files only.
+    Were rank 1's step-1 commit put in a round of its own, rank 0's step-2 commit would join it and both ranks
+    would be told committed for a marker of rank 0's step 2 and rank 1's step 1."""
+    d = start_daemon(commit_timeout=600)  # a rank that waited for commit_timeout would hang the test past its own
+    blocked = d.root / "last" / "rank0"
+    blocked.parent.mkdir()
+    blocked.write_text("a file where rank 0's folder goes")
+    paths = [blocked / "state.pt", d.root / "last" / "rank1" / "state.pt"]
+    with rank_procs(d, "last") as (r0, r1):
+        assert r0.ask(f"save {paths[0]} 1").startswith("SnapshotFailedError")
+        assert r1.ask(f"save {paths[1]} 1") == "OK"
+        told = r0.ask("commit")
+        assert told.startswith("CommitError") and "rank0" in told, told
+        r1.send("commit")
+        wait_asked(d, paths[1])
+        blocked.unlink()
+        assert r0.ask(f"save {paths[0]} 2") == "OK"
+        r0.send("commit")
+        told = r1.told()
+        steps = committed_steps(d.root, "last")
+        assert len(set(steps.values())) <= 1, f"rank 1 told {told!r} while the marker lists the steps {steps}"
+        assert told.startswith("CommitError") and "rank0" in told, told
+        assert r1.ask(f"save {paths[1]} 2") == "OK"
+        assert r1.ask("commit") == "OK"
+        assert r0.told() == "OK"
+    assert committed_steps(d.root, "last") == {"rank0/state.pt": 2, "rank1/state.pt": 2}
 
 
 def test_a_rank_told_its_round_failed_leaves_no_new_version_behind(start_daemon: Callable[..., DaemonProc]) -> None:
