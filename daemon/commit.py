@@ -165,13 +165,14 @@ class CommitLedger:
         """Refuse ``path`` while another tag, or another live client, holds an uncommitted snapshot of it (open,
         being committed, or kept for a retry): one of the two states would be lost, or a tag's marker would name
         the other's bytes once its commit lands. A client that is gone (a killed trainer whose restart saves the
-        same step) holds nothing.
+        same step) holds nothing, except a snapshot whose commit is under way: its marker may land at any moment
+        (the COMMIT came before the client went: a trainer that reconnected after a stall, as a new client).
         """
         for table in (self._open, self._committing, self._failed):
             for (other, held), jobs in list(table.items()):
                 if not any(j.path == path for j in jobs):
                     continue
-                if other != client_id and alive(other):
+                if other != client_id and (table is self._committing or alive(other)):
                     raise PathNotAllowedError(f"path {path!r} refused: client {other} is saving it for tag {held!r}, "
                                               "not yet committed; two clients must not write one file", path=path)
                 if other == client_id and held != tag:
