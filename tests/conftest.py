@@ -271,12 +271,14 @@ def _lock_held(lock: Path) -> bool:
     return False
 
 
-def _maker_alive(name: str, in_use: set[str]) -> bool:
-    """Whether what made /dev/shm/``name`` still runs (another test session's trainer or daemon): then it stays.
+def _maker_alive(name: str, in_use: set[str], basetemp: Path) -> bool:
+    """Whether what made /dev/shm/``name`` still runs, or is another test session's to judge: then it stays.
 
     A torch segment is alive while a process maps or holds it (``in_use``); a decision
     folder (datastates-<uid>-client-<pid>-...) names its process; a replica folder names
-    its daemon, whose lock is held while it runs; the daemons' lock folder stays while any daemon runs.
+    its daemon, whose lock is held while it runs, and whose lock file names its roots: a killed
+    daemon of another session beside this one leaves its replica folder for that session's
+    next daemon to remove (a test checks it does); the daemons' lock folder stays while any daemon runs.
     """
     if name.startswith("torch_"):
         return str(SHM / name) in in_use
@@ -284,8 +286,10 @@ def _maker_alive(name: str, in_use: set[str]) -> bool:
     if pid is not None:
         return Path(f"/proc/{pid.group(1)}").exists()
     owner = re.fullmatch(rf"datastates-{os.geteuid()}-([0-9a-f]{{16}})", name)
-    held = [DAEMON_LOCKS / f"{owner.group(1)}.lock"] if owner else list(DAEMON_LOCKS.glob("*.lock")) if name == DAEMON_LOCKS.name else []
-    return any(_lock_held(lock) for lock in held)
+    if owner is not None:
+        lock = DAEMON_LOCKS / f"{owner.group(1)}.lock"
+        return _lock_held(lock) or (lock.exists() and not _lock_of_this_session(lock, basetemp))
+    return name == DAEMON_LOCKS.name and any(_lock_held(lock) for lock in DAEMON_LOCKS.glob("*.lock"))
 
 
 def _socket_alive(path: Path) -> bool:
@@ -319,7 +323,7 @@ def _leftovers(basetemp: Path) -> list[Path]:
     if SHM.is_dir():
         in_use = _shm_in_use()
         left += [p for p in SHM.iterdir() if p.name not in _SHM_BEFORE and PROJECT_SHM.fullmatch(p.name)
-                 and _owned(p) and not _maker_alive(p.name, in_use)]
+                 and _owned(p) and not _maker_alive(p.name, in_use, basetemp)]
     if DAEMON_LOCKS.is_dir() and DAEMON_LOCKS not in left:
         left += [p for p in DAEMON_LOCKS.iterdir()
                  if p.name not in _LOCKS_BEFORE and not _lock_held(p) and _lock_of_this_session(p, basetemp)]
