@@ -231,7 +231,7 @@ class ClientRecord:
 
 
 OnGone = Callable[[ClientRecord, str], dict[str, Any]]
-"""What the daemon does for a client taken as gone (``how``: exited, or silent); facts for ``status``."""
+"""What the daemon does for a client taken as gone (``how``: left, exited, or silent); facts for ``status``."""
 
 
 class ClientRegistry:
@@ -291,7 +291,8 @@ class ClientRegistry:
             except TimeoutError:
                 pass
             for record in [c for c in self._by_identity.values() if c.gone(timeout)]:
-                how = "exited" if record.started is not None else f"silent for {timeout:.0f} s"
+                how = ("left" if record.decisions and outcome.has_left(record.decisions)  # gave this daemon up
+                       else "exited" if record.started is not None else f"silent for {timeout:.0f} s")
                 self.remove(record.identity)
                 facts = on_gone(record, how)
                 self.lost.append({"id": record.id, "name": record.name, "pid": record.pid, "how": how, **facts,

@@ -338,7 +338,9 @@ class Daemon:
         if record.ranks.world_size > 1:
             self.ledger.rank_lost(record.ranks)
         mine = self.jobs.of_client(record.id)
-        abandoned = sum(j.abandon_trainer_copy(f"its trainer {how}") for j in mine)
+        why = ("its trainer abandoned it (it gave this daemon up: stalled past liveness, or gone)" if how == "left"
+               else f"its trainer {how}")
+        abandoned = sum(j.abandon_trainer_copy(why) for j in mine)
         return {"pending_snapshots": sum(1 for j in mine if j.pending) - abandoned, "abandoned_snapshots": abandoned}
 
     # -- lifecycle and status ---------------------------------------------------------
