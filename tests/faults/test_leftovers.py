@@ -77,7 +77,9 @@ def test_a_daemon_on_another_endpoint_removes_a_killed_daemons_leftovers_and_spa
         doomed.proc.send_signal(signal.SIGKILL)
         doomed.proc.wait(30)
     left = {str(p) for p in temps(doomed.root)} | (replica_folders() & {replica_folder(doomed)})
-    assert any(p.endswith(TEMP_SUFFIX) for p in left) and any(p.startswith("/dev/shm/") for p in left), left
+    # its replica folder too, unless a daemon of another session beside this one started meanwhile and removed it
+    # first, as every daemon of the node does at start (this test's point, seen from the other side)
+    assert any(p.endswith(TEMP_SUFFIX) for p in left), left
 
     fresh = start_daemon()  # a new job, a new endpoint
     report = removed_at_start(fresh)

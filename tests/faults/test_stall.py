@@ -78,10 +78,11 @@ def stallable(start_daemon: Callable[..., DaemonProc]) -> Any:
 def test_what_wait_said_is_what_the_stalled_daemon_does(stallable: DaemonProc, stop_after: float) -> None:
     d = stallable
     path = d.root / "run" / "step1" / "m.pt"
-    c, _, copied, _ = stalled_save(d, path, stop_after)
+    c, t, copied, _ = stalled_save(d, path, stop_after)  # t lives on, as the trainer's tensor does
     d.proc.send_signal(signal.SIGCONT)
     status = settled(d)
     c.close(timeout=5)
+    del t
     job = next(j for j in status["snapshots"] if j["path"] == str(path))
     if copied:  # the daemon had the bytes before the trainer changed them: it writes and commits them
         assert job["state"] == "durable", job
