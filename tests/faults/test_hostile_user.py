@@ -130,14 +130,20 @@ def test_a_marker_planted_above_the_root_changes_nothing(plant: str, mallory: st
     assert d.stop() == 0  # SIGTERM drains and stops: no thread of it is stuck opening a FIFO
 
 
+def pruned(root: Path) -> subprocess.CompletedProcess:
+    """``datastatesctl prune --keep-last 1`` of ``root``, which must succeed; its output says what it left and why."""
+    out = subprocess.run([DATASTATESCTL, "prune", str(root), "--keep-last", "1"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def test_prune_leaves_another_users_folder_named_as_being_deleted(mallory: str, like_tmp: Path) -> None:
     """Under a root others may write in, a folder named like what a killed delete leaves (``.<tag>.<token>.dsdel``)
     is finished only if it is this user's: one another user made there is theirs, and ``prune`` leaves it."""
     planted = like_tmp / ".step9.0123abcd.dsdel"
     as_user(mallory, f"mkdir {planted} && touch {planted}/theirs")
-    out = subprocess.run([DATASTATESCTL, "prune", str(like_tmp), "--keep-last", "1"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = pruned(like_tmp)
     assert (planted / "theirs").exists(), "prune deleted a folder of another user's"
     assert "not finishing the delete" in out.stderr and f"uid {pwd.getpwnam(mallory).pw_uid}" in out.stderr, out.stderr
 
@@ -154,9 +160,7 @@ def test_prune_leaves_this_users_folder_another_user_renamed_as_being_deleted(ma
         save(c, mine, run / "step10" / "model.pt", tag="step10")
     renamed = run / ".step10.deadbeef.dsdel"
     as_user(mallory, f"mv {run}/step10 {renamed}")
-    out = subprocess.run([DATASTATESCTL, "prune", str(run), "--keep-last", "1"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = pruned(run)
     assert (renamed / "model.pt").exists(), "prune deleted this user's committed tag another user renamed"
     assert "not finishing the delete" in out.stderr and "writable by group or others" in out.stderr, out.stderr
     os.rename(renamed, run / "step10")
