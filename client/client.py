@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -501,9 +501,12 @@ class Client:
                     self._commits.append((tag, caller, reply, covered))
 
     def restore(self, root: str | os.PathLike, name: str, tag: str | None = None,
-                map_location: MapLocation = None, *, weights_only: bool = True) -> Restored | None:
+                map_location: MapLocation = None, *, into: Any = None, strict: bool = True,
+                weights_only: bool = True) -> Restored | None:
         """Load this rank's file ``name`` of ``tag`` (default: the newest committed under ``root``).
 
+        With ``into``, straight into its tensors, and ``Restored.state`` is ``into``
+        (``datastates.load(path, into=...)``, with ``strict``): say, ``into=model.state_dict()``.
         From the daemon's memory when it holds a replica of that very tag, else from storage,
         and ``source`` says which. The tag comes from the commit markers on storage, so
         every rank of a job picks the same one and never mixes steps; None if none is committed.
@@ -512,10 +515,12 @@ class Client:
         """
         root = os.path.abspath(os.fspath(root))
         tag = check_tag(tag) if tag is not None else None
-        return again_if_deleted(lambda: self._restore(root, name, tag, map_location, weights_only), root)
+        def read(path: str) -> Any:
+            return load(path, map_location, into=into, strict=strict, weights_only=weights_only)
 
-    def _restore(self, root: str, name: str, tag: str | None, map_location: MapLocation,
-                 weights_only: bool) -> Restored | None:
+        return again_if_deleted(lambda: self._restore(root, name, tag, read), root)
+
+    def _restore(self, root: str, name: str, tag: str | None, read: Callable[[str], Any]) -> Restored | None:
         """One try of ``restore``: FileNotFoundError where the tag it picked was deleted meanwhile."""
         found = locate(root, self.tiers, tag, self.ranks.num_nodes > 1)
         if found is None:
@@ -533,14 +538,14 @@ class Client:
                 reply = self._daemon().call(m.Restore(path=written, tag=tag, size=entry.size, snapshot=entry.snapshot),
                                             self.timeout)
                 if reply.replica:
-                    state = load(reply.replica, map_location, weights_only=weights_only)
+                    state = read(reply.replica)
                     log.info("restored %s (tag %s) from the daemon's memory", written, tag)
                     return Restored(tag=tag, path=written, source="memory", state=state)
                 why_not = reply.why_not
             except DatastatesError as exc:  # the replica went, or the daemon: storage still has it
                 why_not = f"{exc.code}: {exc}"
         log.info("restored %s (tag %s) from storage%s: %s", path, tag, f" tier {found.tier}" * bool(found.tier), why_not)
-        return Restored(tag=tag, path=path, source="storage", state=load(path, map_location, weights_only=weights_only),
+        return Restored(tag=tag, path=path, source="storage", state=read(path),
                         why_not_memory=why_not, tier=found.tier)
 
     def status(self) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def _map_private(path: str, start: int, end: int) -> mmap.mmap:
         buf = mmap.mmap(fd, end - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
     finally:
         os.close(fd)
-    _populate(buf)
+    populate(ctypes.addressof(ctypes.c_char.from_buffer(buf)), len(buf))
     return buf
 
 
@@ -96,12 +96,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def _populate(buf: mmap.mmap) -> None:
-    """Map every page of ``buf`` now, in READ_THREADS parallel passes, instead of one fault per 4 KiB as the
+def populate(base: int, size: int) -> None:
+    """Map every page of the mapping at ``base`` now, in READ_THREADS parallel passes, instead of one fault per 4 KiB as the
     state is checked and used: read faults only, so the daemon's pages stay shared until the trainer writes
     one (MAP_POPULATE would copy them all). ctypes lets go of the GIL for each call, so the passes overlap."""
-    size = len(buf)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     part = -(-size // READ_THREADS // mmap.PAGESIZE) * mmap.PAGESIZE
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ds-map") as pool:
         list(pool.map(lambda at: _libc.madvise(base + at, min(part, size - at), MADV_POPULATE_READ),
@@ -163,22 +161,33 @@ def storage_error(path: str, header: FileHeader, index: int, why: str) -> Corrup
     return CorruptCheckpointError(f"{path}: tensor {names}: {why}", path=path, tensor=names)
 
 
-def check_storage(path: str, header: FileHeader, index: int, data: memoryview, verify: bool = True) -> None:
-    """Storage ``index`` lies inside the data region ``data``, and (``verify``) each piece matches its checksum."""
+def check_bounds(path: str, header: FileHeader, index: int, region_len: int) -> list[tuple[int, int]]:
+    """Storage ``index`` lies inside a data region of ``region_len`` bytes and has one checksum per piece it
+    meets; its (start, length) segments, relative to the data region."""
     if not 0 <= index < len(header.storages):
         raise storage_error(path, header, index, "refers to a storage the index does not have")
     rec = header.storages[index]
-    if rec.offset + rec.nbytes > len(data):
-        raise storage_error(path, header, index, f"lies beyond the data region ({len(data)} bytes; truncated)")
-    if not (rec.nbytes and verify):
-        return
-    segs = segments(rec.offset, rec.nbytes, header.piece_size)
-    if len(segs) != len(rec.checksums):
+    if rec.offset + rec.nbytes > region_len:
+        raise storage_error(path, header, index, f"lies beyond the data region ({region_len} bytes; truncated)")
+    segs = segments(rec.offset, rec.nbytes, header.piece_size) if rec.nbytes else []
+    if len(segs) != len(rec.checksums) and rec.nbytes:
         raise storage_error(path, header, index, "the index has the wrong number of checksums")
-    for (start, length), want in zip(segs, rec.checksums):
-        if checksum(data[start:start + length]) != want:
-            lo = start - rec.offset
-            raise storage_error(path, header, index, f"checksum mismatch in bytes {lo}..{lo + length} (the data is corrupt)")
+    return segs
+
+
+def check_segment(path: str, header: FileHeader, index: int, start: int, data: memoryview, want: bytes) -> None:
+    """The bytes ``data`` of storage ``index``, at ``start`` in the data region, match their checksum ``want``."""
+    if checksum(data) != want:
+        lo = start - header.storages[index].offset
+        raise storage_error(path, header, index, f"checksum mismatch in bytes {lo}..{lo + len(data)} (the data is corrupt)")
+
+
+def check_storage(path: str, header: FileHeader, index: int, data: memoryview, verify: bool = True) -> None:
+    """Storage ``index`` lies inside the data region ``data``, and (``verify``) each piece matches its checksum."""
+    segs = check_bounds(path, header, index, len(data))
+    if verify:
+        for (start, length), want in zip(segs, header.storages[index].checksums):
+            check_segment(path, header, index, start, data[start:start + length], want)
 
 
 def verify(path: str | os.PathLike) -> tuple[int, int]:
@@ -219,7 +228,7 @@ def check_views(path: str, header: FileHeader) -> None:
                 raise malformed(path, entry, exc.message) from None
 
 
-def check_zip(path: str, header: FileHeader, layout: ZipLayout, data: memoryview) -> None:
+def check_zip(path: str, header: FileHeader, layout: ZipLayout, data: memoryview | None) -> None:
     """What ``torch.load`` reads and the checksums do not cover: every local header, ``data.pkl``, torch's
     small records and the central directory, each as the index implies it. A damaged one would have
     ``torch.load`` fail, or read another record's bytes, where ``datastates.load`` reads the file fine.
@@ -258,9 +267,20 @@ def check_zip(path: str, header: FileHeader, layout: ZipLayout, data: memoryview
                 f"byte {at}): torch.load would rebuild other tensors than datastates.load", path=path)
         if rec.name.removeprefix(ARCHIVE + "/") in small and body != small[rec.name.removeprefix(ARCHIVE + "/")]:
             raise bad(rec.name)
-    for at, expected in layout.storage_headers():
-        if data[at:at + len(expected)] != expected:
-            raise bad(f"the local header at byte {at} of the data region")
     if tail != layout.tail:
         raise bad("the central directory")
+    if data is not None:  # None: the caller checks the data region's headers as it streams it (check_local_headers)
+        check_local_headers(path, layout.storage_headers(), data)
+
+
+def check_local_headers(path: str, headers: list[tuple[int, bytes]], data: memoryview, start: int = 0) -> None:
+    """The storages' local ``headers`` (``ZipLayout.storage_headers``), where they meet ``data`` (bytes ``start..``
+    of the data region), are as the layout implies: the part of ``check_zip`` that lies in the data region,
+    checkable piece by piece."""
+    stop = start + len(data)
+    for at, expected in headers:
+        lo, hi = max(at, start), min(at + len(expected), stop)
+        if lo < hi and data[lo - start:hi - start] != expected[lo - at:hi - at]:
+            raise CorruptCheckpointError(f"{path}: the local header at byte {at} of the data region is not what its "
+                                         "index implies (torch.load would misread it)", path=path)
 

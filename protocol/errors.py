@@ -148,6 +148,13 @@ class CheckpointGoneError(DatastatesError):
     code = "checkpoint_gone"
 
 
+class StateMismatchError(DatastatesError):
+    """A checkpoint does not fit the state it is restored into (``load(path, into=state)``): a key one side lacks,
+    or a tensor of another shape or dtype. Raised before any byte of ``into`` is written."""
+
+    code = "state_mismatch"
+
+
 def _all_subclasses(cls: type) -> list[type]:
     out = []
     for sub in cls.__subclasses__():

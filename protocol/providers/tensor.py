@@ -33,7 +33,9 @@ class TensorProvider(StateProvider):
     def restore(self, entry: EntryDesc, ctx: RestoreContext) -> torch.Tensor:
         meta = entry.meta
         dtype = DTYPES[meta["dtype"]]
-        t = torch.empty(0, dtype=dtype).set_(ctx.storage(meta["storage"]), meta["storage_offset"], meta["shape"], meta["stride"])
+        storage = ctx.storage(meta["storage"])  # a meta storage where ``load(into=...)`` plans before reading
+        t = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, meta["storage_offset"], meta["shape"],
+                                                                    meta["stride"])
         t = ctx.place(t)
         if meta["parameter"]:
             return torch.nn.Parameter(t, requires_grad=meta["requires_grad"])

@@ -1,0 +1,388 @@
+"""Restoring a checkpoint into the tensors a job already has: ``load(path, into=state)``.
+
+Why: a job that resumes has built its model and optimizer. Reading the file into fresh
+memory and then copying that into them crosses memory twice, and a fresh allocation of the
+whole state costs as much as the read itself. Here each storage's bytes go once, from the
+disk (or the daemon's replica) into the tensor that will hold them.
+
+Three steps, so that a state that does not fit is never half-written:
+
+1. **Plan.** The skeleton is unpickled with every tensor a meta tensor (no data read) and
+   matched with ``into`` key by key. A key one side lacks, or a tensor of another shape or
+   dtype, raises StateMismatchError naming it, before any byte of ``into`` is written.
+2. **Stream.** The data region is read in pieces, on READ_THREADS threads, each into its own
+   page-aligned bounce buffer with O_DIRECT (a replica on tmpfs is mapped, its pages are
+   memory already). Each piece's checksums and zip headers are checked before a byte of it
+   is copied out, so corrupt bytes never reach a tensor: a failure raises, and the restore
+   never returns a half-written state as success. A storage that one contiguous tensor of
+   ``into`` covers whole is copied straight into that tensor; any other (views sharing a
+   storage, strided tensors, tensors ``into`` has no place for) into one fresh buffer, then
+   copied or wrapped from there.
+3. **Rebuild.** The skeleton is unpickled again with each matched tensor entry the tensor of
+   ``into`` itself, and the rest (a step count, the learning rate, objects) put into
+   ``into``'s containers: ``into`` is returned, holding the checkpoint's values.
+
+A tensor of ``into`` on a GPU gets its bytes through the thread's bounce buffer, page-locked
+once (cudaHostRegister), by an asynchronous copy on the thread's own stream: never through
+pageable memory. The trainer does it rather than the daemon, since the restarted trainer's
+tensors are new allocations the daemon has no IPC handles for, and a restore from storage
+(no daemon at all) takes the same path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Mapping, MutableMapping, MutableSequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from datastates.protocol.descriptors import EntryDesc
+from datastates.protocol.errors import CorruptCheckpointError, StateMismatchError
+from datastates.protocol.format import FileHeader, ZipLayout
+from datastates.protocol.fileio import on_tmpfs, open_for_reading
+
+from .entries import Entries
+from .filecheck import (READ_PIECE, READ_THREADS, check_bounds, check_identity, check_local_headers, check_segment,
+                        check_views, check_zip, populate, read_header)
+
+KeyPath = tuple[Any, ...]
+NewKey = Callable[[KeyPath], bool]
+"""Whether a key the checkpoint has and ``into`` lacks, at this key path, is added to ``into`` (else an error)."""
+
+
+def key_name(path: KeyPath) -> str:
+    return "".join(f"[{k!r}]" for k in path) or "(the root)"
+
+
+class _Plan(Entries):
+    """The skeleton with every tensor a meta tensor: its structure, shapes and dtypes, with no data read."""
+
+    def __init__(self, path: str, header: FileHeader, region_len: int, weights_only: bool) -> None:
+        super().__init__(path, header, weights_only)
+        self._region_len = region_len
+        self.tensor_entries: dict[int, int] = {}
+        """id() of each meta tensor → its entry's index."""
+
+    def storage(self, index: int) -> torch.UntypedStorage:
+        check_bounds(self.path, self.header, index, self._region_len)
+        return torch.UntypedStorage(self.header.storages[index].nbytes, device="meta")
+
+    def build(self, index: int, entry: EntryDesc) -> Any:
+        obj = super().build(index, entry)
+        if entry.provider == "tensor":
+            self.tensor_entries[id(obj)] = index
+        return obj
+
+
+@dataclass
+class _Match:
+    """What the plan found: each tensor entry's tensors of ``into``."""
+
+    plan: _Plan
+    new_key: NewKey
+    into: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def walk(self, ours: Any, theirs: Any, path: KeyPath) -> None:
+        """Match the checkpoint's ``ours`` with ``into``'s ``theirs`` at ``path``; raise on the first misfit."""
+        index = self.plan.tensor_entries.get(id(ours)) if isinstance(ours, torch.Tensor) else None
+        if index is not None:
+            if not isinstance(theirs, torch.Tensor):
+                raise self.misfit(path, f"the checkpoint holds a tensor, `into` a {type(theirs).__name__}")
+            if theirs.shape != ours.shape or theirs.dtype != ours.dtype:
+                raise self.misfit(path, f"the checkpoint holds a {ours.dtype} tensor of shape {tuple(ours.shape)}, "
+                                        f"`into` a {theirs.dtype} one of shape {tuple(theirs.shape)}")
+            if theirs.device.type not in ("cpu", "cuda"):
+                raise self.misfit(path, f"`into`'s tensor is on {theirs.device}, which a restore cannot write to")
+            self.into.setdefault(index, []).append(theirs)
+        elif isinstance(theirs, torch.Tensor):
+            raise self.misfit(path, f"`into` holds a tensor, the checkpoint a {type(ours).__name__}")
+        elif isinstance(ours, Mapping) and isinstance(theirs, Mapping):
+            lacking = [k for k in theirs if k not in ours]
+            if lacking:
+                raise self.misfit(path + (lacking[0],), f"`into` has this key, the checkpoint does not "
+                                                        f"({len(lacking)} such keys)")
+            extra = [k for k in ours if k not in theirs and not self.new_key(path + (k,))]
+            if extra:
+                raise self.misfit(path + (extra[0],), f"the checkpoint has this key, `into` does not "
+                                                      f"({len(extra)} such keys; strict=False adds them)")
+            for k in theirs:
+                self.walk(ours[k], theirs[k], path + (k,))
+        elif isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)):
+            if len(ours) != len(theirs):
+                raise self.misfit(path, f"the checkpoint holds {len(ours)} items, `into` {len(theirs)}")
+            for k, (a, b) in enumerate(zip(ours, theirs)):
+                self.walk(a, b, path + (k,))
+
+    def misfit(self, path: KeyPath, why: str) -> StateMismatchError:
+        return StateMismatchError(f"{self.plan.path} does not fit `into` at {key_name(path)}: {why}; nothing was "
+                                  "written", path=self.plan.path, key=key_name(path))
+
+
+class _Target:
+    """Where a storage's bytes go: an entry's tensor of ``into`` whose memory they are (``direct``), or a fresh
+    uint8 buffer of the storage's size."""
+
+    def __init__(self, tensor: torch.Tensor, direct: bool) -> None:
+        self.tensor = tensor
+        self.direct = direct
+        self.on_gpu = tensor.device.type == "cuda"
+        self.flat = tensor.reshape(-1).view(torch.uint8)
+        """Its bytes, as a GPU copy addresses them."""
+        self.address = tensor.data_ptr()
+
+
+def _direct_target(header: FileHeader, entries: list[int], dests: dict[int, list[torch.Tensor]], storage: int
+                   ) -> torch.Tensor | None:
+    """The tensor of ``into`` that storage ``storage``'s bytes can go straight into, if one can.
+
+    One tensor entry uses the storage, covers all of it as a contiguous view, and its first
+    tensor of ``into`` is contiguous: then its bytes are the storage's, in order.
+    """
+    if len(entries) != 1 or entries[0] not in dests:
+        return None
+    meta = header.entries[entries[0]].meta
+    target = dests[entries[0]][0]
+    contiguous = torch.empty(0, device="meta").new_empty(meta["shape"]).stride()
+    whole = target.numel() * target.element_size() == header.storages[storage].nbytes
+    if meta["storage_offset"] or tuple(meta["stride"]) != tuple(contiguous) or not whole:
+        return None
+    return target if target.is_contiguous() else None
+
+
+class _Fill(Entries):
+    """The rebuild: matched tensor entries are ``into``'s tensors, the others views of their fresh buffers."""
+
+    def __init__(self, plan: _Plan, dests: dict[int, list[torch.Tensor]], targets: dict[int, _Target],
+                 device: torch.device | None) -> None:
+        super().__init__(plan.path, plan.header, plan.weights_only)
+        self._dests = dests
+        self._targets = targets
+        self._device = device
+
+    def storage(self, index: int) -> torch.UntypedStorage:
+        return self._targets[index].tensor.untyped_storage()
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self._device is None or self._device.type == "cpu" else tensor.to(self._device)
+
+    def build(self, index: int, entry: EntryDesc) -> Any:
+        if index not in self._dests:
+            return super().build(index, entry)
+        first, *others = self._dests[index]
+        target = self._targets[entry.meta["storage"]]
+        if not target.direct:  # from its fresh buffer into each of into's tensors
+            view = super().build(index, entry)
+            for t in self._dests[index]:
+                t.copy_(view)
+        for t in others:  # tied in the checkpoint, apart in ``into``: the first one holds the bytes
+            if target.direct and not _same_memory(t, first):
+                t.copy_(first)
+        return first
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.device == b.device and a.stride() == b.stride()
+
+
+def _merge(theirs: Any, ours: Any) -> Any:
+    """``into``'s ``theirs`` holding the rebuilt ``ours``: containers updated in place, tensors kept (filled)."""
+    if isinstance(theirs, torch.Tensor):
+        return theirs
+    if isinstance(theirs, MutableMapping) and isinstance(ours, Mapping):
+        for k in ours:
+            theirs[k] = _merge(theirs[k], ours[k]) if k in theirs else ours[k]
+        return theirs
+    if isinstance(theirs, MutableSequence) and isinstance(ours, (list, tuple)):
+        for k, v in enumerate(ours):
+            theirs[k] = _merge(theirs[k], v)
+        return theirs
+    if isinstance(theirs, tuple) and isinstance(ours, tuple):
+        items = [_merge(a, b) for a, b in zip(theirs, ours)]
+        return type(ours)(*items) if hasattr(ours, "_fields") else type(ours)(items)
+    return ours
+
+
+class _Bounce:
+    """One read thread's page-aligned buffer (O_DIRECT needs it), page-locked where a GPU copy reads it."""
+
+    def __init__(self, size: int, gpu: bool) -> None:
+        self.buf = mmap.mmap(-1, size)
+        self.view = memoryview(self.buf)
+        self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
+        self.address = self.tensor.data_ptr()
+        self.stream = self.event = None
+        if gpu:
+            err = torch.cuda.cudart().cudaHostRegister(self.address, size, 0)
+            if err.value if hasattr(err, "value") else err:
+                raise RuntimeError(f"cudaHostRegister of a {size}-byte restore buffer failed: error {err}")
+            self.stream, self.event = torch.cuda.Stream(), torch.cuda.Event()
+
+    def settle(self) -> None:
+        """Wait for this buffer's GPU copies, before it is read into again."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def close(self) -> None:
+        self.settle()
+        if self.stream is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+        self.view.release()
+        del self.tensor
+
+
+@dataclass
+class _Piece:
+    """One read of the data region, and what is checked and copied out of it."""
+
+    start: int
+    stop: int
+    segments: list[tuple[int, int, int, bytes]] = field(default_factory=list)
+    """(storage, start, length, checksum) of each checksummed segment inside this piece."""
+    targets: list[tuple[int, int, _Target]] = field(default_factory=list)
+    """(start, stop, target) of each storage that meets this piece, relative to the data region."""
+
+
+class _Stream:
+    """The data region read piece by piece into its targets, each piece checked before anything is copied out."""
+
+    def __init__(self, path: str, header: FileHeader, layout: ZipLayout | None, span: tuple[int, int],
+                 targets: dict[int, _Target], verify: bool) -> None:
+        self.path, self.header, (self.base, self.end) = path, header, span
+        self.headers = layout.storage_headers() if layout is not None and verify else []
+        self.size = header.piece_size * max(1, READ_PIECE // header.piece_size)
+        """Whole pieces of the format, so that each checksummed segment lies inside one read."""
+        self.pieces = [_Piece(at, min(self.end - self.base, at + self.size)) for at in range(0, self.end - self.base,
+                                                                                             self.size)]
+        for index, target in targets.items():
+            rec = header.storages[index]
+            segs = check_bounds(path, header, index, self.end - self.base)
+            for (start, length), want in zip(segs, rec.checksums) if verify else ():
+                self.pieces[start // self.size].segments.append((index, start, length, want))
+            for piece in self.pieces[rec.offset // self.size:(rec.offset + rec.nbytes - 1) // self.size + 1]:
+                piece.targets.append((rec.offset, rec.offset + rec.nbytes, target))
+        self.gpu = any(t.on_gpu for t in targets.values())
+
+    def run(self) -> None:
+        """Read, check and copy out every piece on READ_THREADS threads; the first failure is raised."""
+        if not self.pieces:
+            return
+        mapped = on_tmpfs(self.path)  # the daemon's replica: its pages are memory already, so map them
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC) if mapped else open_for_reading(self.path)
+        mapping = None
+        try:
+            if mapped:
+                if os.fstat(fd).st_size < self.end:
+                    raise CorruptCheckpointError(f"{self.path}: file ends inside its data region", path=self.path)
+                mapping = mmap.mmap(fd, self.end - self.base, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
+                                    offset=self.base)
+            self._threads(fd, mapping)
+        finally:
+            os.close(fd)
+            if mapping is not None:
+                mapping.close()
+
+    def _threads(self, fd: int, mapping: mmap.mmap | None) -> None:
+        todo = iter(self.pieces)
+        lock = threading.Lock()
+        failed: list[BaseException] = []
+        source = None if mapping is None else np.frombuffer(mapping, dtype=np.uint8)
+        if source is not None:
+            populate(source.ctypes.data, len(source))
+
+        def work() -> None:
+            bounce = None
+            try:
+                if source is None or self.gpu:
+                    bounce = _Bounce(self.size, self.gpu)
+                while not failed:
+                    with lock:
+                        piece = next(todo, None)
+                    if piece is None:
+                        return
+                    self._one(piece, fd, source, bounce)
+            except BaseException as exc:  # noqa: BLE001 - the first failure stops every thread and is raised
+                failed.append(exc)
+            finally:
+                if bounce is not None:
+                    bounce.close()
+
+        threads = [threading.Thread(target=work, name=f"ds-restore-{i}", daemon=True)
+                   for i in range(min(READ_THREADS, len(self.pieces)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        del source
+        if failed:
+            raise failed[0]
+
+    def _one(self, piece: _Piece, fd: int, source: np.ndarray | None, bounce: _Bounce | None) -> None:
+        """Piece ``piece``: read (or found in the mapping ``source``), checked, copied into its targets."""
+        n = piece.stop - piece.start
+        if source is not None:
+            data, address = memoryview(source[piece.start:piece.stop]), source.ctypes.data + piece.start
+        else:
+            assert bounce is not None
+            bounce.settle()  # its previous piece's GPU copies read it still
+            self._read(fd, bounce.view[:n], self.base + piece.start)
+            data, address = bounce.view[:n], bounce.address
+        for index, start, length, want in piece.segments:
+            check_segment(self.path, self.header, index, start, data[start - piece.start:start - piece.start + length],
+                          want)
+        check_local_headers(self.path, self.headers, data, piece.start)
+        staged = False
+        for start, stop, target in piece.targets:
+            lo, hi = max(start, piece.start), min(stop, piece.stop)
+            if not target.on_gpu:
+                ctypes.memmove(target.address + lo - start, address + lo - piece.start, hi - lo)
+                continue
+            assert bounce is not None and bounce.stream is not None
+            if source is not None and not staged:  # the mapping is pageable: through the page-locked buffer
+                ctypes.memmove(bounce.address, address, n)
+                staged = True
+            with torch.no_grad(), torch.cuda.stream(bounce.stream):
+                target.flat[lo - start:hi - start].copy_(bounce.tensor[lo - piece.start:hi - piece.start],
+                                                         non_blocking=True)
+        if bounce is not None and bounce.event is not None:
+            bounce.event.record(bounce.stream)
+
+    def _read(self, fd: int, into: memoryview, at: int) -> None:
+        done = 0
+        while done < len(into):
+            got = os.preadv(fd, [into[done:]], at + done)
+            if got == 0:
+                raise CorruptCheckpointError(f"{self.path}: file ends at byte {at + done}, inside its data region",
+                                             path=self.path)
+            done += got
+
+
+def load_into(path: str, into: Any, device: torch.device | None, *, new_key: NewKey, verify: bool,
+              weights_only: bool) -> Any:
+    """``into``, its tensors holding the checkpoint at ``path`` (``datastates.load(path, into=...)``)."""
+    header, base, end, layout = read_header(path)
+    check_identity(path, header)
+    if verify:
+        check_views(path, header)
+        if layout is not None:
+            check_zip(path, header, layout, None)  # the data region's zip headers: as it streams (check_local_headers)
+    plan = _Plan(path, header, end - base, weights_only)
+    match = _Match(plan, new_key)
+    match.walk(plan.entry(header.root), into, ())
+    users: dict[int, list[int]] = {}
+    for index in plan.tensor_entries.values():
+        users.setdefault(header.entries[index].meta["storage"], []).append(index)
+    targets: dict[int, _Target] = {}
+    with torch.no_grad():
+        for storage, entries in users.items():
+            direct = _direct_target(header, entries, match.into, storage)
+            nbytes = header.storages[storage].nbytes
+            targets[storage] = _Target(direct, True) if direct is not None else \
+                _Target(torch.empty(nbytes, dtype=torch.uint8), False)
+        _Stream(path, header, layout, (base, end), targets, verify).run()
+        return _merge(into, _Fill(plan, match.into, targets, device).entry(header.root))
