@@ -20,7 +20,7 @@ import torch
 
 from datastates.client.client import Client
 from datastates.client.locate import again_if_deleted
-from datastates.client.reader import load
+from datastates.client.into import load_into
 from datastates.integrations.commits import PendingCommits
 from datastates.protocol.retention import prune
 from datastates.protocol.tags import committed_tags
@@ -139,36 +139,34 @@ class CheckpointManager:
     def restore(self, *, weights_only: bool = True) -> int | None:
         """Load this manager's newest committed tag under ``root`` into the objects; its step, or None if there is none.
 
+        In place: the model's and the optimizer's existing tensors get the file's bytes straight
+        (``datastates.load(path, into=...)``), with no fresh copy of the state and no second copy
+        by ``load_state_dict``; a model whose keys, shapes or dtypes differ from the file's is
+        refused (StateMismatchError) before anything is written. An optimizer that has not
+        stepped yet (no state) gets the file's state freshly read, on its parameters' devices.
         Only tags named as ``tag()`` names them count: others under ``root`` (another tool's
         ``global_step1000``) are not this manager's to restore. ``weights_only`` as in
         ``datastates.load``: safe by default; False only for files you trust.
         """
-        self.client.wait()  # model.load_state_dict copies into tensors a pending snapshot may still be reading
+        self.client.wait()  # the restore writes into tensors a pending snapshot may still be reading
         newest = again_if_deleted(lambda: self._load_newest(weights_only), self.root)
         if newest is None:
             return None
         path, state = newest
-
-        def part(key: str) -> Any:
-            if key not in state:
-                raise InvalidRequestError(f"{path} holds no {key} state, but the manager was given one", path=path)
-            return state[key]
-
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])  # its tensors are the optimizer's own, or fresh ones
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(part("scheduler"))
+            self.scheduler.load_state_dict(state["scheduler"])
         if self.data_loader is not None:
-            self.data_loader.load_state_dict(part("data_loader"))
+            self.data_loader.load_state_dict(state["data_loader"])
         if self.extra is not None:
             self.extra.clear()
-            self.extra.update(part("extra"))
+            self.extra.update(state["extra"])
         _set_rng_state(state["rng"])
         log.info("restored step %d from %s", state["step"], path)
         return state["step"]
 
     def _load_newest(self, weights_only: bool) -> tuple[str, dict[str, Any]] | None:
-        """This rank's file of the newest committed tag, and its state; None if no tag is committed."""
+        """This rank's file of the newest committed tag, read into the objects; None if no tag is committed."""
         found = committed_tags(self.root, own_folder=True, accept=_TAG.fullmatch)
         if not found:
             return None
@@ -176,7 +174,13 @@ class CheckpointManager:
         if os.path.basename(path) not in {f.path for f in found[0].marker.files}:
             raise InvalidRequestError(f"tag {tag} under {self.root} is committed without {os.path.basename(path)}: "
                                       "it was saved by a job of fewer ranks", path=path)
-        return path, load(path, weights_only=weights_only)
+        into: dict[str, Any] = {"step": None, "rng": None, "model": self.model.state_dict(),
+                                "optimizer": {"state": self.optimizer.state_dict()["state"]}}
+        for key, given in (("scheduler", self.scheduler), ("data_loader", self.data_loader), ("extra", self.extra)):
+            if given is not None:  # the file must hold it: its value replaces the None
+                into[key] = None
+        return path, load_into(path, into, None, new_key=lambda keys: keys[0] != "model", verify=True,
+                               weights_only=weights_only)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for every commit, prune, and remove the fence; raises a failed commit as CommitError.

@@ -148,7 +148,7 @@ class CheckpointGoneError(DatastatesError):
     code = "checkpoint_gone"
 
 
-class StateMismatchError(DatastatesError):
+class StateMismatchError(InvalidRequestError):
     """A checkpoint does not fit the state it is restored into (``load(path, into=state)``): a key one side lacks,
     or a tensor of another shape or dtype. Raised before any byte of ``into`` is written."""
 
