@@ -4,11 +4,17 @@ Why: most faults are a dead trainer on a healthy node, and the restart's first c
 reading the checkpoint back. One GPT-shaped state is checkpointed once by each contender;
 then, per run, with the checkpoints' files evicted from the page cache each time:
 
-- memory: ``Client.restore`` served from the daemon's replica (/dev/shm);
-- storage: ``datastates.load`` of the same committed file on disk;
+- memory: ``Client.restore`` served from the daemon's replica (/dev/shm), fresh and in place (``into=``);
+- storage: ``datastates.load`` of the same committed file on disk, fresh and in place (``into=``);
 - torch.load: of a ``torch.save`` file of the same state, and of datastates' own file (format 2 is a zip
   plain ``torch.load`` reads);
-- DCP: ``torch.distributed.checkpoint.load`` into a preallocated state.
+- DCP: ``torch.distributed.checkpoint.load`` into a preallocated state (in place).
+
+In-place restores write into a preallocated copy of the state, as a resuming job's model and
+optimizer are; ``--fresh-only`` leaves them, the memory restores and DCP out (for a state too
+large to hold several copies of). Then, run as root: the memory restores again, before and after
+a global ``echo 3 > /proc/sys/vm/drop_caches``; and ``CheckpointManager.restore`` of a model +
+AdamW state of the same size against ``datastates.load(path, into=...)`` alone.
 
 Every restore touches each page of what it loaded. Two reference lines are measured in
 the same runs: a raw O_DIRECT read of the datastates file with the reader's own threads
@@ -98,48 +104,103 @@ def phases(path: str, cold: str | None = None) -> dict[str, float]:
     return out
 
 
+def every_run(times: dict[str, list[float]], ours: str, peer: str) -> str:
+    wins = sum(a < b for a, b in zip(times[ours], times[peer]))
+    return f"{ours} faster than {peer} in {wins} of {len(times[ours])} runs"
+
+
+def global_drop(memory: dict[str, Callable[[], Any]], runs: int) -> None:
+    """Each memory restore's median before and after a global drop of caches (root only)."""
+    if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        print("global drop of caches: skipped (needs root)")
+        return
+    before = {n: median([timed(restore_and_touch, fn)[0] for _ in range(runs)]) for n, fn in memory.items()}
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    after = {n: median([timed(restore_and_touch, fn)[0] for _ in range(runs)]) for n, fn in memory.items()}
+    for n in memory:
+        print(f"{n}: {before[n]:.3f} s before a global drop of caches, {after[n]:.3f} s after: "
+              f"{after[n] / before[n]:.2f} x  (target <= 1.2)")
+
+
+def manager_restore(root: str, endpoint: str, nbytes: int, runs: int) -> None:
+    """CheckpointManager.restore of a model + AdamW state of about ``nbytes`` against the in-place load alone."""
+    width = 2048
+    layers = max(1, nbytes // 3 // (width * width * 4))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, width)).sum().backward()
+    opt.step()
+    folder = os.path.join(root, "manager")
+    with Client(endpoint, timeout=600) as client:
+        manager = datastates.CheckpointManager(client, folder, model=model, optimizer=opt)
+        manager.save(1).result()
+        path = manager.path(manager.tag(1))
+        fsync_tree(folder)
+        into = {"step": None, "rng": None, "model": model.state_dict(), "optimizer": opt.state_dict()}
+        contenders = {"CheckpointManager.restore": manager.restore,
+                      "datastates.load(into=)": lambda: datastates.load(path, into=into)}
+        times: dict[str, list[float]] = {n: [] for n in contenders}
+        for _ in range(runs):
+            for name, fn in contenders.items():
+                drop_caches(folder)
+                times[name].append(timed(fn)[0])
+        manager.close()
+    med = print_medians(times, state_bytes(into))
+    print(f"CheckpointManager.restore / in-place load alone: "
+          f"{med['CheckpointManager.restore'] / med['datastates.load(into=)']:.3f}  (target <= 1.1)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--fresh-only", action="store_true", help="no in-place, memory or DCP restores")
     parser.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh temp dir)")
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="ds-bench-restore-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     state = gpt_state(layers=args.layers, dim=args.dim)
     nbytes = state_bytes(state)
     print(f"state: {nbytes / 1e9:.2f} GB in {len(tensors_of(state))} tensors; {args.runs} runs; root {root}")
+    budget = "64MiB" if args.fresh_only else f"{nbytes * 2 // (1 << 20) + 64}MiB"
     try:
-        with datastatesd(root, host_memory="1GiB", memory_restore_budget=f"{nbytes * 2 // (1 << 20) + 64}MiB") as ep:
+        with datastatesd(root, host_memory="1GiB", memory_restore_budget=budget) as ep:
             with Client(ep, timeout=600) as client:
-                client.snapshot(state, os.path.join(root, "step1", "rank0.pt"))
+                ours = os.path.join(root, "step1", "rank0.pt")
+                client.snapshot(state, ours)
                 client.wait()
                 client.commit("step1").result()
                 os.makedirs(os.path.join(root, "ts"))
                 torch.save(state, os.path.join(root, "ts", "rank0.pt"))
-                dcp.save({"state": state}, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
+                contenders: dict[str, Callable[[], Any]] = {}
+                memory: dict[str, Callable[[], Any]] = {}
+                if not args.fresh_only:
+                    dcp.save({"state": state}, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
+                    template = {"state": copy.deepcopy(state)}  # DCP loads in place, into preallocated tensors
+                    into_storage, into_memory = copy.deepcopy(state), copy.deepcopy(state)
+
+                    def dcp_load() -> Any:
+                        dcp.load(template, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
+                        return template
+
+                    def from_memory(into: Any = None) -> Any:
+                        restored = client.restore(root, "rank0.pt", into=into)
+                        assert restored is not None and restored.source == "memory", restored
+                        return restored.state
+
+                    memory = {"memory": from_memory, "memory, in place": lambda: from_memory(into_memory)}
                 fsync_tree(root)
-                template = {"state": copy.deepcopy(state)}  # DCP loads in place, into preallocated tensors
-
-                def dcp_load() -> Any:
-                    dcp.load(template, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
-                    return template
-
-                def memory() -> Any:
-                    restored = client.restore(root, "rank0.pt")
-                    assert restored is not None and restored.source == "memory", restored
-                    return restored.state
-
-                reused = raw_read(os.path.join(root, "step1", "rank0.pt"))  # its pages warm for "raw, reused"
-                contenders: dict[str, Callable[[], Any]] = {
-                    "raw O_DIRECT, fresh buffer": lambda: raw_read(os.path.join(root, "step1", "rank0.pt")),
-                    "raw O_DIRECT, reused buffer": lambda: raw_read(os.path.join(root, "step1", "rank0.pt"), reused),
-                    "memory": memory,
-                    "storage": lambda: datastates.load(os.path.join(root, "step1", "rank0.pt")),
+                reused = raw_read(ours)  # its pages warm for "raw, reused"
+                contenders = {
+                    "raw O_DIRECT, fresh buffer": lambda: raw_read(ours),
+                    "raw O_DIRECT, reused buffer": lambda: raw_read(ours, reused),
+                    **memory,
+                    "storage": lambda: datastates.load(ours),
+                    **({} if args.fresh_only else {"storage, in place": lambda: datastates.load(ours, into=into_storage),
+                                                   "dcp": dcp_load}),
                     "torch.load": lambda: torch.load(os.path.join(root, "ts", "rank0.pt"), weights_only=False),
-                    "torch.load of datastates' file": lambda: torch.load(os.path.join(root, "step1", "rank0.pt"),
-                                                                          weights_only=False),
-                    "dcp": dcp_load,
+                    "torch.load of datastates' file": lambda: torch.load(ours, weights_only=False),
                 }
                 times: dict[str, list[float]] = {n: [] for n in contenders}
                 for r in range(args.runs):
@@ -151,24 +212,39 @@ def main() -> int:
                         del restored  # freed outside the timing: unmapping 1.5 GB is no part of a restore
                     print(f"run {r + 1}/{args.runs}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()),
                           flush=True)
-                profile = {"storage": [phases(os.path.join(root, "step1", "rank0.pt"), root) for _ in range(args.runs)]}
-                replica = client.status()["replicas"]["replicas"][0]["file"]
-                profile["memory"] = [phases(replica) for _ in range(args.runs)]
+                profile = {"storage": [phases(ours, root) for _ in range(args.runs)]}
+                if memory:
+                    replica = client.status()["replicas"]["replicas"][0]["file"]
+                    profile["memory"] = [phases(replica) for _ in range(args.runs)]
+                med = print_medians(times, nbytes)
+                report(times, med, profile)
+                if memory:
+                    global_drop(memory, args.runs)
+                    manager_restore(root, ep, nbytes, args.runs)
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
-    med = print_medians(times, nbytes)
-    for peer in ("storage", "torch.load", "dcp"):
-        print(f"restore time: memory / {peer:<11} {med['memory'] / med[peer]:8.3f}"
-              + ("  (target <= 0.25)" if peer == "storage" else ""))
-    raw = med["raw O_DIRECT, fresh buffer"]
-    print(f"storage restore speed / raw O_DIRECT read into a fresh buffer: {raw / med['storage']:.3f}  (target >= 0.85)")
-    for peer in ("torch.load", "dcp"):
-        print(f"restore time: storage / {peer:<11} {med['storage'] / med[peer]:8.3f}  (target < 1)")
+    return 0
+
+
+def report(times: dict[str, list[float]], med: dict[str, float], profile: dict[str, list[dict[str, float]]]) -> None:
+    """The issue's ratios, and whether ours won every run."""
+    reused, fresh = med["raw O_DIRECT, reused buffer"], med["raw O_DIRECT, fresh buffer"]
+    print(f"storage restore speed / raw O_DIRECT read into a fresh buffer: {fresh / med['storage']:.3f}")
+    for peer in ("torch.load", "torch.load of datastates' file"):
+        print(f"restore time: storage / {peer}: {med['storage'] / med[peer]:.3f}  (target < 1; "
+              f"{every_run(times, 'storage', peer)})")
+    if "storage, in place" in med:
+        print(f"in-place storage restore speed / raw O_DIRECT read into a reused buffer: "
+              f"{reused / med['storage, in place']:.3f}  (target >= 0.85)")
+        print(f"restore time: storage, in place / dcp: {med['storage, in place'] / med['dcp']:.3f}  "
+              f"(target < 1; {every_run(times, 'storage, in place', 'dcp')})")
+        for kind in ("memory", "memory, in place"):
+            print(f"restore time: {kind} / storage, in place: {med[kind] / med['storage, in place']:.3f}  "
+                  "(target <= 0.25)")
     for kind, runs in profile.items():
         print(f"{kind} restore by phase (medians, s): " + ", ".join(
             f"{k} {median([p[k] for p in runs]):.3f}" for k in runs[0]))
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,14 +10,14 @@ Three steps, so that a state that does not fit is never half-written:
 1. **Plan.** The skeleton is unpickled with every tensor a meta tensor (no data read) and
    matched with ``into`` key by key. A key one side lacks, or a tensor of another shape or
    dtype, raises StateMismatchError naming it, before any byte of ``into`` is written.
-2. **Stream.** The data region is read in pieces, on READ_THREADS threads, each into its own
-   page-aligned bounce buffer with O_DIRECT (a replica on tmpfs is mapped, its pages are
-   memory already). Each piece's checksums and zip headers are checked before a byte of it
-   is copied out, so corrupt bytes never reach a tensor: a failure raises, and the restore
-   never returns a half-written state as success. A storage that one contiguous tensor of
-   ``into`` covers whole is copied straight into that tensor; any other (views sharing a
-   storage, strided tensors, tensors ``into`` has no place for) into one fresh buffer, then
-   copied or wrapped from there.
+2. **Stream.** The data region is read in pieces, on READ_THREADS threads, each piece in STEP
+   reads into the thread's small page-aligned bounce buffer with O_DIRECT (a replica on tmpfs
+   is mapped instead: its pages are memory already), hashed and copied out while it is in the
+   CPU's cache. A checksum or zip header that does not match, or a file that ends early,
+   raises: the restore never returns a half-written state as success. A storage that one
+   contiguous tensor of ``into`` covers whole is copied straight into that tensor; any other
+   (views sharing a storage, strided tensors, tensors ``into`` has no place for) into one
+   fresh buffer, then copied or wrapped from there.
 3. **Rebuild.** The skeleton is unpickled again with each matched tensor entry the tensor of
    ``into`` itself, and the rest (a step count, the learning rate, objects) put into
    ``into``'s containers: ``into`` is returned, holding the checkpoint's values.
@@ -44,12 +44,12 @@ import torch
 
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import CorruptCheckpointError, StateMismatchError
-from datastates.protocol.format import FileHeader, ZipLayout
+from datastates.protocol.format import FileHeader, ZipLayout, checksummer
 from datastates.protocol.fileio import on_tmpfs, open_for_reading
 
 from .entries import Entries
-from .filecheck import (READ_PIECE, READ_THREADS, check_bounds, check_identity, check_local_headers, check_segment,
-                        check_views, check_zip, populate, read_header)
+from .filecheck import (READ_PIECE, READ_THREADS, check_bounds, check_identity, check_local_headers, check_views,
+                        check_zip, populate, read_header, storage_error)
 
 KeyPath = tuple[Any, ...]
 NewKey = Callable[[KeyPath], bool]
@@ -209,18 +209,19 @@ def _merge(theirs: Any, ours: Any) -> Any:
 
 
 class _Bounce:
-    """One read thread's page-aligned buffer (O_DIRECT needs it), page-locked where a GPU copy reads it."""
+    """One read thread's page-aligned buffer of STEP bytes (O_DIRECT needs the alignment), page-locked where a GPU
+    copy reads it."""
 
-    def __init__(self, size: int, gpu: bool) -> None:
-        self.buf = mmap.mmap(-1, size)
+    def __init__(self, gpu: bool) -> None:
+        self.buf = mmap.mmap(-1, STEP)
         self.view = memoryview(self.buf)
         self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
         self.stream = self.event = None
         if gpu:
-            err = torch.cuda.cudart().cudaHostRegister(self.address, size, 0)
-            if err.value if hasattr(err, "value") else err:
-                raise RuntimeError(f"cudaHostRegister of a {size}-byte restore buffer failed: error {err}")
+            err = torch.cuda.cudart().cudaHostRegister(self.address, STEP, 0)
+            if getattr(err, "value", err):
+                raise RuntimeError(f"cudaHostRegister of a {STEP}-byte restore buffer failed: error {err}")
             self.stream, self.event = torch.cuda.Stream(), torch.cuda.Event()
 
     def settle(self) -> None:
@@ -236,9 +237,14 @@ class _Bounce:
         del self.tensor
 
 
+STEP = 8 << 20
+"""The bytes one read thread reads, checks and copies out at a time: small enough to stay in the CPU's cache
+between its read and its copy, and to make the bounce buffers cheap to allocate."""
+
+
 @dataclass
 class _Piece:
-    """One read of the data region, and what is checked and copied out of it."""
+    """One of the format's pieces of the data region (or several): read, checked and copied out by one thread."""
 
     start: int
     stop: int
@@ -249,22 +255,26 @@ class _Piece:
 
 
 class _Stream:
-    """The data region read piece by piece into its targets, each piece checked before anything is copied out."""
+    """The data region read piece by piece, in STEP reads, into its targets; every byte hashed on the way.
+
+    A segment's checksum covers up to a whole piece, so its bytes reach their tensor before
+    it is known: a mismatch raises (CorruptCheckpointError naming the tensor), and the load
+    never returns, though ``into`` may hold some of the bad bytes by then.
+    """
 
     def __init__(self, path: str, header: FileHeader, layout: ZipLayout | None, span: tuple[int, int],
                  targets: dict[int, _Target], verify: bool) -> None:
         self.path, self.header, (self.base, self.end) = path, header, span
         self.headers = layout.storage_headers() if layout is not None and verify else []
-        self.size = header.piece_size * max(1, READ_PIECE // header.piece_size)
-        """Whole pieces of the format, so that each checksummed segment lies inside one read."""
-        self.pieces = [_Piece(at, min(self.end - self.base, at + self.size)) for at in range(0, self.end - self.base,
-                                                                                             self.size)]
+        size = header.piece_size * max(1, READ_PIECE // header.piece_size)
+        """Whole pieces of the format: each checksummed segment lies inside one, read by one thread."""
+        self.pieces = [_Piece(at, min(self.end - self.base, at + size)) for at in range(0, self.end - self.base, size)]
         for index, target in targets.items():
             rec = header.storages[index]
             segs = check_bounds(path, header, index, self.end - self.base)
             for (start, length), want in zip(segs, rec.checksums) if verify else ():
-                self.pieces[start // self.size].segments.append((index, start, length, want))
-            for piece in self.pieces[rec.offset // self.size:(rec.offset + rec.nbytes - 1) // self.size + 1]:
+                self.pieces[start // size].segments.append((index, start, length, want))
+            for piece in self.pieces[rec.offset // size:(rec.offset + rec.nbytes - 1) // size + 1]:
                 piece.targets.append((rec.offset, rec.offset + rec.nbytes, target))
         self.gpu = any(t.on_gpu for t in targets.values())
 
@@ -292,20 +302,20 @@ class _Stream:
         lock = threading.Lock()
         failed: list[BaseException] = []
         source = None if mapping is None else np.frombuffer(mapping, dtype=np.uint8)
-        if source is not None:
+        if source is not None:  # every page table entry in a few calls, not one fault per page
             populate(source.ctypes.data, len(source))
 
         def work() -> None:
             bounce = None
             try:
                 if source is None or self.gpu:
-                    bounce = _Bounce(self.size, self.gpu)
+                    bounce = _Bounce(self.gpu)
                 while not failed:
                     with lock:
                         piece = next(todo, None)
                     if piece is None:
                         return
-                    self._one(piece, fd, source, bounce)
+                    self._piece(piece, fd, source, bounce)
             except BaseException as exc:  # noqa: BLE001 - the first failure stops every thread and is raised
                 failed.append(exc)
             finally:
@@ -322,33 +332,45 @@ class _Stream:
         if failed:
             raise failed[0]
 
-    def _one(self, piece: _Piece, fd: int, source: np.ndarray | None, bounce: _Bounce | None) -> None:
-        """Piece ``piece``: read (or found in the mapping ``source``), checked, copied into its targets."""
-        n = piece.stop - piece.start
-        if source is not None:
-            data, address = memoryview(source[piece.start:piece.stop]), source.ctypes.data + piece.start
-        else:
-            assert bounce is not None
-            bounce.settle()  # its previous piece's GPU copies read it still
-            self._read(fd, bounce.view[:n], self.base + piece.start)
-            data, address = bounce.view[:n], bounce.address
-        for index, start, length, want in piece.segments:
-            check_segment(self.path, self.header, index, start, data[start - piece.start:start - piece.start + length],
-                          want)
-        check_local_headers(self.path, self.headers, data, piece.start)
-        staged = False
-        for start, stop, target in piece.targets:
-            lo, hi = max(start, piece.start), min(stop, piece.stop)
+    def _piece(self, piece: _Piece, fd: int, source: np.ndarray | None, bounce: _Bounce | None) -> None:
+        """Piece ``piece`` in STEP reads (or found in the mapping ``source``), each hashed and copied out."""
+        hashes = [checksummer() for _ in piece.segments]
+        for at in range(piece.start, piece.stop, STEP):
+            stop = min(piece.stop, at + STEP)
+            if source is not None:
+                data, address = memoryview(source[at:stop]), source.ctypes.data + at
+            else:
+                assert bounce is not None
+                bounce.settle()  # its previous step's GPU copies read it still
+                self._read(fd, bounce.view[:stop - at], self.base + at)
+                data, address = bounce.view[:stop - at], bounce.address
+            for h, (_, start, length, _) in zip(hashes, piece.segments):
+                lo, hi = max(start, at), min(start + length, stop)
+                if lo < hi:
+                    h.update(data[lo - at:hi - at])
+            check_local_headers(self.path, self.headers, data, at)
+            self._copy(piece, at, stop, address, bounce, staged=source is None)
+        for h, (index, start, length, want) in zip(hashes, piece.segments):
+            if h.digest() != want:
+                raise storage_error(self.path, self.header, index, f"checksum mismatch in bytes "
+                                    f"{start - self.header.storages[index].offset}..+{length} (the data is corrupt)")
+
+    def _copy(self, piece: _Piece, at: int, stop: int, address: int, bounce: _Bounce | None, staged: bool) -> None:
+        """Bytes ``at..stop`` of the data region, at ``address``, into the targets they belong to."""
+        for start, end, target in piece.targets:
+            lo, hi = max(start, at), min(end, stop)
+            if lo >= hi:
+                continue
             if not target.on_gpu:
-                ctypes.memmove(target.address + lo - start, address + lo - piece.start, hi - lo)
+                ctypes.memmove(target.address + lo - start, address + lo - at, hi - lo)
                 continue
             assert bounce is not None and bounce.stream is not None
-            if source is not None and not staged:  # the mapping is pageable: through the page-locked buffer
-                ctypes.memmove(bounce.address, address, n)
+            if not staged:  # the mapping is pageable: through the page-locked buffer
+                bounce.settle()
+                ctypes.memmove(bounce.address, address, stop - at)
                 staged = True
             with torch.no_grad(), torch.cuda.stream(bounce.stream):
-                target.flat[lo - start:hi - start].copy_(bounce.tensor[lo - piece.start:hi - piece.start],
-                                                         non_blocking=True)
+                target.flat[lo - start:hi - start].copy_(bounce.tensor[lo - at:hi - at], non_blocking=True)
         if bounce is not None and bounce.event is not None:
             bounce.event.record(bounce.stream)
 

@@ -102,6 +102,11 @@ def checksum(data: memoryview | bytes) -> bytes:
     return xxhash.xxh3_64_digest(data)
 
 
+def checksummer() -> xxhash.xxh3_64:
+    """``checksum`` taken in parts: ``digest()`` after ``update()`` with each part, in order."""
+    return xxhash.xxh3_64()
+
+
 @dataclass(frozen=True)
 class StorageRecord:
     offset: int
