@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from typing import Sequence
@@ -22,12 +23,12 @@ import torch
 
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import CUDA_IPC, VM
-from datastates.protocol.errors import CommitError
+from datastates.protocol.errors import CommitError, DatastatesError
 from datastates.protocol.format import marker_name
 from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.tags import next_sequence
 
-from .commit import make_marker, tag_folder
+from .commit import make_marker, tag_folder, trackers
 from .copier import copy_piece
 from .instances import Instance
 from .memory import Chunk
@@ -35,6 +36,8 @@ from .sink import FileSink
 from .sources import Owner, Region, open_region
 from .storage import StorageWriter, writer_class
 from .versions import Versions
+
+log = logging.getLogger(__name__)
 
 _SELF = Owner(pid=os.getpid(), started=None, readable="a local save reads its own storages directly")
 """This process, as the owner of the shared-memory sources a local save maps."""
@@ -119,11 +122,24 @@ class LocalSaver:
         path = os.path.join(folder, marker_name(tag))
         try:
             self._writer(path).publish(path, marker.encode())
-            if staging is None:
-                return m.Committed(tag=tag, marker=path, files=list(files))
-            self._versions.switch(staging)
+            if staging is not None:
+                self._versions.switch(staging)
         except BaseException:
             self._versions.abandon(list(files))  # the committed version stands; the new one is never committed
             raise
+        self._track(tag, folder if staging is None else staging.folder)
+        if staging is None:
+            return m.Committed(tag=tag, marker=path, files=list(files))
         return m.Committed(tag=tag, marker=os.path.join(staging.folder, marker_name(tag)),
                            files=[staging.visible(p) for p in files])
+
+    def _track(self, tag: str, folder: str) -> None:
+        """The trackers beside a tag folder name the tag just committed, as the daemon's do (it is the newest: its
+        sequence is past every marker of the run folder). Left unmoved, a tracker would name an older tag, one
+        retention may keep for it, and DeepSpeed would resume from."""
+        if os.path.basename(folder) == tag:
+            for tracker, data in trackers(tag, folder).items():
+                try:
+                    self._writer(tracker).publish(tracker, data)
+                except (OSError, DatastatesError) as exc:  # the tag is committed all the same: its marker is
+                    log.warning("tag %s committed, but its tracker %s was not written: %s", tag, tracker, exc)

@@ -19,8 +19,8 @@ import logging
 import os
 from typing import Callable, Iterable
 
-from .fileio import RENAME_NOREPLACE, fsync_dir, open_folder, remove, rename_within
-from .format import DELETING_RE, CommitMarker, deleting_name, marker_name
+from .fileio import RENAME_NOREPLACE, fsync_dir, open_folder, read_regular, remove, rename_within
+from .format import DELETING_RE, TRACKER, CommitMarker, deleting_name, marker_name
 from .tags import CommittedTag, committed_tags, marker_paths, untrusted_folder
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,10 @@ def delete_tag(tag: CommittedTag, root: str) -> bool:
         log.warning("not deleting checkpoint %s of %s: %s", tag.tag, tag.folder, why)
         return False
     if tag.own_folder:
+        for older in older_versions(tag):  # first: once its folder goes, the tag must not stand with one of these
+            remove(older.marker_path, trusted=root)
+            fsync_dir(older.folder, trusted=root)
+            log.info("withdrew %s's older marker in %s with it", tag.tag, older.folder)
         doomed = os.path.join(tag.run, deleting_name(tag.tag))
         try:
             parent = open_folder(tag.run, trusted=root)
@@ -77,6 +81,26 @@ def delete_tag(tag: CommittedTag, root: str) -> bool:
     return True
 
 
+def older_versions(tag: CommittedTag) -> list[CommittedTag]:
+    """The markers of ``tag`` in other folders of its run folder (saved into another tag's folder), older than it.
+
+    Readers take a tag's newest marker, so while ``tag`` stands these change nothing; once
+    its folder is deleted, the tag would stand again with one of them, an older step the
+    trainer was never told is its newest. Only the markers go: the files they list may be
+    listed by the other tag of that folder too.
+    """
+    return [c for c in committed_tags(tag.run) if c.tag == tag.tag and c.folder != tag.folder
+            and c.marker.newness < tag.marker.newness]
+
+
+def tracker_names(run: str, tag: str) -> bool:
+    """Whether the ``latest`` tracker of folder ``run`` names ``tag``."""
+    try:
+        return read_regular(os.path.join(run, TRACKER)).decode(errors="replace").strip() == tag
+    except OSError:
+        return False
+
+
 def kept(tag: CommittedTag, folder: str) -> str:
     """Why ``folder``, the listed ``tag``'s folder, must not be deleted now ("" if it may).
 
@@ -90,6 +114,9 @@ def kept(tag: CommittedTag, folder: str) -> str:
     now = CommitMarker.read(os.path.join(folder, marker_name(tag.tag)))
     if now != tag.marker:
         return "it was committed again since it was listed" if now is not None else "its commit marker is gone"
+    if tag.own_folder and tracker_names(tag.run, tag.tag):
+        return (f"the {TRACKER!r} tracker beside it names it (a commit after it did not move the tracker on): "
+                "deleting it would leave the tracker naming nothing")
     if tag.own_folder:
         others = [os.path.basename(p) for p in marker_paths(folder, depth=0)
                   if os.path.basename(p) != marker_name(tag.tag)]

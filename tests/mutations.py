@@ -589,8 +589,28 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    except FileNotFoundError:  # MUTATION"),),
         ("tests/test_multirank.py::test_a_rank_whose_snapshot_came_after_its_rounds_failure_is_handed_it",),
     ),
+    Mutation(
+        "older-marker-of-pruned-tag-left",
+        "a prune deletes a tag's folder but leaves its older marker in another tag's folder: the tag stands again "
+        "with an older step",
+        (Edit("protocol/retention.py", "        for older in older_versions(tag):",
+              "        for older in older_versions(tag)[:0]:  # MUTATION"),),
+        ("tests/test_retention.py::test_prune_of_a_tag_withdraws_its_older_marker_in_another_tags_folder",),
+    ),
+    Mutation(
+        "tracker-named-tag-pruned",
+        "a prune deletes the tag the latest tracker names, leaving the tracker naming nothing",
+        (Edit("protocol/retention.py", "    if tag.own_folder and tracker_names(tag.run, tag.tag):",
+              "    if False:  # MUTATION"),),
+        ("tests/test_retention.py::test_prune_keeps_the_tag_the_tracker_names",),
+    ),
+    Mutation(
+        "local-commit-leaves-tracker",
+        "a trainer's local commit (fallback='local') leaves the tracker naming an older tag",
+        (Edit("daemon/local.py", "        self._track(tag, folder if staging is None else staging.folder)\n", ""),),
+        ("tests/test_retention.py::test_a_local_commit_moves_the_tracker_on",),
+    ),
 )
-
 
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 import datastates
 from datastates.client import Client
+from datastates.protocol.format import TRACKER
+from datastates.protocol.tags import committed_tags
 
 from conftest import DaemonProc, assert_state_equal, save
 
@@ -149,3 +151,44 @@ def test_convert_writes_only_inside_out_and_loads_safely_unless_told(daemon: Dae
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "t" / "rank0.pt").read_bytes() == (d.root / "risky" / "rank0.pt").read_bytes()
     assert torch.load(tmp_path / "t" / "rank0.pt", weights_only=False)["ratio"] == risky["ratio"]
+
+
+def test_prune_of_a_tag_withdraws_its_older_marker_in_another_tags_folder(daemon: DaemonProc) -> None:
+    """Tag t0 saved once into t1's folder, then into its own: readers take its newest marker. Pruning t0 must
+    take both, or t0 stands again holding the older step, which the trainer was never told is its newest
+    (the fault schedules, seed 190143)."""
+    d = daemon
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(1), d.root / "t1" / "rank0.pt", tag="t0")
+        save(c, state(2), d.root / "t0" / "rank0.pt", tag="t0")
+        save(c, state(3), d.root / "t2" / "rank0.pt", tag="t2")
+    assert_state_equal(state(2), datastates.load(d.root / "t0" / "rank0.pt"))
+    out = d.ctl("prune", str(d.root), "--keep-last", "1")
+    assert out.returncode == 0, out.stderr
+    standing = {t.tag for t in committed_tags(str(d.root))}
+    assert standing == {"t2"}, f"tags still committed after the prune: {standing}"
+    assert datastates.latest(d.root) == "t2"
+
+
+def test_prune_keeps_the_tag_the_tracker_names(daemon: DaemonProc) -> None:
+    """A tracker left naming an older tag (the daemon killed between a marker and its tracker) keeps that tag from
+    a prune: deleting it would leave DeepSpeed's ``latest`` naming nothing (seed 190183)."""
+    d = daemon
+    checkpoint(d, range(1, 4))
+    (d.root / TRACKER).write_text("step2")
+    out = d.ctl("prune", str(d.root), "--keep-last", "1")
+    assert out.returncode == 0, out.stderr
+    assert tags(d.root) == ["step2", "step3"]
+    assert (d.root / TRACKER).read_text() == "step2"
+    assert "tracker beside it names it" in out.stderr + out.stdout
+
+
+def test_a_local_commit_moves_the_tracker_on(tmp_path: Path) -> None:
+    """A trainer saving on its own (``fallback="local"``, no daemon) names each tag it commits in the tracker, as
+    the daemon does: else the tracker names an older tag than the run's newest."""
+    root = tmp_path / "ckpt"
+    with Client(f"ipc://{tmp_path}/no-daemon.sock", timeout=2, fallback="local") as local:
+        for step in (1, 2):
+            save(local, state(step), root / f"step{step}" / "rank0.pt")
+            assert (root / TRACKER).read_text() == f"step{step}"
+    assert datastates.latest(root) == "step2"
