@@ -523,7 +523,7 @@ class CommitLedger:
         """
         path = os.path.join(folder, marker_name(tag))
         if staging is None:
-            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker, wanted))
+            await self._write(path, marker.encode(), tag, check=functools.partial(check_listed, folder, marker, wanted))
         else:
             await self._write(os.path.join(staging.staging, marker_name(tag)), marker.encode(), tag)
             await self._engine.flush(self._versions.switch, staging, functools.partial(_ask, wanted, tag))
@@ -564,9 +564,10 @@ class CommitLedger:
             raise CommitError(f"tag {tag!r} not committed: {exc.message}", tag=tag) from None
 
 
-def _check_listed(folder: str, marker: CommitMarker, wanted: Callable[[], None] | None, folder_fd: int) -> None:
-    """Every file ``marker`` lists is in ``folder`` with its size, right before the marker is renamed in: a file
-    moved away meanwhile (another tag's new version switched in over a shared folder) fails the commit instead.
+def check_listed(folder: str, marker: CommitMarker, wanted: Callable[[], None] | None, folder_fd: int) -> None:
+    """Every file ``marker`` lists is in ``folder`` with its size and snapshot, right before the marker is renamed
+    in: a file moved away meanwhile (another tag's new version switched in over a shared folder), or replaced by
+    another writer (a trainer saving the same path on its own), fails the commit instead.
 
     Asked through the descriptor the marker is renamed into (``folder_fd``), so a folder
     renamed meanwhile (by another user, in a folder they may write) takes the files and the
@@ -574,7 +575,7 @@ def _check_listed(folder: str, marker: CommitMarker, wanted: Callable[[], None] 
     is asked first, in the same call: a trainer that went local writes these paths itself.
     """
     _ask(wanted, marker.tag)
-    why = unlisted(folder, marker, folder_fd)
+    why = unlisted(folder, marker, folder_fd, identity=True)
     if why:
         raise CommitError(f"tag {marker.tag!r} not committed: {why}", tag=marker.tag)
 

@@ -13,6 +13,7 @@ so the next daemon removes what a killed trainer left (I5).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -28,7 +29,7 @@ from datastates.protocol.format import marker_name
 from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.tags import next_sequence
 
-from .commit import make_marker, tag_folder, trackers
+from .commit import check_listed, make_marker, tag_folder, trackers
 from .copier import copy_piece
 from .instances import Instance
 from .memory import Chunk
@@ -121,7 +122,7 @@ class LocalSaver:
         marker = make_marker(tag, files, folder, time.time_ns(), next_sequence(run), snapshots=snapshots)
         path = os.path.join(folder, marker_name(tag))
         try:
-            self._writer(path).publish(path, marker.encode())
+            self._writer(path).publish(path, marker.encode(), check=functools.partial(check_listed, folder, marker, None))
             if staging is not None:
                 self._versions.switch(staging)
         except BaseException:

@@ -15,7 +15,9 @@ import stat
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from .format import MARKER_PREFIX, MARKER_SUFFIX, CommitMarker, MarkerFile, marker_name
+from .errors import DatastatesError
+from .format import (INDEX_AT, MARKER_PREFIX, MARKER_SUFFIX, PREAMBLE_SIZE, CommitMarker, MarkerFile, index_at,
+                     marker_name, parse_header, parse_preamble)
 from .paths import within
 
 log = logging.getLogger(__name__)
@@ -64,10 +66,13 @@ def read_marker(path: str) -> CommitMarker | None:
     return marker
 
 
-def unlisted(folder: str, marker: CommitMarker, folder_fd: int | None = None) -> str:
+def unlisted(folder: str, marker: CommitMarker, folder_fd: int | None = None, identity: bool = False) -> str:
     """Why a file ``marker`` lists is not in ``folder`` with its listed size ("" if every one is).
 
     ``folder_fd``: the folder's descriptor, to look the files up through (``folder`` then only names it).
+    ``identity``: each file must also be the snapshot the marker lists (``file_snapshot``), as a
+    commit checks right before its marker goes in: a file of the same size another writer put
+    there meanwhile (a trainer saving the same path on its own) is not the one committed.
     """
     for rec in marker.files:
         try:
@@ -75,11 +80,28 @@ def unlisted(folder: str, marker: CommitMarker, folder_fd: int | None = None) ->
                 size = os.stat(os.path.join(folder, rec.path)).st_size
             else:
                 size = os.stat(rec.path, dir_fd=folder_fd, follow_symlinks=False).st_size
+            held = file_snapshot(rec.path, folder_fd) if identity and rec.snapshot and folder_fd is not None else ""
         except OSError as exc:
             return f"its file {rec.path} is gone from {folder} ({exc.strerror})"
         if size != rec.size:
             return f"its file {rec.path} in {folder} is {size} bytes, not {rec.size}"
+        if held and held != rec.snapshot:
+            return f"its file {rec.path} in {folder} holds snapshot {held}, not {rec.snapshot}: another writer's"
     return ""
+
+
+def file_snapshot(name: str, folder_fd: int) -> str:
+    """The snapshot identity (``FileHeader.snapshot``) of checkpoint file ``name`` in a folder (its descriptor);
+    "" for a file that is not a whole checkpoint, which no marker lists as a snapshot."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=folder_fd)
+    try:
+        version, at = index_at(os.pread(fd, INDEX_AT, 0), name)
+        header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, at), name, version)
+        return parse_header(os.pread(fd, header_len, at + PREAMBLE_SIZE), header_hash, name).snapshot
+    except DatastatesError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 def _folders(root: str, depth: int) -> Iterator[str]:

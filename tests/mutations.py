@@ -101,12 +101,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the `latest` trackers written before the commit marker",
         (Edit("daemon/commit.py",
               "        if staging is None:\n"
-              "            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker, wanted))\n",
+              "            await self._write(path, marker.encode(), tag, check=functools.partial(check_listed, folder, marker, wanted))\n",
               "        if staging is None:\n"
               "            if os.path.basename(folder) == tag and any(within(os.path.dirname(folder), r) for r in self._roots):\n"
               "                for tracker, data in trackers(tag, folder).items():  # MUTATION: trackers first\n"
               "                    await self._write(tracker, data, tag)\n"
-              "            await self._write(path, marker.encode(), tag, check=functools.partial(_check_listed, folder, marker, wanted))\n"),),
+              "            await self._write(path, marker.encode(), tag, check=functools.partial(check_listed, folder, marker, wanted))\n"),),
         ("tests/test_commit.py::test_the_trackers_never_name_a_tag_whose_marker_failed",
          "tests/faults/test_kill_daemon.py::test_kill9_mid_flush_leaves_no_partial_file_under_a_final_name"),
     ),
@@ -610,8 +610,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("daemon/local.py", "        self._track(tag, folder if staging is None else staging.folder)\n", ""),),
         ("tests/test_retention.py::test_a_local_commit_moves_the_tracker_on",),
     ),
+    Mutation(
+        "commit-checks-size-only",
+        "a commit checks its files' sizes only: a same-size file another writer put there is committed",
+        (Edit("daemon/commit.py", "    why = unlisted(folder, marker, folder_fd, identity=True)\n",
+              "    why = unlisted(folder, marker, folder_fd)  # MUTATION\n"),),
+        ("tests/faults/test_identity.py::test_a_file_replaced_by_another_writer_before_the_marker_fails_the_commit",),
+    ),
+    Mutation(
+        "writer-renames-over-committed",
+        "a finished file is renamed over whatever is at its path, a committed file too",
+        (Edit("daemon/storage/posix.py", "    if any(entry.snapshot == held if entry.snapshot",
+              "    if False and any(entry.snapshot == held if entry.snapshot"),),
+        ("tests/faults/test_identity.py::test_a_writer_never_renames_its_file_over_a_committed_one",),
+    ),
 )
-
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
     out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,

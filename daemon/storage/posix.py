@@ -22,9 +22,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from datastates.protocol.fileio import MADV_POPULATE_WRITE, PAGE, on_tmpfs, open_folder, remove
+from datastates.protocol.errors import PathNotAllowedError
+from datastates.protocol.fileio import (MADV_POPULATE_WRITE, PAGE, RENAME_EXCHANGE, RENAME_NOREPLACE, on_tmpfs, open_folder,
+                                       remove, rename_within)
 from datastates.protocol.format import TEMP_SUFFIX, TEMP_TOKEN_MAX
 from datastates.protocol.paths import shallow_walk
+from datastates.protocol.tags import file_snapshot, listing
 
 from ..instances import Gone
 from .base import StorageWriter, register_writer, storage_error
@@ -43,6 +46,36 @@ def temp_path(path: str, token: str) -> str:
 
 
 LEFTOVER_DEPTH = 3
+
+
+def _place(folder: int, temp: str, path: str) -> None:
+    """Rename the finished ``temp`` to ``path``'s name in ``folder`` (a descriptor), never over a committed file.
+
+    A file there already is exchanged with ``temp`` in one step (RENAME_EXCHANGE), then looked at
+    under the temporary name: one a marker lists as the snapshot it holds is another writer's
+    committed file (a trainer that saved the same path on its own, twin ranks of one path), so it
+    is exchanged back and this save refused, rather than changing a committed file's bytes.
+    """
+    name = os.path.basename(path)
+    try:
+        rename_within(folder, temp, name, RENAME_NOREPLACE)
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS):  # a file system without renameat2's flags: as before
+            raise
+        os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        return
+    rename_within(folder, temp, name, RENAME_EXCHANGE)
+    held = file_snapshot(temp, folder)
+    if any(entry.snapshot == held if entry.snapshot else entry.size == os.stat(temp, dir_fd=folder).st_size
+           for _, _, entry in listing(path, roots=("/",))):
+        rename_within(folder, temp, name, RENAME_EXCHANGE)
+        raise PathNotAllowedError(f"path {path!r} refused: another writer committed it while this snapshot was "
+                                  "being written (a trainer saving the same path on its own?), and a committed "
+                                  "file's bytes never change", path=path)
+    os.unlink(temp, dir_fd=folder)
 
 
 class _Mapped:
@@ -217,9 +250,12 @@ class PosixWriter(StorageWriter):
                 os.ftruncate(handle.fd, handle.end)
             os.fsync(handle.fd)
             handle.close()
-            os.replace(os.path.basename(handle.temp), os.path.basename(handle.path),
-                       src_dir_fd=handle.folder, dst_dir_fd=handle.folder)
+            _place(handle.folder, os.path.basename(handle.temp), handle.path)
             os.fsync(handle.folder)
+        except PathNotAllowedError:
+            handle.mapped = mapped
+            self.abort(handle)
+            raise
         except OSError as exc:
             handle.mapped = mapped
             self.abort(handle)

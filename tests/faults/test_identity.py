@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.protocol.errors import CorruptCheckpointError
+from datastates.daemon.storage.posix import PosixWriter
+from datastates.protocol.errors import CommitError, CorruptCheckpointError, PathNotAllowedError
 from datastates.protocol.format import marker_name
 
 from conftest import DaemonProc, save
@@ -46,3 +48,40 @@ def test_a_file_swapped_for_another_snapshots_is_refused_by_load_verify_and_rest
     with pytest.raises(CorruptCheckpointError):
         shared_client.restore(run, "m.pt", tag="step1")
     assert datastates.load(run / "step2" / "m.pt")["step"] == 2  # the file where it belongs still loads
+
+
+def test_a_file_replaced_by_another_writer_before_the_marker_fails_the_commit(
+        shared_daemon: DaemonProc, shared_client: Client) -> None:
+    """Another writer (a twin rank saving the same path on its own, ``fallback="local"``) puts a file of the same
+    size at a snapshot's path before its tag's marker goes in: the commit fails, naming it, rather than committing a
+    marker whose file holds another snapshot (the fault schedules, seed 190247)."""
+    run = shared_daemon.root / "replaced-before-commit"
+    save(shared_client, state(1), run / "step1" / "m.pt")
+    shared_client.snapshot(state(2), run / "step2" / "m.pt")
+    shared_client.wait()
+    deadline = time.monotonic() + 60
+    while not (run / "step2" / "m.pt").exists():  # renamed into place once durable; its commit is not asked yet
+        assert time.monotonic() < deadline, "the snapshot never became durable"
+        time.sleep(0.02)
+    shutil.copyfile(run / "step1" / "m.pt", run / "step2" / "m.pt.other")
+    (run / "step2" / "m.pt.other").replace(run / "step2" / "m.pt")  # same size, sound, another snapshot
+    with pytest.raises(CommitError, match="another writer's"):
+        shared_client.commit("step2").result(timeout=60)
+    assert datastates.latest(run) == "step1"
+    assert datastates.load(run / "step1" / "m.pt")["step"] == 1
+
+
+def test_a_writer_never_renames_its_file_over_a_committed_one(shared_daemon: DaemonProc, shared_client: Client) -> None:
+    """A save whose file is finished after another writer committed the same path (a trainer saving on its own
+    while the daemon committed a twin's file) is refused at its rename: the committed file's bytes stay."""
+    run = shared_daemon.root / "renamed-over"
+    save(shared_client, state(1), run / "step1" / "m.pt")
+    save(shared_client, state(2), run / "step2" / "m.pt")
+    writer = PosixWriter(direct_io=False, owner="0123456789abcdef")
+    with pytest.raises(PathNotAllowedError, match="another writer committed it"):
+        writer.publish(str(run / "step1" / "m.pt"), (run / "step2" / "m.pt").read_bytes())
+    assert datastates.load(run / "step1" / "m.pt")["step"] == 1
+    assert sorted(p.name for p in (run / "step1").iterdir()) == sorted(["m.pt", marker_name("step1")])
+    writer.publish(str(run / "step1" / "notes.txt"), b"a file no marker lists is replaced as before\n")
+    writer.publish(str(run / "step1" / "notes.txt"), b"again\n")
+    assert (run / "step1" / "notes.txt").read_bytes() == b"again\n"
