@@ -589,6 +589,18 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    except FileNotFoundError:  # MUTATION"),),
         ("tests/test_multirank.py::test_a_rank_whose_snapshot_came_after_its_rounds_failure_is_handed_it",),
     ),
+    Mutation(
+        "deleting-folder-renamed-back",
+        "a prune renames a tag's folder back from its deleting name though another prune deleted its marker "
+        "meanwhile: an uncommitted folder no prune deletes is left (or the rename fails and the prune stops)",
+        (Edit("protocol/retention.py",
+              "                if CommitMarker.read(os.path.join(doomed, marker_name(tag.tag))) is not None:\n",
+              "                if True:  # MUTATION: renamed back whatever it holds\n"),),
+        ("tests/faults/test_shared_run_folder.py::"
+         "test_a_prune_never_renames_back_a_folder_another_prune_is_deleting[mid-delete]",
+         "tests/faults/test_shared_run_folder.py::"
+         "test_a_prune_never_renames_back_a_folder_another_prune_is_deleting[done]"),
+    ),
 )
 
 
