@@ -601,6 +601,14 @@ MUTATIONS: tuple[Mutation, ...] = (
          "tests/faults/test_shared_run_folder.py::"
          "test_a_prune_never_renames_back_a_folder_another_prune_is_deleting[done]"),
     ),
+    Mutation(
+        "buffered-descriptor-leaked",
+        "the daemon never closes a file's second descriptor, opened for its unaligned writes: one more per save",
+        (Edit("daemon/storage/posix.py",
+              "        for fd in (self.fd, self.buffered_fd):\n",
+              "        for fd in (self.fd,):  # MUTATION: the buffered descriptor stays open\n"),),
+        ("tests/test_soak.py::test_soak_leaves_counts_flat_and_memory_bounded",),
+    ),
 )
 
 
