@@ -60,7 +60,10 @@ def delete_tag(tag: CommittedTag, root: str) -> bool:
                 return False
             why = kept(tag, doomed)  # committed again between the listing and the rename: renamed back
             if why:
-                rename_within(parent, os.path.basename(doomed), tag.tag, RENAME_NOREPLACE)
+                # but not without its marker: another prune, finishing what it found under a deleting name, is
+                # deleting it (or has); renamed back it would be an uncommitted folder no prune ever deletes
+                if CommitMarker.read(os.path.join(doomed, marker_name(tag.tag))) is not None:
+                    rename_within(parent, os.path.basename(doomed), tag.tag, RENAME_NOREPLACE)
                 log.warning("not deleting checkpoint %s of %s: %s", tag.tag, tag.folder, why)
                 return False
             os.fsync(parent)

@@ -534,16 +534,23 @@ def sh(*cmd: str | os.PathLike) -> subprocess.CompletedProcess:
     return subprocess.run([os.fspath(c) for c in cmd], capture_output=True, text=True, timeout=60)
 
 
-def at_first_open(path: str, *commands: list[str]) -> list[subprocess.CompletedProcess]:
+def at_first_open(path: str | re.Pattern[str], *commands: list[str] | Callable[[str], list[str]]
+                  ) -> list[subprocess.CompletedProcess]:
     """Run ``commands`` (real processes, one after the other) the first time this process opens ``path``, before
     that open goes on: a window between a reader's choice of a file and its open, made certain. The results go in
-    the list returned. An audit hook, which stays for good: inert once it ran."""
+    the list returned. An audit hook, which stays for good: inert once it ran.
+
+    ``path`` may be a pattern the whole path must match (a name with a random part), and a command a function
+    of the path opened."""
     ran: list[subprocess.CompletedProcess] = []
 
     def hook(event: str, args: tuple) -> None:
-        if event == "open" and not ran and args and args[0] == path:
+        if event != "open" or ran or not args or not isinstance(args[0], str):
+            return
+        if args[0] == path if isinstance(path, str) else path.fullmatch(args[0]):
             ran.append(subprocess.CompletedProcess([], -1))  # first: the opens of what runs come back through here
-            ran[:] = [subprocess.run(cmd, capture_output=True, text=True, timeout=600) for cmd in commands]
+            ran[:] = [subprocess.run(cmd(args[0]) if callable(cmd) else cmd, capture_output=True, text=True, timeout=600)
+                      for cmd in commands]
 
     sys.addaudithook(hook)
     return ran

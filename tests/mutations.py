@@ -624,6 +624,26 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    if False and any(entry.snapshot == held if entry.snapshot"),),
         ("tests/faults/test_identity.py::test_a_writer_never_renames_its_file_over_a_committed_one",),
     ),
+    Mutation(
+        "deleting-folder-renamed-back",
+        "a prune renames a tag's folder back from its deleting name though another prune deleted its marker "
+        "meanwhile: an uncommitted folder no prune deletes is left (or the rename fails and the prune stops)",
+        (Edit("protocol/retention.py",
+              "                if CommitMarker.read(os.path.join(doomed, marker_name(tag.tag))) is not None:\n",
+              "                if True:  # MUTATION: renamed back whatever it holds\n"),),
+        ("tests/faults/test_shared_run_folder.py::"
+         "test_a_prune_never_renames_back_a_folder_another_prune_is_deleting[mid-delete]",
+         "tests/faults/test_shared_run_folder.py::"
+         "test_a_prune_never_renames_back_a_folder_another_prune_is_deleting[done]"),
+    ),
+    Mutation(
+        "buffered-descriptor-leaked",
+        "the daemon never closes a file's second descriptor, opened for its unaligned writes: one more per save",
+        (Edit("daemon/storage/posix.py",
+              "        for fd in (self.fd, self.buffered_fd):\n",
+              "        for fd in (self.fd,):  # MUTATION: the buffered descriptor stays open\n"),),
+        ("tests/test_soak.py::test_soak_leaves_counts_flat_and_memory_bounded",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

@@ -10,6 +10,7 @@ committed again after the prune listed it.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +24,7 @@ from datastates.protocol.errors import PathNotAllowedError
 from datastates.protocol.retention import delete_tag
 from datastates.protocol.tags import committed_tags
 
-from conftest import DaemonProc, assert_state_equal, save
+from conftest import DATASTATESCTL, DaemonProc, assert_state_equal, at_first_open, save
 
 
 @pytest.fixture
@@ -122,4 +123,27 @@ def test_a_stale_listing_or_a_second_prune_skips_a_tag_gone_already(daemon: Daem
     out = d.ctl("prune", str(d.root), "--keep-last", "2")  # the first prune: step1 goes
     assert out.returncode == 0, out.stdout + out.stderr
     assert [delete_tag(t, str(d.root)) for t in stale[2:]] == [False]  # the second's step1: gone already
+    assert folders(d.root) == ["step2", "step3"]
+
+
+@pytest.mark.parametrize("other", ["mid-delete", "done"])
+def test_a_prune_never_renames_back_a_folder_another_prune_is_deleting(other: str, daemon: DaemonProc) -> None:
+    """Two prunes at once (the daemon's keep_last after two overlapping commits, found by ``bench/soak.py
+    --overlap 1``): the first renames step1 to its deleting name; before it looks inside, the second, finishing
+    what it finds under such a name, has deleted step1's marker (``mid-delete``) or the whole folder (``done``).
+    The first leaves the folder to it, and the next prune finishes what is left. Before, the first renamed the
+    folder back: a step1 without its marker, an uncommitted folder no prune ever deletes (one more on every such
+    race, for good), or it raised FileNotFoundError and the whole prune stopped."""
+    d = daemon
+    with Client(d.endpoint, timeout=60) as c:
+        for step in (1, 2, 3):
+            save(c, step_state(step), d.root / f"step{step}" / "rank0.pt")
+    stale = committed_tags(str(d.root), own_folder=True)
+    marker = re.compile(re.escape(str(d.root)) + r"/\.step1\.[0-9a-f]+\.dsdel/datastates-commit\.step1\.json")
+    ran = at_first_open(marker, (lambda path: ["rm", path]) if other == "mid-delete"
+                        else [DATASTATESCTL, "prune", str(d.root), "--keep-last", "2"])
+    assert [delete_tag(t, str(d.root)) for t in stale[2:]] == [False]
+    assert len(ran) == 1 and ran[0].returncode == 0, ran
+    out = d.ctl("prune", str(d.root), "--keep-last", "2")  # finishes what a delete left under its deleting name
+    assert out.returncode == 0, out.stdout + out.stderr
     assert folders(d.root) == ["step2", "step3"]
