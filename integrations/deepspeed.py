@@ -20,9 +20,10 @@ engine or its module), ``load_checkpoint`` reads the model states file's ``modul
 straight into the module's own tensors (integrations/loading.py), and DeepSpeed's own
 ``module.load_state_dict`` then copies each tensor onto itself, which torch skips. DeepSpeed
 builds the checkpoint engine without the model, so without ``model`` every file is read
-fresh and copied in, as before. Read fresh either way: the optimizer files (the optimizer's
-partitions are copied into its flat buffers by DeepSpeed's own code, from the file's
-layout), any file without ``module``, and a ``module`` that does not fit the model's
+fresh and copied in, as before. Read fresh either way: the optimizer files (DeepSpeed's
+ZeRO code rebuilds its flat partitions from the file's, merged or split when the
+data-parallel degree changed: no state dict of the optimizer's own the file could be read
+into), any file without ``module``, and a ``module`` that does not fit the model's
 ``state_dict()`` key for key (ZeRO-3's partitioned parameters, ``exclude_frozen_parameters``,
 a model-parallel layout of another degree), which DeepSpeed then loads as before.
 

@@ -32,13 +32,12 @@ plugin is told it: ``DatastatesCheckpointIO(module=model)``, the module given to
 ``fit``/``validate``/``test``. ``load_checkpoint`` then reads the file's ``state_dict``
 straight into the module's own tensors (integrations/loading.py), and Lightning's
 ``load_state_dict`` copies each tensor onto itself, which torch skips. Read fresh, as
-without ``module``: the optimizer states (Lightning restores them after it set the
-optimizers up, which have no state before their first step, so there is nothing to read
-into), a file without ``state_dict``, one whose ``state_dict`` does not fit the module's
-key for key (what ``strict_loading=False`` is for), and a file ``torch.save`` wrote. A
-module's ``on_load_checkpoint`` that renames or swaps ``state_dict`` entries sees the
-module's tensors already holding the file's values: only a swap of two entries differs
-from a fresh load (it would copy one over the other); use a plugin without ``module`` there.
+without ``module``: the optimizer states (Lightning reads the file before it builds the
+optimizers, which hold no state before their first step anyway: nothing to read into), a
+file without ``state_dict``, one whose ``state_dict`` does not fit the module key for key
+(what ``strict_loading=False`` is for), and a file ``torch.save`` wrote. An
+``on_load_checkpoint`` that swaps two ``state_dict`` entries would copy one over the
+other, both being the module's own tensors: use a plugin without ``module`` there.
 """
 
 from __future__ import annotations
