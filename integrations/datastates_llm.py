@@ -23,6 +23,12 @@ many ranks committed once all of them have. DeepSpeed without ZeRO saves the mod
 data-parallel rank 0 only, so the other ranks never learn of the tag and it is never
 committed: use ZeRO (stage 1 or more), or ``datastates.integrations.deepspeed``, whose
 engine DeepSpeed calls on every rank.
+
+``load`` reads each file fresh, and DeepSpeed copies the model in with ``load_state_dict``:
+not in place, because this API never meets the model. DeepSpeed builds the engine from its
+config and rank alone, and its wrapper's ``load(path, map_location)`` carries only a path.
+For an in-place restore under DeepSpeed, assign ``DatastatesCheckpointEngine(model=engine)``
+after ``deepspeed.initialize`` instead (integrations/deepspeed.py).
 """
 
 from __future__ import annotations

@@ -15,6 +15,18 @@ DeepSpeed chose its data-parallel writers at ``initialize`` from the default eng
 combine it with a ``checkpoint.writer`` config. ``load_checkpoint`` reads datastates files
 and, for resuming a job that switched, files written by ``torch.save``.
 
+**In place.** Given the model (``DatastatesCheckpointEngine(model=engine)``: the DeepSpeed
+engine or its module), ``load_checkpoint`` reads the model states file's ``module`` part
+straight into the module's own tensors (integrations/loading.py), and DeepSpeed's own
+``module.load_state_dict`` then copies each tensor onto itself, which torch skips. DeepSpeed
+builds the checkpoint engine without the model, so without ``model`` every file is read
+fresh and copied in, as before. Read fresh either way: the optimizer files (DeepSpeed's
+ZeRO code rebuilds its flat partitions from the file's, merged or split when the
+data-parallel degree changed: no state dict of the optimizer's own the file could be read
+into), any file without ``module``, and a ``module`` that does not fit the model's
+``state_dict()`` key for key (ZeRO-3's partitioned parameters, ``exclude_frozen_parameters``,
+a model-parallel layout of another degree), which DeepSpeed then loads as before.
+
 Every rank calls ``commit`` (DeepSpeed does, even on ranks that saved nothing), and each
 commits the tag to the daemon: in a job of many ranks the daemon marks the tag committed
 once all of them have; a job of one commits at once. The daemon writes the ``latest`` file
@@ -25,8 +37,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine
 except ImportError as exc:  # datastates itself never needs DeepSpeed; only this module does
     raise ImportError(
         f"datastates.integrations.deepspeed needs DeepSpeed (pip install deepspeed): {exc}"
@@ -62,11 +77,16 @@ class DatastatesCheckpointEngine(CheckpointEngine):
     the first save or commit from ``client_options`` (``Client``'s keyword arguments; the
     endpoint defaults to ``$DATASTATES_ENDPOINT``, else the daemon's default) and closed by
     ``cleanup()``.
+
+    ``model`` (the DeepSpeed engine, or its module): ``load`` reads a model states file's
+    ``module`` straight into the module's own tensors (see the module's docstring).
     """
 
     def __init__(self, config_params: Any = None, *, client: Client | None = None, decoupled: bool = False,
-                 **client_options: Any) -> None:
+                 model: torch.nn.Module | None = None, **client_options: Any) -> None:
         super().__init__(config_params)
+        self.module = model.module if isinstance(model, DeepSpeedEngine) else model
+        """The module whose own tensors a model states file is read into; None: every file read fresh."""
         self.name = "DatastatesCheckpointEngine"
         self.decoupled = decoupled
         self._client = client
@@ -113,15 +133,18 @@ class DatastatesCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: MapLocation = None) -> Any:
         """The state at ``path``, a datastates file or one ``torch.save`` wrote.
 
-        DeepSpeed copies what it loads into the live tensors, so a snapshot still being
-        copied is waited for first. A callable ``map_location`` (DeepSpeed passes
-        ``lambda storage, loc: storage``) is asked where it puts a CPU storage, and the
-        tensors are moved there.
+        DeepSpeed copies what it loads into the live tensors, and with ``model`` the load
+        writes into them itself, so a snapshot still being copied is waited for first. A
+        callable ``map_location`` (DeepSpeed passes ``lambda storage, loc: storage``) is asked
+        where it puts a CPU storage, and the tensors read fresh are moved there; the
+        ``module`` part of a model states file, with ``model``, is read into the module's
+        tensors wherever they are.
         """
         self.wait()
         # DeepSpeed's states hold its own objects (LossScaler, ZeroStageEnum), and DeepSpeed trusts its checkpoint
         # folder as its TorchCheckpointEngine does (weights_only=False): so does this engine, as DeepSpeed's.
-        return load_any(path, map_location, weights_only=False)
+        model = None if self.module is None else self.module.state_dict()
+        return load_any(path, map_location, weights_only=False, model=model, under="module")
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
         """What DeepSpeed's next step commits, when decoupled."""

@@ -26,6 +26,18 @@ in training mode) fences before it itself::
 
     def on_train_batch_start(self, batch, batch_idx):   # in the LightningModule
         self.trainer.strategy.checkpoint_io.wait()
+
+**In place.** Lightning hands a ``CheckpointIO`` only a path, never the model, so the
+plugin is told it: ``DatastatesCheckpointIO(module=model)``, the module given to
+``fit``/``validate``/``test``. ``load_checkpoint`` then reads the file's ``state_dict``
+straight into the module's own tensors (integrations/loading.py), and Lightning's
+``load_state_dict`` copies each tensor onto itself, which torch skips. Read fresh, as
+without ``module``: the optimizer states (Lightning reads the file before it builds the
+optimizers, which hold no state before their first step anyway: nothing to read into), a
+file without ``state_dict``, one whose ``state_dict`` does not fit the module key for key
+(what ``strict_loading=False`` is for), and a file ``torch.save`` wrote. An
+``on_load_checkpoint`` that swaps two ``state_dict`` entries would copy one over the
+other, both being the module's own tensors: use a plugin without ``module`` there.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import os
 import re
 from typing import Any
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 try:
@@ -98,9 +111,14 @@ class DatastatesCheckpointIO(CheckpointIO):
     saves and removes checkpoints on global rank 0 only, so that client is a job of one
     rank (``ranks=Ranks()``, whatever torchrun's variables say): a tag waits for no rank
     that never commits it. Other ranks only load, and never connect.
+
+    ``module``: the LightningModule the trainer restores, whose own tensors ``load_checkpoint``
+    reads the file's ``state_dict`` into (see the module's docstring); None reads it fresh.
     """
 
-    def __init__(self, endpoint: str | None = None, *, client: Client | None = None, **client_options: Any) -> None:
+    def __init__(self, endpoint: str | None = None, *, client: Client | None = None,
+                 module: torch.nn.Module | None = None, **client_options: Any) -> None:
+        self.module = module
         self._client = client
         self._own_client = client is None
         self._client_options = {"endpoint": endpoint, "ranks": Ranks(), **client_options}
@@ -136,13 +154,19 @@ class DatastatesCheckpointIO(CheckpointIO):
         A save of ``path`` still in flight is waited for first. ``map_location`` None puts the
         tensors on the CPU, as Lightning's ``TorchCheckpointIO`` does. ``weights_only`` None is
         safe loading, as Lightning's own ``torch.load`` has it; pass ``weights_only=False`` to
-        ``trainer.fit`` only for files you trust.
+        ``trainer.fit`` only for files you trust. With ``module``, the ``state_dict`` is read
+        into the module's own tensors, wherever they are, once every snapshot is copied.
         """
         path = os.path.abspath(os.fspath(path))
         self._commits.wait(tags={tag_of(path)})
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        return load_any(path, "cpu" if map_location is None else map_location, weights_only)
+        model = None
+        if self.module is not None:
+            self.wait()  # the load writes into the module's tensors, which a snapshot of another file may still read
+            model = self.module.state_dict()
+        return load_any(path, "cpu" if map_location is None else map_location, weights_only, model=model,
+                        under="state_dict")
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path``: its marker first, made durable, then the file.

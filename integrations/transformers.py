@@ -16,6 +16,17 @@ into one ``output_dir`` (training it again from scratch) is refused, since its J
 would change under its commit. Not supported: DeepSpeed (use the plain ``Trainer`` with
 ``"datastates_ckpt": {}`` in the DeepSpeed config),
 FSDP, XLA and SageMaker model parallelism, and ``push_to_hub``.
+
+**In place.** Resuming reads a datastates ``pytorch_model.bin`` straight into the model's
+own tensors (integrations/loading.py), wherever they are, and ``Trainer``'s
+``load_state_dict`` then copies each tensor onto itself, which torch skips. The optimizer
+has no state before its first step, so ``optimizer.pt`` is read fresh (by
+``datastates.load``, as ``scheduler.pt``) and adopted by ``load_state_dict``. These three
+files are checked against their checksums as they are read; the other files of the
+folder are verified before ``Trainer`` reads them with ``torch.load``. A folder whose
+weights are not ours (a ``torch.save`` file, safetensors, shards or adapters: a job that
+switched) is loaded by ``Trainer``'s own code, as are weights that do not fit the model key
+for key (``Trainer`` loads them with ``strict=False``; read fresh, nothing written first).
 """
 
 from __future__ import annotations
@@ -36,13 +47,14 @@ try:
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
     from transformers.training_args import ParallelMode
-    from transformers.utils import WEIGHTS_NAME
+    from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 except ImportError as exc:  # datastates itself never needs transformers; only this module does
     raise ImportError(f"datastates.integrations.transformers needs transformers (pip install transformers): {exc}") from exc
 
 from datastates.client.client import Client
 from datastates.client.reader import verify
 from datastates.integrations.commits import PendingCommits
+from datastates.integrations.loading import is_datastates_file, load_any
 from datastates.protocol.errors import InvalidRequestError
 from datastates.protocol.fileio import fsync_dir
 from datastates.protocol.format import marker_name
@@ -61,14 +73,27 @@ def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
     return tags[0].folder if tags else None
 
 
+READ_HERE = (WEIGHTS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME)
+"""The files ``DatastatesTrainer`` reads itself, by ``datastates.load``, which checks their checksums as it reads."""
+
+
 def _verify(folder: str) -> None:
-    """Check every file a committed checkpoint lists, sizes and checksums, before ``Trainer`` loads them (torch checks none).
+    """Check every file a committed checkpoint lists that ``Trainer`` reads with ``torch.load`` (which checks no
+    checksum), sizes and checksums, before it does.
 
     A folder without a commit marker (one ``Trainer`` wrote itself) is left to ``Trainer``.
     """
     marker = read_marker(os.path.join(folder, marker_name(os.path.basename(os.path.normpath(folder)))))
     for rec in marker.files if marker is not None else []:
-        verify(os.path.join(folder, rec.path))
+        path = os.path.join(folder, rec.path)
+        if rec.path not in READ_HERE or not is_datastates_file(path):  # one no longer ours goes to torch.load
+            verify(path)
+
+
+def _ours(folder: str, *names: str) -> list[str] | None:
+    """The paths of ``names`` in ``folder`` if each is a datastates file, else None (``Trainer``'s own to load)."""
+    paths = [os.path.join(folder, name) for name in names]
+    return paths if all(os.path.isfile(p) and is_datastates_file(p) for p in paths) else None
 
 
 def _rng_state(distributed: bool) -> dict[str, Any]:
@@ -145,7 +170,8 @@ class DatastatesTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest committed checkpoint of ``output_dir``.
 
-        The files of a committed checkpoint are verified (sizes and checksums) before ``Trainer`` loads them.
+        The files of a committed checkpoint are verified (sizes and checksums) before ``Trainer``
+        loads them, or as they are read (``READ_HERE``); the weights are read in place.
         """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_checkpoint(self.args.output_dir)
@@ -216,10 +242,44 @@ class DatastatesTrainer(Trainer):
                 self.state.stateful_callbacks[name] = cb.state()
         self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """``Trainer``'s, but a datastates ``pytorch_model.bin`` is read into the model's own tensors."""
+        if not self._load_weights(resume_from_checkpoint, self.model if model is None else model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_weights(self, folder: str, model: Any) -> bool:
+        """Whether ``folder``'s weights were this trainer's to load, and are loaded: a datastates
+        ``pytorch_model.bin`` read into ``model``'s own tensors, then ``load_state_dict`` as ``Trainer``
+        calls it, which copies each tensor onto itself (skipped by torch). A folder with a safetensors
+        file, which ``Trainer`` prefers, is left to it.
+        """
+        found = _ours(folder, WEIGHTS_NAME)
+        if found is None or os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_NAME)):
+            return False
+        self._fence()  # the load writes into the model's tensors, which a snapshot may still read
+        state = load_any(found[0], "cpu", weights_only=True, model=model.state_dict())
+        self._issue_warnings_after_load(model.load_state_dict(state, False))
+        return True
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """``Trainer``'s, but datastates files are read by ``datastates.load`` (checksums checked as it reads).
+
+        The optimizer has no state before its first step: its state is read fresh, onto the
+        device ``Trainer`` would put it, and ``load_state_dict`` adopts those tensors.
+        """
+        found = None if checkpoint is None else _ours(checkpoint, OPTIMIZER_NAME, SCHEDULER_NAME)
+        if found is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        device = self.args.device if self.args.world_size > 1 and self.args.device.type != "cpu" else "cpu"
+        self.optimizer.load_state_dict(load_any(found[0], device, weights_only=True))
+        self.lr_scheduler.load_state_dict(load_any(found[1], weights_only=True))
+
     def _load_best_model(self) -> None:
-        """The best checkpoint may still be in flight: its commit first."""
+        """The best checkpoint may still be in flight: its commit first; its weights read in place."""
         self._commits.wait()
-        super()._load_best_model()
+        if not self._load_weights(self.state.best_model_checkpoint, self.model):
+            super()._load_best_model()
 
     def _fence(self) -> None:
         """Before an optimizer step: the daemon holds its copy of every checkpoint taken, so the step may change them."""

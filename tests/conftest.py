@@ -530,6 +530,28 @@ def same_storage(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+def addresses(module: Any) -> dict[str, int]:
+    """Where each tensor of ``module``'s state dict lives: unchanged by a restore into its own tensors."""
+    return {k: v.data_ptr() for k, v in module.state_dict().items()}
+
+
+def watch_loads(module: Any) -> list[tuple[int, int]]:
+    """For each later ``module.load_state_dict`` call (a framework's own), (how many tensors it is handed that are
+    the module's own memory, how many tensors it is handed). A restore that read the file into the module's tensors
+    hands only those, so the call's copies are of each tensor onto itself; a fresh load hands none."""
+    import torch
+
+    calls: list[tuple[int, int]] = []
+
+    def seen(mod: Any, state_dict: dict[str, Any], *_: Any) -> None:
+        own = addresses(mod)
+        tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+        calls.append((sum(own.get(k) == v.data_ptr() for k, v in tensors.items()), len(tensors)))
+
+    module.register_load_state_dict_pre_hook(seen)
+    return calls
+
+
 def sh(*cmd: str | os.PathLike) -> subprocess.CompletedProcess:
     return subprocess.run([os.fspath(c) for c in cmd], capture_output=True, text=True, timeout=60)
 

@@ -644,6 +644,58 @@ MUTATIONS: tuple[Mutation, ...] = (
               "        for fd in (self.fd,):  # MUTATION: the buffered descriptor stays open\n"),),
         ("tests/test_soak.py::test_soak_leaves_counts_flat_and_memory_bounded",),
     ),
+    Mutation(
+        "integration-restore-fresh",
+        "the integrations' loads ignore the model they were given: every file is read fresh and the framework's "
+        "load_state_dict copies it in, silently",
+        (Edit("integrations/loading.py", "    if model is not None:\n", "    if False:  # MUTATION: model ignored\n"),),
+        ("tests/integrations/test_deepspeed.py::test_deepspeed_save_and_load_checkpoint[in-place]",
+         "tests/integrations/test_lightning.py::test_resume_from_last_is_bitwise",
+         "tests/integrations/test_transformers.py::test_resume_takes_the_newest_committed_checkpoint_bitwise"),
+    ),
+    Mutation(
+        "deepspeed-engine-not-unwrapped",
+        "DatastatesCheckpointEngine(model=engine) reads into the DeepSpeed engine's state dict, whose keys "
+        "('module.0.weight') never fit the file's module: every resume falls back to a fresh load",
+        (Edit("integrations/deepspeed.py", "self.module = model.module if isinstance(model, DeepSpeedEngine) else model",
+              "self.module = model  # MUTATION: the engine not unwrapped"),),
+        ("tests/integrations/test_deepspeed.py::test_deepspeed_save_and_load_checkpoint[in-place]",),
+    ),
+    Mutation(
+        "hf-weights-left-to-trainer",
+        "DatastatesTrainer leaves the weights of a resume to Trainer's torch.load and load_state_dict copy",
+        (Edit("integrations/transformers.py",
+              "        if not self._load_weights(resume_from_checkpoint, self.model if model is None else model):\n",
+              "        if True:  # MUTATION: Trainer's own load\n"),),
+        ("tests/integrations/test_transformers.py::test_resume_takes_the_newest_committed_checkpoint_bitwise",),
+    ),
+    Mutation(
+        "misfit-raises",
+        "a file without the model's key, or whose model part does not fit the module, raises StateMismatchError "
+        "instead of loading fresh as before (DeepSpeed's optimizer files, Lightning's strict_loading=False)",
+        (Edit("integrations/loading.py", "            log.warning(\"%s: read fresh, not into the model's own tensors: %s\", path, exc.message)\n"
+              "        return None\n",
+              "            log.warning(\"%s: read fresh, not into the model's own tensors: %s\", path, exc.message)\n"
+              "        raise  # MUTATION\n"),),
+        ("tests/integrations/test_deepspeed.py::test_with_the_model_its_module_is_read_into_the_modules_own_tensors",
+         "tests/integrations/test_lightning.py::test_with_a_module_only_a_state_dict_that_fits_it_is_read_into_it"),
+    ),
+    Mutation(
+        "misfit-unsaid",
+        "a model part that does not fit the module is read fresh without a word: a resume slower than it should be, "
+        "with no sign why",
+        (Edit("integrations/loading.py", "            log.warning(", "            log.debug(  # MUTATION\n"),),
+        ("tests/integrations/test_deepspeed.py::test_with_the_model_its_module_is_read_into_the_modules_own_tensors",
+         "tests/integrations/test_lightning.py::test_with_a_module_only_a_state_dict_that_fits_it_is_read_into_it"),
+    ),
+    Mutation(
+        "hf-verify-skips-foreign-weights",
+        "resume skips verifying the weights DatastatesTrainer reads itself even when they no longer look like a "
+        "datastates file, which Trainer then reads with torch.load, unchecked",
+        (Edit("integrations/transformers.py", "if rec.path not in READ_HERE or not is_datastates_file(path):",
+              "if rec.path not in READ_HERE:  # MUTATION"),),
+        ("tests/integrations/test_transformers.py::test_resume_refuses_a_committed_checkpoint_whose_bytes_changed[index]",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

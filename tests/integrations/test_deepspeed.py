@@ -27,7 +27,7 @@ from datastates.protocol.endpoint import ENDPOINT_ENV  # noqa: E402
 from datastates.protocol.errors import CommitError, InvalidRequestError  # noqa: E402
 from datastates.protocol.format import marker_name  # noqa: E402
 
-from conftest import DaemonProc, assert_state_equal  # noqa: E402
+from conftest import DaemonProc, addresses, assert_state_equal, watch_loads  # noqa: E402
 
 
 @pytest.fixture
@@ -119,6 +119,40 @@ def test_saved_as_deepspeed_calls_it_loads_bitwise(ds_engine: DatastatesCheckpoi
     assert_state_equal(model_states, ds_engine.load(str(save_dir / "global_step3" / MODEL_FILE), lambda s, loc: s))
 
 
+def ds_module(bias: bool = False) -> torch.nn.Module:
+    """A module whose state dict has ``ds_states``' keys, shapes and dtypes (with ``bias``, one key more)."""
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4, bias=bias))
+    module[1].to(torch.bfloat16)
+    return module
+
+
+def test_with_the_model_its_module_is_read_into_the_modules_own_tensors(
+        ds_engine: DatastatesCheckpointEngine, daemon: DaemonProc, caplog: pytest.LogCaptureFixture) -> None:
+    """model=: the model states file's ``module`` goes into the module's own tensors and the state handed back
+    holds them. The optimizer file (no ``module``) and a module that does not fit (one key more) are read fresh,
+    the module left untouched: DeepSpeed then loads them as before."""
+    save_dir = daemon.root / "ds"
+    model_states, optim_states = checkpoint(ds_engine, save_dir, "global_step3", seed=1)
+    ds_engine.commit(CheckpointCommitInfo(tag="global_step3", save_dir=str(save_dir), save_latest=True))
+    module = ds_module()
+    where = addresses(module)
+    loader = DatastatesCheckpointEngine(model=module)
+    state = loader.load(str(save_dir / "global_step3" / MODEL_FILE), lambda s, loc: s)
+    assert_state_equal(model_states, state)
+    assert addresses(module) == where and {k: v.data_ptr() for k, v in state["module"].items()} == where
+    assert_state_equal(model_states["module"], module.state_dict())
+    assert_state_equal(optim_states, loader.load(str(save_dir / "global_step3" / OPTIM_FILE)))
+    assert not caplog.records  # a file without ``module`` is simply read fresh
+
+    other = ds_module(bias=True)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with caplog.at_level("WARNING"):
+        state = DatastatesCheckpointEngine(model=other).load(str(save_dir / "global_step3" / MODEL_FILE))
+    assert_state_equal(model_states, state)
+    assert_state_equal(before, dict(other.state_dict()))
+    assert "read fresh" in caplog.text and "['module']['1.bias']" in caplog.text, caplog.text
+
+
 def test_decoupled_commits_at_deepspeeds_next_step_or_save_or_cleanup(daemon: DaemonProc) -> None:
     """Decoupled: nothing commits in save_checkpoint; the step (get_commit_info → commit), a new create or cleanup does."""
     engine = DatastatesCheckpointEngine(endpoint=daemon.endpoint, timeout=60, decoupled=True)
@@ -153,11 +187,15 @@ def test_out_of_order_calls_are_refused(ds_engine: DatastatesCheckpointEngine, d
 
 
 def test_loads_what_deepspeeds_torch_engine_wrote(tmp_path: Path) -> None:
-    """A job that switches engines resumes from the checkpoints torch.save wrote before."""
+    """A job that switches engines resumes from the checkpoints torch.save wrote before, with the model or without."""
     model_states, _ = ds_states(seed=5)
     path = tmp_path / MODEL_FILE
     torch.save(model_states, path)
     assert_state_equal(model_states, DatastatesCheckpointEngine().load(str(path), lambda s, loc: s))
+    module = ds_module()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    assert_state_equal(model_states, DatastatesCheckpointEngine(model=module).load(str(path), lambda s, loc: s))
+    assert_state_equal(before, dict(module.state_dict()))  # torch.load's fresh tensors: DeepSpeed copies them in
 
 
 def test_datastates_never_needs_deepspeed() -> None:
@@ -246,8 +284,10 @@ def snapshot_of(engine: Any) -> tuple[dict, dict]:
     return params, {"master": master, "moments": moments}
 
 
-@pytest.mark.parametrize("decoupled", [False, True])
-def test_deepspeed_save_and_load_checkpoint(ds_dist: None, daemon: DaemonProc, decoupled: bool) -> None:
+@pytest.mark.parametrize("decoupled, in_place", [(False, True), (True, False)], ids=["in-place", "decoupled-fresh"])
+def test_deepspeed_save_and_load_checkpoint(ds_dist: None, daemon: DaemonProc, decoupled: bool, in_place: bool) -> None:
+    """Saved and loaded through DeepSpeed's engine, bitwise. ``in_place``: the loading engine is given the model, and
+    DeepSpeed's ``load_state_dict`` is handed the module's own tensors, already holding the file's values."""
     save_dir = daemon.root / "ds"
     engine = ds_initialize(seed=0)
     engine.checkpoint_engine = DatastatesCheckpointEngine(endpoint=daemon.endpoint, timeout=60, decoupled=decoupled)
@@ -265,12 +305,16 @@ def test_deepspeed_save_and_load_checkpoint(ds_dist: None, daemon: DaemonProc, d
     engine.destroy()
 
     fresh = ds_initialize(seed=1)
-    fresh.checkpoint_engine = DatastatesCheckpointEngine(endpoint=daemon.endpoint, timeout=60)
+    fresh.checkpoint_engine = DatastatesCheckpointEngine(endpoint=daemon.endpoint, timeout=60,
+                                                         model=fresh if in_place else None)
+    where, loads = addresses(fresh.module), watch_loads(fresh.module)
     path, client_state = fresh.load_checkpoint(str(save_dir))  # the tag from DeepSpeed's own 'latest' file
     assert path == str(save_dir / "global_step2" / MODEL_FILE)
     assert client_state["epoch"] == 7 and client_state["args"] == argparse.Namespace(x=1)
     assert fresh.global_steps == 2
     assert_state_equal(saved, snapshot_of(fresh))
+    assert addresses(fresh.module) == where
+    assert loads == [(len(where) if in_place else 0, len(where))], loads
     fresh.checkpoint_engine.cleanup()
     fresh.destroy()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from datastates.protocol.errors import CommitError  # noqa: E402
 from datastates.protocol.format import MARKER_PREFIX, check_tag, marker_name  # noqa: E402
 from datastates.protocol.tags import read_marker  # noqa: E402
 
-from conftest import DaemonProc, assert_state_equal, read_only  # noqa: E402
+from conftest import DaemonProc, addresses, assert_state_equal, read_only, watch_loads  # noqa: E402
 
 
 @pytest.fixture
@@ -121,14 +122,17 @@ def test_resume_from_last_is_bitwise(daemon: DaemonProc) -> None:
     first = Recorder()
     fit(daemon, Tiny(), 4, ModelCheckpoint(folder, every_n_train_steps=2, save_last=True), first)
 
-    again = Recorder()
-    trainer = fit(daemon, Tiny(), 6, ModelCheckpoint(folder, every_n_train_steps=2, save_last=True), again,
-                  ckpt_path="last")
+    again, model = Recorder(), Tiny()
+    where, loads = addresses(model), watch_loads(model)
+    trainer = fit(daemon, model, 6, ModelCheckpoint(folder, every_n_train_steps=2, save_last=True), again,
+                  ckpt_path="last", io=DatastatesCheckpointIO(daemon.endpoint, timeout=60, module=model))
     saved = first.saved[4]  # last.ckpt, saved again at step 4
     assert again.started is not None and again.started["global_step"] == 4
     assert_state_equal(saved["state_dict"], again.started["state_dict"], "weights")
     assert_state_equal(saved["optimizer_states"], again.started["optimizer_states"], "optimizer")
     assert trainer.global_step == 6
+    # read into the module's own tensors: Lightning's load_state_dict was handed them, holding the file's values
+    assert loads == [(len(where), len(where))] and addresses(model) == where, loads
     assert datastates.load(folder / "last.ckpt", weights_only=True)["global_step"] == 6
 
 
@@ -146,13 +150,44 @@ def test_top_k_rotation_leaves_only_the_kept_files_committed(daemon: DaemonProc)
 
 
 def test_a_torch_save_file_of_an_earlier_run_loads_and_is_removed(daemon: DaemonProc) -> None:
-    io = DatastatesCheckpointIO(daemon.endpoint, timeout=60)
-    state = {"state_dict": {"w": torch.arange(6.0)}, "epoch": 1, "hyper_parameters": {"width": 16}}
+    module = Tiny(width=2)
+    io = DatastatesCheckpointIO(daemon.endpoint, timeout=60, module=module)
+    state = {"state_dict": {k: torch.full_like(v, 7.0) for k, v in module.state_dict().items()}, "epoch": 1,
+             "hyper_parameters": {"width": 2}}
     path = daemon.root / "old.ckpt"
     torch.save(state, path)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
     assert_state_equal(state, io.load_checkpoint(path))
+    assert_state_equal(before, dict(module.state_dict()))  # torch.load's fresh tensors: Lightning copies them in
     io.remove_checkpoint(path)
     assert not path.exists()
+    io.teardown()
+
+
+def test_with_a_module_only_a_state_dict_that_fits_it_is_read_into_it(daemon: DaemonProc,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A file whose ``state_dict`` fits the module goes into its own tensors, the checkpoint handed back holding
+    them; a file without ``state_dict``, or with one the module does not fit (a key short: ``strict_loading=False``
+    is Lightning's to judge), is read fresh, and the module is left as it was."""
+    module = Tiny(width=4)
+    io = DatastatesCheckpointIO(daemon.endpoint, timeout=60, module=module)
+    fits = {"state_dict": OrderedDict((k, torch.randn_like(v)) for k, v in module.state_dict().items()), "epoch": 2}
+    short = {"state_dict": {"net.weight": torch.randn(4, 4)}, "epoch": 1}
+    files = {"fits.ckpt": fits, "short.ckpt": short, "weights-less.ckpt": {"epoch": 3, "w": torch.ones(3)}}
+    for name, state in files.items():
+        io.save_checkpoint(state, daemon.root / name)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with caplog.at_level("WARNING"):
+        assert_state_equal(short, io.load_checkpoint(daemon.root / "short.ckpt"))
+        assert_state_equal(files["weights-less.ckpt"], io.load_checkpoint(daemon.root / "weights-less.ckpt"))
+    assert_state_equal(before, dict(module.state_dict()))
+    assert [r.getMessage().count("['state_dict']['net.bias']") for r in caplog.records] == [1], caplog.text
+
+    where = addresses(module)
+    loaded = io.load_checkpoint(daemon.root / "fits.ckpt")
+    assert_state_equal(fits, loaded)
+    assert {k: v.data_ptr() for k, v in loaded["state_dict"].items()} == where == addresses(module)
+    assert_state_equal(fits["state_dict"], module.state_dict())
     io.teardown()
 
 

@@ -23,10 +23,10 @@ import datastates  # noqa: E402
 from datastates.client import Client  # noqa: E402
 from datastates.client.reader import verify  # noqa: E402
 from datastates.integrations.transformers import DatastatesTrainer, last_checkpoint  # noqa: E402
-from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError  # noqa: E402
-from datastates.protocol.format import CommitMarker, marker_name  # noqa: E402
+from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError  # noqa: E402
+from datastates.protocol.format import INDEX_AT, CommitMarker, marker_name  # noqa: E402
 
-from conftest import DaemonProc, assert_state_equal, file_index  # noqa: E402
+from conftest import DaemonProc, addresses, assert_state_equal, file_index, watch_loads  # noqa: E402
 
 DAEMON_FILES = ["optimizer.pt", "pytorch_model.bin", "rng_state.pth", "scheduler.pt", "training_args.bin"]
 """What the daemon writes into each checkpoint folder; the trainer writes only JSON beside them."""
@@ -92,7 +92,7 @@ class WatchedClient(Client):
 
 
 def trainer(daemon: DaemonProc, out: Path, *, seed: int = 0, recorder: Recorder | None = None,
-            client: Client | None = None, **args: Any) -> DatastatesTrainer:
+            client: Client | None = None, eval_dataset: Any = None, **args: Any) -> DatastatesTrainer:
     """A DatastatesTrainer of a 1-layer GPT-2 (model seed ``seed``) on ``Tokens``, saving every 2 steps into ``out``."""
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
@@ -101,6 +101,7 @@ def trainer(daemon: DaemonProc, out: Path, *, seed: int = 0, recorder: Recorder 
                     disable_tqdm=True, dataloader_num_workers=0)
     settings.update(args)
     return DatastatesTrainer(model=GPT2LMHeadModel(config), args=TrainingArguments(**settings), train_dataset=Tokens(),
+                             eval_dataset=eval_dataset,
                              callbacks=[recorder] if recorder else None,
                              client=client, client_options={"endpoint": daemon.endpoint, "timeout": 60})
 
@@ -158,7 +159,9 @@ def test_resume_takes_the_newest_committed_checkpoint_bitwise(daemon: DaemonProc
     """A run killed after its step-4 save, and a folder of step 6 a crash left uncommitted: resume loads step 4.
 
     Weights, optimizer, scheduler and global step are those saved, to the bit, and the
-    resumed run ends exactly where a run that was never interrupted ends.
+    resumed run ends exactly where a run that was never interrupted ends. The weights were
+    read into the model's own tensors: ``Trainer``'s ``load_state_dict`` is handed them. A
+    folder ``Trainer`` wrote itself (``torch.save`` files) still resumes, by its own code.
     """
     out = daemon.root / "run"
     first = Recorder(stop_at=4)
@@ -172,16 +175,45 @@ def test_resume_takes_the_newest_committed_checkpoint_bitwise(daemon: DaemonProc
     assert last_checkpoint(out) == str(out / "checkpoint-4")
 
     resumed = Recorder()
-    trainer(daemon, out, seed=1, recorder=resumed).train(resume_from_checkpoint=True)
+    job = trainer(daemon, out, seed=1, recorder=resumed)
+    where, loads = addresses(job.model), watch_loads(job.model)
+    job.train(resume_from_checkpoint=True)
     assert resumed.began["step"] == 4
     for part in ("model", "optimizer", "scheduler"):
         assert_state_equal(first.saved[4][part], resumed.began[part], part)
+    assert loads == [(len(where), len(where))] and addresses(job.model) == where, loads
 
     whole = Recorder()
     trainer(daemon, daemon.root / "whole", recorder=whole).train()
     for part in ("model", "optimizer", "scheduler"):
         assert_state_equal(whole.saved[6][part], resumed.saved[6][part], part)
     assert committed(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]  # step 6 saved again, and committed
+
+    plain = daemon.root / "plain" / "checkpoint-4"  # as Trainer itself writes a folder: torch.save files, no marker
+    shutil.copytree(out / "checkpoint-4", plain, ignore=shutil.ignore_patterns("datastates-commit.*"))
+    for name in ("pytorch_model.bin", "optimizer.pt", "scheduler.pt"):
+        torch.save(datastates.load(plain / name), plain / name)
+    again = Recorder()
+    job = trainer(daemon, plain.parent, seed=1, recorder=again, max_steps=4)
+    loads = watch_loads(job.model)
+    job.train(resume_from_checkpoint=str(plain))
+    for part in ("model", "optimizer", "scheduler"):
+        assert_state_equal(first.saved[4][part], again.began[part], part)
+    assert loads == [(0, len(where))], loads  # Trainer's torch.load: fresh tensors, copied in
+
+
+def test_the_best_model_at_the_end_is_read_into_the_models_own_tensors(daemon: DaemonProc) -> None:
+    """load_best_model_at_end: the best checkpoint's weights, bitwise, read into the model's own tensors."""
+    rec = Recorder()
+    job = trainer(daemon, daemon.root / "run", recorder=rec, max_steps=4, eval_strategy="steps", eval_steps=2,
+                  load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+                  eval_dataset=Tokens())
+    where, loads = addresses(job.model), watch_loads(job.model)
+    job.train()
+    best = int(job.state.best_model_checkpoint.rsplit("-", 1)[1])
+    assert best == 2  # the loss falls as it trains: "greater is better" makes the first checkpoint the best
+    assert_state_equal(rec.saved[best]["model"], job.model.state_dict())
+    assert loads == [(len(where), len(where))] and addresses(job.model) == where, loads
 
 
 def test_resume_without_a_committed_checkpoint_is_refused(daemon: DaemonProc) -> None:
@@ -214,14 +246,18 @@ def test_a_committed_checkpoint_is_never_written_again(daemon: DaemonProc) -> No
     assert daemon.ctl("verify", str(folder)).returncode == 0
 
 
-def test_resume_refuses_a_committed_checkpoint_whose_bytes_changed(daemon: DaemonProc) -> None:
-    """torch.load checks no checksum: resume verifies the files first, so a flipped bit is not trained on."""
+@pytest.mark.parametrize("where", ["data", "index"])
+def test_resume_refuses_a_committed_checkpoint_whose_bytes_changed(daemon: DaemonProc, where: str) -> None:
+    """torch.load checks no checksum: resume verifies the files, so a flipped bit is not trained on. A bit of the
+    weights' data fails their in-place load; a bit of the name of their index record makes them look like a
+    ``torch.save`` file, which Trainer would read with torch.load: verified first, they are no datastates file."""
     out = daemon.root / "run"
     trainer(daemon, out, max_steps=2).train()
     weights = out / "checkpoint-2" / "pytorch_model.bin"
     raw = bytearray(weights.read_bytes())
-    raw[file_index(bytes(raw))[3] + 100] ^= 0x01  # one bit of the first tensor's data; the size stays
+    at = file_index(bytes(raw))[3] + 100 if where == "data" else INDEX_AT - 1  # the size stays
+    raw[at] ^= 0x01
     weights.write_bytes(bytes(raw))
     assert last_checkpoint(out) == str(out / "checkpoint-2")
-    with pytest.raises(CorruptCheckpointError):
+    with pytest.raises(CorruptCheckpointError if where == "data" else UnsupportedFormatError):
         trainer(daemon, out, max_steps=4).train(resume_from_checkpoint=True)
