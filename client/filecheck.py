@@ -44,17 +44,16 @@ READ_THREADS = 4
 def read_region(path: str, start: int, end: int) -> mmap.mmap | None:
     """Bytes ``start..end`` of the file (multiples of 4 KiB) as one buffer, read in parallel; None if empty.
 
-    Large O_DIRECT reads on a few threads into one fresh page-aligned buffer: measured
-    here 3-4x faster than faulting a file mapping in, and about the disk's raw read
-    speed. A tmpfs file is mapped instead (``_map_private``); another file system that
-    refuses O_DIRECT is read through the page cache.
+    Large O_DIRECT reads on a few threads into one fresh page-aligned buffer (``region_buffer``),
+    about the disk's raw read speed. A tmpfs file is mapped instead; another file system that
+    refuses O_DIRECT is read through the page cache. ``datastates.load`` reads through
+    client/stream.py instead, checking each piece as it lands.
     """
     if end <= start:
         return None
+    buf = region_buffer(path, start, end)
     if on_tmpfs(path):
-        return _map_private(path, start, end)
-    buf = mmap.mmap(-1, end - start)
-    _advise(buf, mmap.MADV_HUGEPAGE)  # fresh pages in 2 MiB faults, not 4 KiB ones, where THP is on "madvise"
+        return buf
     view = memoryview(buf)
     fd = open_for_reading(path)
 
@@ -73,6 +72,22 @@ def read_region(path: str, start: int, end: int) -> mmap.mmap | None:
         view.release()
         os.close(fd)
     return buf
+
+
+def region_buffer(path: str, start: int, end: int) -> mmap.mmap:
+    """Where bytes ``start..end`` of the file are read to: for a file on tmpfs, its own pages mapped copy-on-write,
+    holding them already; else one fresh page-aligned buffer (O_DIRECT needs the alignment), to be read into."""
+    if on_tmpfs(path):
+        return _map_private(path, start, end)
+    buf = mmap.mmap(-1, end - start)
+    if FRESH_HUGEPAGES:
+        _advise(buf, mmap.MADV_HUGEPAGE)
+    return buf
+
+
+FRESH_HUGEPAGES = False
+"""Ask for transparent huge pages for a fresh load's buffer: measured here (bench/restore.py) slower than 4 KiB pages
+mapped a piece at a time (MADV_POPULATE_WRITE), the kernel compacting memory to find 2 MiB pages."""
 
 
 def _map_private(path: str, start: int, end: int) -> mmap.mmap:
@@ -97,13 +112,17 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def populate(base: int, size: int) -> None:
-    """Map every page of the mapping at ``base`` now, in READ_THREADS parallel passes, instead of one fault per 4 KiB as the
-    state is checked and used: read faults only, so the daemon's pages stay shared until the trainer writes
+    """Map every page of the mapping at ``base`` now, in READ_THREADS parallel passes, instead of one fault per 4 KiB
+    as the state is checked and used: read faults only, so the daemon's pages stay shared until the trainer writes
     one (MAP_POPULATE would copy them all). ctypes lets go of the GIL for each call, so the passes overlap."""
     part = -(-size // READ_THREADS // mmap.PAGESIZE) * mmap.PAGESIZE
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ds-map") as pool:
-        list(pool.map(lambda at: _libc.madvise(base + at, min(part, size - at), MADV_POPULATE_READ),
-                      range(0, size, part)))
+        list(pool.map(lambda at: advise(base + at, min(part, size - at), MADV_POPULATE_READ), range(0, size, part)))
+
+
+def advise(address: int, size: int, advice: int) -> None:
+    """madvise(2) of a range, page-aligned ``address``; a kernel that does not know ``advice`` changes nothing."""
+    _libc.madvise(address, size, advice)
 
 
 def _advise(buf: mmap.mmap, advice: int) -> None:

@@ -10,7 +10,7 @@ Three steps, so that a state that does not fit is never half-written:
 1. **Plan.** The skeleton is unpickled with every tensor a meta tensor (no data read) and
    matched with ``into`` key by key. A key one side lacks, or a tensor of another shape or
    dtype, raises StateMismatchError naming it, before any byte of ``into`` is written.
-2. **Stream.** The data region is read in pieces, on READ_THREADS threads, each piece in STEP
+2. **Stream** (client/stream.py). The data region is read in pieces, on READ_THREADS threads, each piece in STEP
    reads into the thread's small page-aligned bounce buffer with O_DIRECT (a replica on tmpfs
    is mapped instead: its pages are memory already), hashed and copied out while it is in the
    CPU's cache. A checksum or zip header that does not match, or a file that ends early,
@@ -31,25 +31,19 @@ tensors are new allocations the daemon has no IPC handles for, and a restore fro
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
-import threading
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from datastates.protocol.descriptors import EntryDesc
-from datastates.protocol.errors import CorruptCheckpointError, StateMismatchError
-from datastates.protocol.format import FileHeader, ZipLayout, checksummer
-from datastates.protocol.fileio import on_tmpfs, open_for_reading
+from datastates.protocol.errors import StateMismatchError
+from datastates.protocol.format import FileHeader
 
 from .entries import Entries
-from .filecheck import (READ_PIECE, READ_THREADS, check_bounds, check_identity, check_local_headers, check_views,
-                        check_zip, populate, read_header, storage_error)
+from .filecheck import check_bounds, check_identity, check_views, check_zip, read_header
+from .stream import Stream, Target
 
 KeyPath = tuple[Any, ...]
 NewKey = Callable[[KeyPath], bool]
@@ -124,19 +118,6 @@ class _Match:
                                   "written", path=self.plan.path, key=key_name(path))
 
 
-class _Target:
-    """Where a storage's bytes go: an entry's tensor of ``into`` whose memory they are (``direct``), or a fresh
-    uint8 buffer of the storage's size."""
-
-    def __init__(self, tensor: torch.Tensor, direct: bool) -> None:
-        self.tensor = tensor
-        self.direct = direct
-        self.on_gpu = tensor.device.type == "cuda"
-        self.flat = tensor.reshape(-1).view(torch.uint8)
-        """Its bytes, as a GPU copy addresses them."""
-        self.address = tensor.data_ptr()
-
-
 def _direct_target(header: FileHeader, entries: list[int], dests: dict[int, list[torch.Tensor]], storage: int
                    ) -> torch.Tensor | None:
     """The tensor of ``into`` that storage ``storage``'s bytes can go straight into, if one can.
@@ -158,7 +139,7 @@ def _direct_target(header: FileHeader, entries: list[int], dests: dict[int, list
 class _Fill(Entries):
     """The rebuild: matched tensor entries are ``into``'s tensors, the others views of their fresh buffers."""
 
-    def __init__(self, plan: _Plan, dests: dict[int, list[torch.Tensor]], targets: dict[int, _Target],
+    def __init__(self, plan: _Plan, dests: dict[int, list[torch.Tensor]], targets: dict[int, Target],
                  device: torch.device | None) -> None:
         super().__init__(plan.path, plan.header, plan.weights_only)
         self._dests = dests
@@ -208,182 +189,6 @@ def _merge(theirs: Any, ours: Any) -> Any:
     return ours
 
 
-class _Bounce:
-    """One read thread's page-aligned buffer of STEP bytes (O_DIRECT needs the alignment), page-locked where a GPU
-    copy reads it."""
-
-    def __init__(self, gpu: bool) -> None:
-        self.buf = mmap.mmap(-1, STEP)
-        self.view = memoryview(self.buf)
-        self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
-        self.address = self.tensor.data_ptr()
-        self.stream = self.event = None
-        if gpu:
-            err = torch.cuda.cudart().cudaHostRegister(self.address, STEP, 0)
-            if getattr(err, "value", err):
-                raise RuntimeError(f"cudaHostRegister of a {STEP}-byte restore buffer failed: error {err}")
-            self.stream, self.event = torch.cuda.Stream(), torch.cuda.Event()
-
-    def settle(self) -> None:
-        """Wait for this buffer's GPU copies, before it is read into again."""
-        if self.event is not None:
-            self.event.synchronize()
-
-    def close(self) -> None:
-        self.settle()
-        if self.stream is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-        self.view.release()
-        del self.tensor
-
-
-STEP = 8 << 20
-"""The bytes one read thread reads, checks and copies out at a time: small enough to stay in the CPU's cache
-between its read and its copy, and to make the bounce buffers cheap to allocate."""
-
-
-@dataclass
-class _Piece:
-    """One of the format's pieces of the data region (or several): read, checked and copied out by one thread."""
-
-    start: int
-    stop: int
-    segments: list[tuple[int, int, int, bytes]] = field(default_factory=list)
-    """(storage, start, length, checksum) of each checksummed segment inside this piece."""
-    targets: list[tuple[int, int, _Target]] = field(default_factory=list)
-    """(start, stop, target) of each storage that meets this piece, relative to the data region."""
-
-
-class _Stream:
-    """The data region read piece by piece, in STEP reads, into its targets; every byte hashed on the way.
-
-    A segment's checksum covers up to a whole piece, so its bytes reach their tensor before
-    it is known: a mismatch raises (CorruptCheckpointError naming the tensor), and the load
-    never returns, though ``into`` may hold some of the bad bytes by then.
-    """
-
-    def __init__(self, path: str, header: FileHeader, layout: ZipLayout | None, span: tuple[int, int],
-                 targets: dict[int, _Target], verify: bool) -> None:
-        self.path, self.header, (self.base, self.end) = path, header, span
-        self.headers = layout.storage_headers() if layout is not None and verify else []
-        size = header.piece_size * max(1, READ_PIECE // header.piece_size)
-        """Whole pieces of the format: each checksummed segment lies inside one, read by one thread."""
-        self.pieces = [_Piece(at, min(self.end - self.base, at + size)) for at in range(0, self.end - self.base, size)]
-        for index, target in targets.items():
-            rec = header.storages[index]
-            segs = check_bounds(path, header, index, self.end - self.base)
-            for (start, length), want in zip(segs, rec.checksums) if verify else ():
-                self.pieces[start // size].segments.append((index, start, length, want))
-            for piece in self.pieces[rec.offset // size:(rec.offset + rec.nbytes - 1) // size + 1]:
-                piece.targets.append((rec.offset, rec.offset + rec.nbytes, target))
-        self.gpu = any(t.on_gpu for t in targets.values())
-
-    def run(self) -> None:
-        """Read, check and copy out every piece on READ_THREADS threads; the first failure is raised."""
-        if not self.pieces:
-            return
-        mapped = on_tmpfs(self.path)  # the daemon's replica: its pages are memory already, so map them
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC) if mapped else open_for_reading(self.path)
-        mapping = None
-        try:
-            if mapped:
-                if os.fstat(fd).st_size < self.end:
-                    raise CorruptCheckpointError(f"{self.path}: file ends inside its data region", path=self.path)
-                mapping = mmap.mmap(fd, self.end - self.base, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                                    offset=self.base)
-            self._threads(fd, mapping)
-        finally:
-            os.close(fd)
-            if mapping is not None:
-                mapping.close()
-
-    def _threads(self, fd: int, mapping: mmap.mmap | None) -> None:
-        todo = iter(self.pieces)
-        lock = threading.Lock()
-        failed: list[BaseException] = []
-        source = None if mapping is None else np.frombuffer(mapping, dtype=np.uint8)
-        if source is not None:  # every page table entry in a few calls, not one fault per page
-            populate(source.ctypes.data, len(source))
-
-        def work() -> None:
-            bounce = None
-            try:
-                if source is None or self.gpu:
-                    bounce = _Bounce(self.gpu)
-                while not failed:
-                    with lock:
-                        piece = next(todo, None)
-                    if piece is None:
-                        return
-                    self._piece(piece, fd, source, bounce)
-            except BaseException as exc:  # noqa: BLE001 - the first failure stops every thread and is raised
-                failed.append(exc)
-            finally:
-                if bounce is not None:
-                    bounce.close()
-
-        threads = [threading.Thread(target=work, name=f"ds-restore-{i}", daemon=True)
-                   for i in range(min(READ_THREADS, len(self.pieces)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        del source
-        if failed:
-            raise failed[0]
-
-    def _piece(self, piece: _Piece, fd: int, source: np.ndarray | None, bounce: _Bounce | None) -> None:
-        """Piece ``piece`` in STEP reads (or found in the mapping ``source``), each hashed and copied out."""
-        hashes = [checksummer() for _ in piece.segments]
-        for at in range(piece.start, piece.stop, STEP):
-            stop = min(piece.stop, at + STEP)
-            if source is not None:
-                data, address = memoryview(source[at:stop]), source.ctypes.data + at
-            else:
-                assert bounce is not None
-                bounce.settle()  # its previous step's GPU copies read it still
-                self._read(fd, bounce.view[:stop - at], self.base + at)
-                data, address = bounce.view[:stop - at], bounce.address
-            for h, (_, start, length, _) in zip(hashes, piece.segments):
-                lo, hi = max(start, at), min(start + length, stop)
-                if lo < hi:
-                    h.update(data[lo - at:hi - at])
-            check_local_headers(self.path, self.headers, data, at)
-            self._copy(piece, at, stop, address, bounce, staged=source is None)
-        for h, (index, start, length, want) in zip(hashes, piece.segments):
-            if h.digest() != want:
-                raise storage_error(self.path, self.header, index, f"checksum mismatch in bytes "
-                                    f"{start - self.header.storages[index].offset}..+{length} (the data is corrupt)")
-
-    def _copy(self, piece: _Piece, at: int, stop: int, address: int, bounce: _Bounce | None, staged: bool) -> None:
-        """Bytes ``at..stop`` of the data region, at ``address``, into the targets they belong to."""
-        for start, end, target in piece.targets:
-            lo, hi = max(start, at), min(end, stop)
-            if lo >= hi:
-                continue
-            if not target.on_gpu:
-                ctypes.memmove(target.address + lo - start, address + lo - at, hi - lo)
-                continue
-            assert bounce is not None and bounce.stream is not None
-            if not staged:  # the mapping is pageable: through the page-locked buffer
-                bounce.settle()
-                ctypes.memmove(bounce.address, address, stop - at)
-                staged = True
-            with torch.no_grad(), torch.cuda.stream(bounce.stream):
-                target.flat[lo - start:hi - start].copy_(bounce.tensor[lo - at:hi - at], non_blocking=True)
-        if bounce is not None and bounce.event is not None:
-            bounce.event.record(bounce.stream)
-
-    def _read(self, fd: int, into: memoryview, at: int) -> None:
-        done = 0
-        while done < len(into):
-            got = os.preadv(fd, [into[done:]], at + done)
-            if got == 0:
-                raise CorruptCheckpointError(f"{self.path}: file ends at byte {at + done}, inside its data region",
-                                             path=self.path)
-            done += got
-
-
 def load_into(path: str, into: Any, device: torch.device | None, *, new_key: NewKey, verify: bool,
               weights_only: bool) -> Any:
     """``into``, its tensors holding the checkpoint at ``path`` (``datastates.load(path, into=...)``)."""
@@ -399,12 +204,12 @@ def load_into(path: str, into: Any, device: torch.device | None, *, new_key: New
     users: dict[int, list[int]] = {}
     for index in plan.tensor_entries.values():
         users.setdefault(header.entries[index].meta["storage"], []).append(index)
-    targets: dict[int, _Target] = {}
+    targets: dict[int, Target] = {}
     with torch.no_grad():
         for storage, entries in users.items():
             direct = _direct_target(header, entries, match.into, storage)
             nbytes = header.storages[storage].nbytes
-            targets[storage] = _Target(direct, True) if direct is not None else \
-                _Target(torch.empty(nbytes, dtype=torch.uint8), False)
-        _Stream(path, header, layout, (base, end), targets, verify).run()
+            targets[storage] = Target(direct, True) if direct is not None else \
+                Target(torch.empty(nbytes, dtype=torch.uint8), False)
+        Stream(path, header, layout, (base, end), targets, verify).run()
         return _merge(into, _Fill(plan, match.into, targets, device).entry(header.root))

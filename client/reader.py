@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
-from datastates.protocol.format import FileHeader
+from datastates.protocol.format import FileHeader, ZipLayout
 
 from .entries import Entries
 from .filecheck import (  # noqa: F401  (verify: re-exported)
@@ -17,19 +18,24 @@ from .filecheck import (  # noqa: F401  (verify: re-exported)
     check_zip,
     malformed,
     read_header,
-    read_region,
+    region_buffer,
     verify,
 )
 from .into import load_into
+from .stream import Stream
 
 MapLocation = str | torch.device | None
 
 
-def _read_data(path: str, start: int, end: int) -> torch.UntypedStorage:
-    """Bytes ``start..end`` of the file as one storage (``read_region``), every tensor's storage a slice of it."""
-    buf = read_region(path, start, end)
-    if buf is None:
+def _read_data(path: str, header: FileHeader, layout: ZipLayout | None, span: tuple[int, int],
+               verify: bool) -> torch.UntypedStorage:
+    """The data region as one storage, every tensor's storage a slice of it: read into one fresh buffer (or a tmpfs
+    file's own pages mapped), each piece checked as it lands (client/stream.py)."""
+    start, end = span
+    if end <= start:
         return torch.UntypedStorage(0)
+    buf = region_buffer(path, start, end)
+    Stream(path, header, layout, span, None, verify).run(np.frombuffer(buf, dtype=np.uint8))
     return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
 
 
@@ -93,9 +99,9 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, into: Any
         return load_into(path, into, device, new_key=lambda _: not strict, verify=verify, weights_only=weights_only)
     header, base, end, layout = read_header(path)
     check_identity(path, header)
-    ctx = _Restore(path, _read_data(path, base, end), header, verify, device, weights_only)
     if verify:  # what torch.load would rebuild from the file is what this load rebuilds
         check_views(path, header)
         if layout is not None:
-            check_zip(path, header, layout, ctx.region)
-    return ctx.entry(header.root)
+            check_zip(path, header, layout, None)  # the data region's zip headers: as it streams
+    data = _read_data(path, header, layout if verify else None, (base, end), verify)
+    return _Restore(path, data, header, False, device, weights_only).entry(header.root)

@@ -1,0 +1,244 @@
+"""Reading a checkpoint file's data region in checked pieces, on several threads: what every load shares.
+
+The region is cut into whole pieces of the format (each checksummed segment lies inside
+one), and READ_THREADS threads take them in turn. Each piece goes in STEP reads: hashed
+while it is in the CPU's cache, its zip headers compared, then (an in-place load) copied
+out to the tensors it belongs to. Where the bytes come from and go:
+
+- a fresh load from disk (``Stream.run(region)``): straight into one fresh buffer for the
+  whole region with O_DIRECT, each piece's pages mapped in one call first, and every
+  storage a slice of that buffer afterwards: no second copy;
+- a fresh load of a replica on tmpfs: its pages mapped copy-on-write by the caller (they are
+  memory already), and only hashed here;
+- an in-place load (``Stream.run()``, with targets): from disk through a small page-aligned
+  bounce buffer per thread, or from a tmpfs replica's shared mapping, into the targets.
+
+A checksum or zip header that does not match, or a file that ends early, raises
+CorruptCheckpointError naming the tensor: a load never returns what it could not check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from datastates.protocol.errors import CorruptCheckpointError
+from datastates.protocol.fileio import MADV_POPULATE_WRITE, on_tmpfs, open_for_reading
+from datastates.protocol.format import FileHeader, ZipLayout, checksummer
+
+from .filecheck import READ_PIECE, READ_THREADS, advise, check_bounds, check_local_headers, populate, storage_error
+
+
+class Target:
+    """Where a storage's bytes go: an entry's tensor of ``into`` whose memory they are (``direct``), or a fresh
+    uint8 buffer of the storage's size."""
+
+    def __init__(self, tensor: torch.Tensor, direct: bool) -> None:
+        self.tensor = tensor
+        self.direct = direct
+        self.on_gpu = tensor.device.type == "cuda"
+        self.flat = tensor.reshape(-1).view(torch.uint8)
+        """Its bytes, as a GPU copy addresses them."""
+        self.address = tensor.data_ptr()
+
+
+
+class _Bounce:
+    """One read thread's page-aligned buffer of STEP bytes (O_DIRECT needs the alignment), page-locked where a GPU
+    copy reads it."""
+
+    def __init__(self, gpu: bool) -> None:
+        self.buf = mmap.mmap(-1, STEP)
+        self.view = memoryview(self.buf)
+        self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
+        self.address = self.tensor.data_ptr()
+        self.stream = self.event = None
+        if gpu:
+            err = torch.cuda.cudart().cudaHostRegister(self.address, STEP, 0)
+            if getattr(err, "value", err):
+                raise RuntimeError(f"cudaHostRegister of a {STEP}-byte restore buffer failed: error {err}")
+            self.stream, self.event = torch.cuda.Stream(), torch.cuda.Event()
+
+    def settle(self) -> None:
+        """Wait for this buffer's GPU copies, before it is read into again."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def close(self) -> None:
+        self.settle()
+        if self.stream is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+        self.view.release()
+        del self.tensor
+
+
+STEP = 8 << 20
+"""The bytes one read thread reads, checks and copies out at a time: small enough to stay in the CPU's cache
+between its read and its copy, and to make the bounce buffers cheap to allocate."""
+
+
+@dataclass
+class Piece:
+    """One of the format's pieces of the data region (or several): read, checked and copied out by one thread."""
+
+    start: int
+    stop: int
+    segments: list[tuple[int, int, int, bytes]] = field(default_factory=list)
+    """(storage, start, length, checksum) of each checksummed segment inside this piece."""
+    targets: list[tuple[int, int, Target]] = field(default_factory=list)
+    """(start, stop, target) of each storage that meets this piece, relative to the data region."""
+
+
+class Stream:
+    """The data region read piece by piece, in STEP reads, into its targets; every byte hashed on the way.
+
+    A segment's checksum covers up to a whole piece, so its bytes reach their tensor before
+    it is known: a mismatch raises (CorruptCheckpointError naming the tensor), and the load
+    never returns, though ``into`` may hold some of the bad bytes by then.
+    """
+
+    def __init__(self, path: str, header: FileHeader, layout: ZipLayout | None, span: tuple[int, int],
+                 targets: dict[int, Target] | None, verify: bool) -> None:
+        """``targets``: each storage's Target (an in-place load); None for a fresh load, which checks every
+        storage and copies none out."""
+        self.path, self.header, (self.base, self.end) = path, header, span
+        self.headers = layout.storage_headers() if layout is not None and verify else []
+        size = header.piece_size * max(1, READ_PIECE // header.piece_size)
+        """Whole pieces of the format: each checksummed segment lies inside one, read by one thread."""
+        self.pieces = [Piece(at, min(self.end - self.base, at + size)) for at in range(0, self.end - self.base, size)]
+        for index, target in (targets if targets is not None else dict.fromkeys(range(len(header.storages)))).items():
+            rec = header.storages[index]
+            segs = check_bounds(path, header, index, self.end - self.base)
+            for (start, length), want in zip(segs, rec.checksums) if verify else ():
+                self.pieces[start // size].segments.append((index, start, length, want))
+            for piece in self.pieces[rec.offset // size:(rec.offset + rec.nbytes - 1) // size + 1] if target else ():
+                piece.targets.append((rec.offset, rec.offset + rec.nbytes, target))
+        self.gpu = any(t.on_gpu for t in (targets or {}).values())
+
+    def run(self, region: np.ndarray | None = None) -> None:
+        """Read, check (and copy out) every piece on READ_THREADS threads; the first failure is raised.
+
+        ``region``: a fresh load's buffer for the whole data region, read into from disk; or,
+        for a file on tmpfs, the caller's private mapping of it, already holding its bytes.
+        """
+        if not self.pieces:
+            return
+        mapped = on_tmpfs(self.path)  # the daemon's replica: its pages are memory already, so map them
+        if region is not None and mapped:
+            self._threads(-1, region, fill=False)
+            return
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC) if mapped else open_for_reading(self.path)
+        mapping = None
+        try:
+            source = region
+            if mapped:
+                if os.fstat(fd).st_size < self.end:
+                    raise CorruptCheckpointError(f"{self.path}: file ends inside its data region", path=self.path)
+                mapping = mmap.mmap(fd, self.end - self.base, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
+                                    offset=self.base)
+                source = np.frombuffer(mapping, dtype=np.uint8)
+                populate(source.ctypes.data, len(source))  # every page table entry in a few calls, not a fault each
+            self._threads(fd, source, fill=region is not None)
+            del source
+        finally:
+            os.close(fd)
+            if mapping is not None:  # a worker's failure may still view it from its traceback: unmapped when it goes
+                with contextlib.suppress(BufferError):
+                    mapping.close()
+
+    def _threads(self, fd: int, source: np.ndarray | None, fill: bool) -> None:
+        """The pieces on READ_THREADS threads: from ``source`` (the region in memory; read into it first if
+        ``fill``), or, without one, each read into the thread's bounce buffer."""
+        todo = iter(self.pieces)
+        lock = threading.Lock()
+        failed: list[BaseException] = []
+
+        def work() -> None:
+            bounce = None
+            try:
+                if source is None or self.gpu:
+                    bounce = _Bounce(self.gpu)
+                while not failed:
+                    with lock:
+                        piece = next(todo, None)
+                    if piece is None:
+                        return
+                    self._piece(piece, fd, source, fill, bounce)
+            except BaseException as exc:  # noqa: BLE001 - the first failure stops every thread and is raised
+                failed.append(exc)
+            finally:
+                if bounce is not None:
+                    bounce.close()
+
+        threads = [threading.Thread(target=work, name=f"ds-read-{i}", daemon=True)
+                   for i in range(min(READ_THREADS, len(self.pieces)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failed:
+            raise failed[0]
+
+    def _piece(self, piece: Piece, fd: int, source: np.ndarray | None, fill: bool, bounce: _Bounce | None) -> None:
+        """Piece ``piece`` in STEP reads (or found in ``source``), each hashed and copied out."""
+        hashes = [checksummer() for _ in piece.segments]
+        if fill:  # fresh pages for the whole piece in one call, not one fault per page inside each read
+            advise(source.ctypes.data + piece.start, piece.stop - piece.start, MADV_POPULATE_WRITE)
+        for at in range(piece.start, piece.stop, STEP):
+            stop = min(piece.stop, at + STEP)
+            if source is not None:
+                data, address = memoryview(source[at:stop]), source.ctypes.data + at
+                if fill:
+                    self._read(fd, data, self.base + at)
+            else:
+                assert bounce is not None
+                bounce.settle()  # its previous step's GPU copies read it still
+                self._read(fd, bounce.view[:stop - at], self.base + at)
+                data, address = bounce.view[:stop - at], bounce.address
+            for h, (_, start, length, _) in zip(hashes, piece.segments):
+                lo, hi = max(start, at), min(start + length, stop)
+                if lo < hi:
+                    h.update(data[lo - at:hi - at])
+            check_local_headers(self.path, self.headers, data, at)
+            self._copy(piece, at, stop, address, bounce, staged=source is None)
+        for h, (index, start, length, want) in zip(hashes, piece.segments):
+            if h.digest() != want:
+                raise storage_error(self.path, self.header, index, f"checksum mismatch in bytes "
+                                    f"{start - self.header.storages[index].offset}..+{length} (the data is corrupt)")
+
+    def _copy(self, piece: Piece, at: int, stop: int, address: int, bounce: _Bounce | None, staged: bool) -> None:
+        """Bytes ``at..stop`` of the data region, at ``address``, into the targets they belong to."""
+        for start, end, target in piece.targets:
+            lo, hi = max(start, at), min(end, stop)
+            if lo >= hi:
+                continue
+            if not target.on_gpu:
+                ctypes.memmove(target.address + lo - start, address + lo - at, hi - lo)
+                continue
+            assert bounce is not None and bounce.stream is not None
+            if not staged:  # the mapping is pageable: through the page-locked buffer
+                bounce.settle()
+                ctypes.memmove(bounce.address, address, stop - at)
+                staged = True
+            with torch.no_grad(), torch.cuda.stream(bounce.stream):
+                target.flat[lo - start:hi - start].copy_(bounce.tensor[lo - at:hi - at], non_blocking=True)
+        if bounce is not None and bounce.event is not None:
+            bounce.event.record(bounce.stream)
+
+    def _read(self, fd: int, into: memoryview, at: int) -> None:
+        done = 0
+        while done < len(into):
+            got = os.preadv(fd, [into[done:]], at + done)
+            if got == 0:
+                raise CorruptCheckpointError(f"{self.path}: file ends at byte {at + done}, inside its data region",
+                                             path=self.path)
+            done += got
+
+
