@@ -306,6 +306,23 @@ def test_a_flipped_byte_in_a_tensor_raises_and_never_reaches_into(trainer: Clien
         trainer.restore(run, "rank0.pt", tag="step1", into=zeros_like(state))
 
 
+def test_a_corrupt_memory_replica_gives_way_to_storage(trainer: Client, run: Path) -> None:
+    """A byte of the daemon's replica flipped: reading it (a mapped tmpfs file) raises CorruptCheckpointError, and
+    the restore reads storage, bitwise, into the same tensors; it never returns the replica's wrong bytes."""
+    path, state = corruptible(trainer, run)
+    (replica,) = [Path(r["file"]) for r in trainer.status()["replicas"]["replicas"] if r["path"] == str(path)]
+    at, nbytes = storage_at(replica, "w")
+    flip_byte(replica, at + nbytes - 1)
+    with pytest.raises(CorruptCheckpointError, match="'w'.*checksum mismatch"):
+        datastates.load(replica, into=zeros_like(state))
+    into = zeros_like(state)
+    ptrs = identities(into)
+    restored = trainer.restore(run, "rank0.pt", into=into)
+    assert restored is not None and restored.source == "storage" and "corrupt" in restored.why_not_memory, restored
+    assert_state_equal(state, into)
+    assert identities(into) == ptrs
+
+
 def test_a_damaged_zip_local_header_in_the_data_region_raises(trainer: Client, run: Path) -> None:
     """What torch.load would misread: a storage's local header, between tensors, which no checksum covers."""
     path, state = corruptible(trainer, run)
@@ -476,6 +493,20 @@ def test_strided_tensors_in_the_file_and_in_into(trainer: Client, run: Path) -> 
         assert torch.equal(into[k], state[k]), k
 
 
+def test_one_tensor_under_two_keys_into_two_tensors(trainer: Client, run: Path) -> None:
+    """The same tensor object saved under two keys (one entry of the file), restored into two tensors of their own:
+    both get the values, each in its own memory."""
+    torch.manual_seed(15)
+    t = torch.randn(4096)
+    path = committed(trainer, {"a": t, "b": t}, run)
+    into = {"a": torch.zeros(4096), "b": torch.zeros(4096)}
+    ptrs = identities(into)
+    datastates.load(path, into=into)
+    assert identities(into) == ptrs
+    assert_tensor_bitwise(t, into["a"], "a")
+    assert_tensor_bitwise(t, into["b"], "b")
+
+
 @pytest.mark.parametrize("into_tied", [True, False], ids=["tied", "untied"])
 def test_tied_weights(into_tied: bool, trainer: Client, run: Path) -> None:
     """A model whose head shares the embedding's weight (two keys, one tensor) saved; restored into a tied model
@@ -530,6 +561,10 @@ def test_tuples_namedtuples_and_plain_values(trainer: Client, run: Path) -> None
     into = {"pair": (torch.zeros(40), torch.zeros(9, dtype=torch.int64)), "nt": NT(torch.zeros(6, 2), 0),
             "plain": {"step": 0, "lr": 0.0, "name": "", "none": "something", "list": [torch.zeros(3), 0]}}
     ptrs = identities(into)
+    before = copy.deepcopy(into)
+    with pytest.raises(errors.WeightsOnlyError, match="NT"):  # the skeleton is unpickled before anything is written
+        datastates.load(path, into=into)
+    assert_state_equal(before, into)
     with torch.serialization.safe_globals([NT]):
         out = datastates.load(path, into=into)
     assert out is into
