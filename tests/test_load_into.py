@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -80,6 +81,17 @@ def committed(c: Client, state: Any, run: Path, tag: str = "step1") -> Path:
     path = run / tag / "rank0.pt"
     save(c, state, path, tag=tag)
     return path
+
+
+def replica_of(c: Client, path: Path) -> Path:
+    """The daemon's committed replica of ``path``, once written (it is written beside the storage file, and may land
+    after the commit's reply)."""
+    for _ in range(2400):  # a hang guard
+        files = [Path(r["file"]) for r in c.status()["replicas"]["replicas"] if r["path"] == str(path) and r["committed"]]
+        if files and files[0].exists():
+            return files[0]
+        time.sleep(0.05)
+    raise AssertionError(f"the daemon never held a replica of {path}: {c.status()['replicas']}")
 
 
 def supersede(c: Client, run: Path) -> None:
@@ -166,6 +178,8 @@ def test_a_models_state_is_restored_bitwise_into_its_own_tensors(how: str, train
     path = committed(trainer, saved, run)
     if how == "storage":
         supersede(trainer, run)
+    elif how == "memory":
+        replica_of(trainer, path)
     model = net(2)
     into = {"model": model.state_dict(), "step": 0, "lr": 0.0, "name": "", "note": "x"}
     before = identities(into)
@@ -253,7 +267,7 @@ def test_a_misfit_raises_naming_the_key_and_writes_nothing(case: str, fitting_fi
 
 
 def test_a_misfit_through_client_restore_from_memory_raises_too(trainer: Client, run: Path) -> None:
-    committed(trainer, fitting(), run)
+    replica_of(trainer, committed(trainer, fitting(), run))
     into = zeros_like(fitting())
     _shape(into)
     before = copy.deepcopy(into)
@@ -310,7 +324,7 @@ def test_a_corrupt_memory_replica_gives_way_to_storage(trainer: Client, run: Pat
     """A byte of the daemon's replica flipped: reading it (a mapped tmpfs file) raises CorruptCheckpointError, and
     the restore reads storage, bitwise, into the same tensors; it never returns the replica's wrong bytes."""
     path, state = corruptible(trainer, run)
-    (replica,) = [Path(r["file"]) for r in trainer.status()["replicas"]["replicas"] if r["path"] == str(path)]
+    replica = replica_of(trainer, path)
     at, nbytes = storage_at(replica, "w")
     flip_byte(replica, at + nbytes - 1)
     with pytest.raises(CorruptCheckpointError, match="'w'.*checksum mismatch"):
@@ -411,12 +425,16 @@ c = Client(endpoint, timeout=60)
 c.snapshot(state, f"{root}/step1/rank0.pt")
 c.wait()
 c.commit("step1").result(timeout=120)
+for _ in range(2400):  # a hang guard: until the daemon's replica is written (it may land after the commit's reply)
+    if any(r["committed"] and os.path.exists(r["file"]) for r in c.status()["replicas"]["replicas"]):
+        break
+    time.sleep(0.05)
 target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
 ptrs = {k: v.data_ptr() for k, v in target.items() if isinstance(v, torch.Tensor)}
 out = {"killed": killed, "pieces": len(seen), "replica": replica}
 try:
     got = c.restore(root, "rank0.pt", into=target)
-    out.update(source=got.source, same=got.state is target, step=target["step"],
+    out.update(source=got.source, why_not=got.why_not_memory, same=got.state is target, step=target["step"],
                unequal=[k for k, v in state.items() if isinstance(v, torch.Tensor) and not torch.equal(v, target[k])],
                moved=[k for k, p in ptrs.items() if target[k].data_ptr() != p])
 except Exception as exc:
@@ -540,9 +558,11 @@ def test_parameters_that_require_grad_are_filled(how: str, trainer: Client, run:
     """``into=dict(model.named_parameters())``: leaf tensors that require grad, filled with no autograd error, still
     leaves that require grad (from either source)."""
     saved = dict(net(11).named_parameters())
-    committed(trainer, saved, run)
+    path = committed(trainer, saved, run)
     if how == "storage":
         supersede(trainer, run)
+    else:
+        replica_of(trainer, path)
     model = net(12)
     into = dict(model.named_parameters())
     restored = trainer.restore(run, "rank0.pt", tag="step1", into=into)
@@ -598,6 +618,8 @@ def test_a_state_over_many_read_pieces(how: str, trainer: Client, run: Path, mon
     path = committed(trainer, state, run)
     if how == "storage":
         supersede(trainer, run)
+    else:
+        replica_of(trainer, path)
     monkeypatch.setattr(into_module, "READ_PIECE", 1 << 20)
     assert straddles(path, 1 << 20) >= 3  # the case under test
     into = zeros_like(state)
