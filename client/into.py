@@ -31,6 +31,7 @@ tensors are new allocations the daemon has no IPC handles for, and a restore fro
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -284,8 +285,9 @@ class _Stream:
             self._threads(fd, mapping)
         finally:
             os.close(fd)
-            if mapping is not None:
-                mapping.close()
+            if mapping is not None:  # a worker's failure may still view it from its traceback: unmapped when it goes
+                with contextlib.suppress(BufferError):
+                    mapping.close()
 
     def _threads(self, fd: int, mapping: mmap.mmap | None) -> None:
         todo = iter(self.pieces)
