@@ -496,6 +496,17 @@ def test_views_sharing_one_storage_stay_shared_and_get_the_values(trainer: Clien
     assert identities(apart) == ptrs
 
 
+def test_an_into_tensor_that_overlaps_itself_is_a_misfit_not_a_corrupt_file(trainer: Client, run: Path) -> None:
+    """An expanded tensor in ``into`` (stride 0: its elements share memory) cannot hold the file's distinct values:
+    StateMismatchError naming it before anything is written, never the sound file called corrupt after ``a`` was."""
+    torch.manual_seed(16)
+    path = committed(trainer, {"a": torch.randn(4, 3), "x": torch.randn(4, 3)}, run)
+    into = {"a": torch.zeros(4, 3), "x": torch.zeros(3).expand(4, 3)}
+    with pytest.raises(StateMismatchError, match=r"\['x'\]"):
+        datastates.load(path, into=into)
+    assert torch.equal(into["a"], torch.zeros(4, 3))
+
+
 def test_strided_tensors_in_the_file_and_in_into(trainer: Client, run: Path) -> None:
     """A transposed tensor in the file into a contiguous one, and a contiguous one into a transposed one: values
     by index, ``into``'s strides and memory kept."""
