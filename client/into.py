@@ -349,6 +349,7 @@ class _Stream:
                 continue
             assert bounce is not None and bounce.stream is not None
             if source is not None and not staged:  # the mapping is pageable: through the page-locked buffer
+                bounce.settle()  # its previous piece's GPU copies read it still
                 ctypes.memmove(bounce.address, address, n)
                 staged = True
             with torch.no_grad(), torch.cuda.stream(bounce.stream):
