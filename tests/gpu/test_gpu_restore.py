@@ -11,6 +11,7 @@ previous piece's asynchronous copy finished would show as wrong bytes here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,7 +24,7 @@ import datastates
 import datastates.client.into as into_module
 from datastates.client import Client
 
-from conftest import DaemonProc, save
+from conftest import DaemonFactory, DaemonProc, save
 
 PIECE = 1 << 20
 """The reader's piece size in these tests: ~40 pieces, ten per read thread."""
@@ -32,10 +33,21 @@ ROUNDS = 3
 previous copy has several chances to show."""
 
 
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """One daemon for the module, with 256 KiB pieces: the reader's pieces are whole ones of the file's, so the
+    lowered ``PIECE`` holds."""
+    factory = DaemonFactory(tmp_path_factory.mktemp("gpu-into"))
+    yield factory.start(chunk_size=f"{256 << 10}B")
+    factory.stop_all_later()
+
+
 @pytest.fixture
-def daemon(shared_daemon_folder: DaemonProc) -> DaemonProc:
-    """One daemon for the module, a storage folder per test."""
-    return shared_daemon_folder
+def daemon(node: DaemonProc, request: pytest.FixtureRequest) -> DaemonProc:
+    """The module's daemon, with a storage folder of this test's own as its root."""
+    root = node.root / request.node.name.replace("[", "-").replace("]", "")
+    root.mkdir()
+    return dataclasses.replace(node, root=root)
 
 
 @pytest.fixture
