@@ -677,6 +677,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_load_into.py::test_a_state_over_many_read_pieces[memory]", "tests/test_load_into.py::test_a_state_over_many_read_pieces[storage]",
          "tests/test_load_into.py::test_a_state_over_the_default_read_piece"),
     ),
+    Mutation(
+        "into-with-autograd",
+        "load(into=) fills into's tensors with autograd on: a parameter that requires grad cannot be written in place",
+        (Edit("client/into.py", "    with torch.no_grad():\n        for storage, entries in users.items():\n",
+              "    with contextlib.nullcontext():  # MUTATION\n        for storage, entries in users.items():\n"),),
+        ("tests/test_load_into.py::test_parameters_that_require_grad_are_filled[memory]",),
+    ),
 )
 
 

@@ -567,17 +567,20 @@ def test_empty_scalar_and_every_common_dtype(trainer: Client, run: Path) -> None
 @pytest.mark.parametrize("how", ["memory", "storage"])
 def test_parameters_that_require_grad_are_filled(how: str, trainer: Client, run: Path) -> None:
     """``into=dict(model.named_parameters())``: leaf tensors that require grad, filled with no autograd error, still
-    leaves that require grad (from either source)."""
+    leaves that require grad (from either source); a transposed one too (filled by a copy, not straight)."""
     saved = dict(net(11).named_parameters())
+    saved["transposed"] = nn.Parameter(torch.randn(30, 20))
     path = committed(trainer, saved, run)
     if how == "storage":
         supersede(trainer, run)
     else:
         replica_of(trainer, path)
     model = net(12)
+    model.transposed = nn.Parameter(torch.zeros(20, 30).t())
     into = dict(model.named_parameters())
     restored = trainer.restore(run, "rank0.pt", tag="step1", into=into)
     assert restored is not None and restored.source == how
+    assert model.transposed.stride() == (1, 30)
     for k, p in model.named_parameters():
         assert p is into[k] and p.is_leaf and p.requires_grad and p.grad_fn is None, k
         assert torch.equal(p.detach(), saved[k].detach()), k
