@@ -459,7 +459,8 @@ def test_the_daemon_killed_mid_restore_never_yields_wrong_bytes(start_daemons: C
     daemons = start_daemons(*({"chunk_size": f"{CHUNK}B"} for _ in KILL_POINTS))
     procs = []
     for d, point in zip(daemons, KILL_POINTS):
-        procs.append(subprocess.Popen([sys.executable, "-c", KILLER, d.endpoint, str(d.proc.pid), str(d.root), point,
+        run = d.root / point.replace("+", "-")  # the daemons share one root folder: a run folder each
+        procs.append(subprocess.Popen([sys.executable, "-c", KILLER, d.endpoint, str(d.proc.pid), str(run), point,
                                        str(1 << 20)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for d, point, proc in zip(daemons, KILL_POINTS, procs):
         out, err = proc.communicate(timeout=240)
