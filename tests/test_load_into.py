@@ -87,7 +87,8 @@ def replica_of(c: Client, path: Path) -> Path:
     """The daemon's committed replica of ``path``, once written (it is written beside the storage file, and may land
     after the commit's reply)."""
     for _ in range(2400):  # a hang guard
-        files = [Path(r["file"]) for r in c.status()["replicas"]["replicas"] if r["path"] == str(path) and r["committed"]]
+        files = [Path(r["file"]) for r in c.status()["replicas"]["replicas"]
+                 if r["path"] == str(path) and r["committed"]]
         if files and files[0].exists():
             return files[0]
         time.sleep(0.05)
@@ -95,7 +96,7 @@ def replica_of(c: Client, path: Path) -> Path:
 
 
 def supersede(c: Client, run: Path) -> None:
-    """Commit a newer tag of the same rank file: the daemon drops step1's replica, so a restore of step1 reads storage."""
+    """Commit a newer tag of the same rank file: the daemon drops step1's replica, so restoring step1 reads storage."""
     committed(c, {"other": torch.zeros(1)}, run, tag="step2")
 
 
@@ -555,7 +556,8 @@ def test_tied_weights(into_tied: bool, trainer: Client, run: Path) -> None:
 def test_empty_scalar_and_every_common_dtype(trainer: Client, run: Path) -> None:
     torch.manual_seed(10)
     state = {"empty": torch.zeros(0, 5), "scalar": torch.tensor(3.25, dtype=torch.float64),
-             "bool": torch.rand(1001) > 0.5, "bf16": torch.randn(513).bfloat16(), "i64": torch.randint(-2**62, 2**62, (77,)),
+             "bool": torch.rand(1001) > 0.5, "bf16": torch.randn(513).bfloat16(),
+             "i64": torch.randint(-2**62, 2**62, (77,)),
              "c64": torch.randn(129, dtype=torch.complex64), "u8": torch.randint(0, 256, (3, 5), dtype=torch.uint8)}
     path = committed(trainer, state, run)
     into = zeros_like(state)
