@@ -93,6 +93,9 @@ class _Match:
                                         f"`into` a {theirs.dtype} one of shape {tuple(theirs.shape)}")
             if theirs.device.type not in ("cpu", "cuda"):
                 raise self.misfit(path, f"`into`'s tensor is on {theirs.device}, which a restore cannot write to")
+            if any(n > 1 and s == 0 for n, s in zip(theirs.shape, theirs.stride())):
+                raise self.misfit(path, "`into`'s tensor is expanded (a stride of 0): its elements share memory, so "
+                                        "it cannot hold the checkpoint's values")
             self.into.setdefault(index, []).append(theirs)
         elif isinstance(theirs, torch.Tensor):
             raise self.misfit(path, f"`into` holds a tensor, the checkpoint a {type(ours).__name__}")

@@ -696,6 +696,92 @@ MUTATIONS: tuple[Mutation, ...] = (
               "if rec.path not in READ_HERE:  # MUTATION"),),
         ("tests/integrations/test_transformers.py::test_resume_refuses_a_committed_checkpoint_whose_bytes_changed[index]",),
     ),
+    Mutation(
+        "into-shape-unchecked",
+        "load(into=) plans with dtypes only: a tensor of another shape is found after the stream wrote into, as a "
+        "RuntimeError",
+        (Edit("client/into.py", "            if theirs.shape != ours.shape or theirs.dtype != ours.dtype:\n",
+              "            if theirs.dtype != ours.dtype:  # MUTATION: shape unchecked\n"),),
+        ("tests/test_load_into.py::test_a_misfit_raises_naming_the_key_and_writes_nothing[shape]",),
+    ),
+    Mutation(
+        "into-tensor-over-a-value",
+        "load(into=) takes a tensor of into where the checkpoint holds a plain value: into keeps its tensor, silently",
+        (Edit("client/into.py", "        elif isinstance(theirs, torch.Tensor):\n            raise self.misfit(",
+              "        elif False:  # MUTATION\n            raise self.misfit("),),
+        ("tests/test_load_into.py::test_a_misfit_raises_naming_the_key_and_writes_nothing[tensor-in-into-not-in-file]",),
+    ),
+    Mutation(
+        "into-lacking-key-unchecked",
+        "load(into=) does not check for keys into has and the checkpoint lacks (a KeyError, after nothing useful)",
+        (Edit("client/into.py", "            if lacking:\n", "            if False:  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_a_misfit_raises_naming_the_key_and_writes_nothing[into-has-a-key-the-file-lacks]",
+         "tests/test_load_into.py::test_strict_false_still_refuses_a_key_the_file_lacks"),
+    ),
+    Mutation(
+        "into-extra-key-added-when-strict",
+        "load(into=, strict=True) adds the checkpoint's keys into lacks instead of refusing them",
+        (Edit("client/into.py", "            extra = [k for k in ours if k not in theirs and not self.new_key(path + (k,))]\n",
+              "            extra = []  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_a_misfit_raises_naming_the_key_and_writes_nothing[file-has-a-key-into-lacks]",),
+    ),
+    Mutation(
+        "into-expanded-accepted",
+        "load(into=) plans an expanded tensor of into as fitting: the rebuild fails after the stream wrote into, and "
+        "calls the sound file corrupt",
+        (Edit("client/into.py", "            if any(n > 1 and s == 0 for n, s in zip(theirs.shape, theirs.stride())):\n",
+              "            if False:  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_an_into_tensor_that_overlaps_itself_is_a_misfit_not_a_corrupt_file",),
+    ),
+    Mutation(
+        "into-checksums-unchecked",
+        "a load hashes each piece but never compares the hash with the file's checksum: corrupt bytes load",
+        (Edit("client/stream.py", "            if h.digest() != want:", "            if False:  # MUTATION"),),
+        ("tests/test_load_into.py::test_a_flipped_byte_in_a_tensor_raises",),
+    ),
+    Mutation(
+        "into-zip-headers-unchecked",
+        "load(into=) does not check the zip local headers inside the data region (torch.load would misread the file)",
+        (Edit("client/stream.py", "            check_local_headers(self.path, self.headers, data, at)\n", ""),),
+        ("tests/test_load_into.py::test_a_damaged_zip_local_header_in_the_data_region_raises",),
+    ),
+    Mutation(
+        "into-mapping-close-unguarded",
+        "load(into=) of a mapped file (the daemon's replica) that fails a checksum raises a BufferError from closing "
+        "the mapping: Client.restore does not fall back to storage",
+        (Edit("client/stream.py", "                with contextlib.suppress(BufferError):\n                    mapping.close()\n",
+              "                mapping.close()  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_a_corrupt_memory_replica_gives_way_to_storage",),
+    ),
+    Mutation(
+        "into-strides-ignored",
+        "load(into=) copies a storage's bytes straight into a non-contiguous tensor of into, in memory order",
+        (Edit("client/into.py", "    return target if target.is_contiguous() else None\n", "    return target  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_strided_tensors_in_the_file_and_in_into",),
+    ),
+    Mutation(
+        "into-second-tensor-of-an-entry-unfilled",
+        "load(into=): one tensor of the file under two keys of into fills only the first of into's tensors",
+        (Edit("client/into.py", "            if target.direct and not _same_memory(t, first):\n",
+              "            if False:  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_one_tensor_under_two_keys_into_two_tensors",),
+    ),
+    Mutation(
+        "into-straddling-storage-first-piece-only",
+        "load(into=) copies a storage that straddles read pieces from its first piece only",
+        (Edit("client/stream.py",
+              "            for piece in self.pieces[rec.offset // size:(rec.offset + rec.nbytes - 1) // size + 1] if target else ():\n",
+              "            for piece in self.pieces[rec.offset // size:rec.offset // size + 1] if target else ():  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_a_state_over_many_read_pieces[memory]", "tests/test_load_into.py::test_a_state_over_many_read_pieces[storage]",
+         "tests/test_load_into.py::test_a_state_over_the_default_read_piece"),
+    ),
+    Mutation(
+        "into-with-autograd",
+        "load(into=) fills into's tensors with autograd on: a parameter that requires grad cannot be written in place",
+        (Edit("client/into.py", "    with torch.no_grad():\n        for storage, entries in users.items():\n",
+              "    with contextlib.nullcontext():  # MUTATION\n        for storage, entries in users.items():\n"),),
+        ("tests/test_load_into.py::test_parameters_that_require_grad_are_filled[memory]",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
