@@ -412,13 +412,13 @@ def hook(event, args):
         if point == "open" and not killed:
             kill()
 sys.addaudithook(hook)
-check, seen = into.check_local_headers, []
+check, seen = stream.check_local_headers, []
 def checked(*args):
     seen.append(1)
     if point.split("+")[0] == f"piece{len(seen)}" and not killed:
         kill()
     return check(*args)
-into.check_local_headers = checked
+stream.check_local_headers = checked
 
 c = Client(endpoint, timeout=60)
 c.snapshot(state, f"{root}/step1/rank0.pt")
