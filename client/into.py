@@ -10,10 +10,10 @@ Three steps, so that a state that does not fit is never half-written:
 1. **Plan.** The skeleton is unpickled with every tensor a meta tensor (no data read) and
    matched with ``into`` key by key. A key one side lacks, or a tensor of another shape or
    dtype, raises StateMismatchError naming it, before any byte of ``into`` is written.
-2. **Stream** (client/stream.py). The data region is read in pieces, on READ_THREADS threads, each piece in STEP
-   reads into the thread's small page-aligned bounce buffer with O_DIRECT (a replica on tmpfs
-   is mapped instead: its pages are memory already), hashed and copied out while it is in the
-   CPU's cache. A checksum or zip header that does not match, or a file that ends early,
+2. **Stream** (client/stream.py). The data region is read in pieces, on READ_THREADS threads, each
+   piece in STEP reads into the thread's small page-aligned bounce buffer (O_DIRECT from disk;
+   a replica on tmpfs read through the page cache, which it is), hashed and copied out while
+   it is in the CPU's cache. A checksum or zip header that does not match, or a file that ends early,
    raises: the restore never returns a half-written state as success. A storage that one
    contiguous tensor of ``into`` covers whole is copied straight into that tensor; any other
    (views sharing a storage, strided tensors, tensors ``into`` has no place for) into one

@@ -746,14 +746,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_load_into.py::test_a_damaged_zip_local_header_in_the_data_region_raises",),
     ),
     Mutation(
-        "into-mapping-close-unguarded",
-        "load(into=) of a mapped file (the daemon's replica) that fails a checksum raises a BufferError from closing "
-        "the mapping: Client.restore does not fall back to storage",
-        (Edit("client/stream.py", "                with contextlib.suppress(BufferError):\n                    mapping.close()\n",
-              "                mapping.close()  # MUTATION\n"),),
-        ("tests/test_load_into.py::test_a_corrupt_memory_replica_gives_way_to_storage",),
-    ),
-    Mutation(
         "into-strides-ignored",
         "load(into=) copies a storage's bytes straight into a non-contiguous tensor of into, in memory order",
         (Edit("client/into.py", "    return target if target.is_contiguous() else None\n", "    return target  # MUTATION\n"),),
