@@ -20,8 +20,8 @@ Every restore touches each page of what it loaded. Two reference lines are measu
 the same runs: a raw O_DIRECT read of the datastates file with the reader's own threads
 and piece size, into a fresh buffer and into one reused across runs. It prints medians
 over ``--runs`` (contenders interleaved), the ratios the issue names, and where a storage
-and a memory restore's time goes (``phases``: header, data read or mapped, checksums, rebuilding
-the state, touching it).
+and a memory restore's time goes (``phases``: header, data read or mapped with its checksums,
+rebuilding the state, touching it). ``--device cuda`` restores onto a GPU (bench/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -56,6 +56,19 @@ def touch(state: Any) -> None:
     for t in tensors_of(state):
         if t.numel():
             t.view(-1)[:: max(1, 4096 // t.element_size())].sum()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # a GPU restore's copies are done when it is
+
+
+def on_device(state: Any, device: str) -> Any:
+    """A copy of ``state`` with every tensor on ``device``: the model and optimizer a resuming job has built."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device, copy=True)
+    if isinstance(state, dict):
+        return type(state)((k, on_device(v, device)) for k, v in state.items())
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_device(v, device) for v in state)
+    return copy.deepcopy(state)
 
 
 def restore_and_touch(fn: Callable[[], Any]) -> Any:
@@ -89,16 +102,16 @@ def raw_read(path: str, buf: mmap.mmap | None = None) -> mmap.mmap:
 def phases(path: str, cold: str | None = None) -> dict[str, float]:
     """Where a restore of ``path`` takes its time, phase by phase; the page cache of ``cold`` emptied first.
 
-    "data" is the read from disk for a file in storage, and mapping every page for a replica in /dev/shm.
+    "data and checksums" is the read from disk, each piece hashed as it lands, for a file in storage; mapping
+    every page and hashing it for a replica in /dev/shm.
     """
     gc.collect()  # the previous run's state is freed here, not inside this one's timing
     if cold:
         drop_caches(cold)
     out: dict[str, float] = {}
-    out["header"], (header, base, size, _) = timed(read_header, path)
-    out["data"], data = timed(reader._read_data, path, base, size)
-    ctx = reader._Restore(path, data, header, True, None, True)
-    out["checksums"], _ = timed(lambda: [ctx.storage(i) for i in range(len(header.storages))])
+    out["header"], (header, base, size, layout) = timed(read_header, path)
+    out["data and checksums"], data = timed(reader._read_data, path, header, layout, (base, size), True)
+    ctx = reader._Restore(path, data, header, False, None, True)
     out["rebuild"], state = timed(ctx.entry, header.root)
     out["touch"], _ = timed(touch, state)
     return out
@@ -157,6 +170,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--fresh-only", action="store_true", help="no in-place, memory or DCP restores")
+    parser.add_argument("--device", default="cpu", help="where restored tensors go: cpu, or cuda (bench/gpu_check.sh)")
     parser.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh temp dir)")
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="ds-bench-restore-", dir=os.environ.get("TMPDIR", "/var/tmp"))
@@ -177,15 +191,16 @@ def main() -> int:
                 memory: dict[str, Callable[[], Any]] = {}
                 if not args.fresh_only:
                     dcp.save({"state": state}, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
-                    template = {"state": copy.deepcopy(state)}  # DCP loads in place, into preallocated tensors
-                    into_storage, into_memory = copy.deepcopy(state), copy.deepcopy(state)
+                    template = {"state": on_device(state, args.device)}  # DCP loads in place, into preallocated tensors
+                    into_storage, into_memory = on_device(state, args.device), on_device(state, args.device)
 
                     def dcp_load() -> Any:
                         dcp.load(template, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
                         return template
 
                     def from_memory(into: Any = None) -> Any:
-                        restored = client.restore(root, "rank0.pt", into=into)
+                        restored = client.restore(root, "rank0.pt", into=into,
+                                                  map_location=None if into is not None else args.device)
                         assert restored is not None and restored.source == "memory", restored
                         return restored.state
 
@@ -196,11 +211,13 @@ def main() -> int:
                     "raw O_DIRECT, fresh buffer": lambda: raw_read(ours),
                     "raw O_DIRECT, reused buffer": lambda: raw_read(ours, reused),
                     **memory,
-                    "storage": lambda: datastates.load(ours),
+                    "storage": lambda: datastates.load(ours, map_location=args.device),
                     **({} if args.fresh_only else {"storage, in place": lambda: datastates.load(ours, into=into_storage),
                                                    "dcp": dcp_load}),
-                    "torch.load": lambda: torch.load(os.path.join(root, "ts", "rank0.pt"), weights_only=False),
-                    "torch.load of datastates' file": lambda: torch.load(ours, weights_only=False),
+                    "torch.load": lambda: torch.load(os.path.join(root, "ts", "rank0.pt"), map_location=args.device,
+                                                     weights_only=False),
+                    "torch.load of datastates' file": lambda: torch.load(ours, map_location=args.device,
+                                                                          weights_only=False),
                 }
                 times: dict[str, list[float]] = {n: [] for n in contenders}
                 for r in range(args.runs):
@@ -218,7 +235,7 @@ def main() -> int:
                     profile["memory"] = [phases(replica) for _ in range(args.runs)]
                 med = print_medians(times, nbytes)
                 report(times, med, profile)
-                if memory:
+                if memory and args.device == "cpu":
                     global_drop(memory, args.runs)
                     manager_restore(root, ep, nbytes, args.runs)
     finally:

@@ -22,6 +22,7 @@ CorruptCheckpointError naming the tensor: a load never returns what it could not
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import threading
@@ -48,6 +49,10 @@ class Target:
         self.flat = tensor.reshape(-1).view(torch.uint8)
         """Its bytes, as a GPU copy addresses them."""
         self.address = tensor.data_ptr()
+        nbytes = self.flat.numel()
+        self.view = memoryview((ctypes.c_char * nbytes).from_address(self.address)).cast("B") \
+            if nbytes and not self.on_gpu else None
+        """Its bytes as a CPU buffer, for a read straight into them (``Stream._scatter``)."""
 
 
 
@@ -93,8 +98,8 @@ class Piece:
     stop: int
     segments: list[tuple[int, int, int, bytes]] = field(default_factory=list)
     """(storage, start, length, checksum) of each checksummed segment inside this piece."""
-    targets: list[tuple[int, int, Target]] = field(default_factory=list)
-    """(start, stop, target) of each storage that meets this piece, relative to the data region."""
+    targets: list[tuple[int, int, int, Target]] = field(default_factory=list)
+    """(storage, start, stop, target) of each storage that meets this piece, by start, relative to the data region."""
 
 
 class Stream:
@@ -120,8 +125,13 @@ class Stream:
             for (start, length), want in zip(segs, rec.checksums) if verify else ():
                 self.pieces[start // size].segments.append((index, start, length, want))
             for piece in self.pieces[rec.offset // size:(rec.offset + rec.nbytes - 1) // size + 1] if target else ():
-                piece.targets.append((rec.offset, rec.offset + rec.nbytes, target))
+                piece.targets.append((index, rec.offset, rec.offset + rec.nbytes, target))
+        for piece in self.pieces:
+            piece.targets.sort(key=lambda t: t[1])
         self.gpu = any(t.on_gpu for t in (targets or {}).values())
+        self.scatter = False
+        """Read a step straight into its CPU targets (one preadv): where the file is not read with O_DIRECT, which
+        needs aligned buffers (a replica on tmpfs). Set by ``run``."""
 
     def run(self, region: np.ndarray | None = None) -> None:
         """Read, check (and copy out) every piece on READ_THREADS threads; the first failure is raised.
@@ -136,6 +146,7 @@ class Stream:
             return
         fd = open_for_reading(self.path)
         try:
+            self.scatter = region is None and not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
             self._threads(fd, region, fill=region is not None)
         finally:
             os.close(fd)
@@ -180,31 +191,61 @@ class Stream:
             advise(source.ctypes.data + piece.start, piece.stop - piece.start, MADV_POPULATE_WRITE)
         for at in range(piece.start, piece.stop, STEP):
             stop = min(piece.stop, at + STEP)
+            straight = None
             if source is not None:
                 data, address = memoryview(source[at:stop]), source.ctypes.data + at
                 if fill:
-                    self._read(fd, data, self.base + at)
+                    self._read(fd, [data], self.base + at)
             else:
                 assert bounce is not None
                 bounce.settle()  # its previous step's GPU copies read it still
-                self._read(fd, bounce.view[:stop - at], self.base + at)
+                straight = self._scatter(fd, piece, at, stop, bounce) if self.scatter else None
+                if straight is None:
+                    self._read(fd, [bounce.view[:stop - at]], self.base + at)
                 data, address = bounce.view[:stop - at], bounce.address
-            for h, (_, start, length, _) in zip(hashes, piece.segments):
+            for h, (index, start, length, _) in zip(hashes, piece.segments):
                 lo, hi = max(start, at), min(start + length, stop)
                 if lo < hi:
-                    h.update(data[lo - at:hi - at])
+                    h.update(straight[index][1][lo - straight[index][0]:hi - straight[index][0]]
+                             if straight and index in straight else data[lo - at:hi - at])
             check_local_headers(self.path, self.headers, data, at)
-            self._copy(piece, at, stop, address, bounce)
+            self._copy(piece, at, stop, address, bounce, straight or {})
         for h, (index, start, length, want) in zip(hashes, piece.segments):
             if h.digest() != want:
                 raise storage_error(self.path, self.header, index, f"checksum mismatch in bytes "
                                     f"{start - self.header.storages[index].offset}..+{length} (the data is corrupt)")
 
-    def _copy(self, piece: Piece, at: int, stop: int, address: int, bounce: _Bounce | None) -> None:
-        """Bytes ``at..stop`` of the data region, at ``address`` (the bounce buffer), into the targets they belong to."""
-        for start, end, target in piece.targets:
+    def _scatter(self, fd: int, piece: Piece, at: int, stop: int, bounce: _Bounce
+                 ) -> dict[int, tuple[int, memoryview]] | None:
+        """Bytes ``at..stop`` read in one preadv: each CPU target's part straight into it, the rest (zip headers,
+        GPU targets' bytes) into the bounce buffer at its place. The storages read straight, each with where its
+        bytes start and their view; None where storages overlap (a crafted file), read the plain way instead."""
+        buffers: list[memoryview] = []
+        straight: dict[int, tuple[int, memoryview]] = {}
+        pos = at
+        for index, start, end, target in piece.targets:
             lo, hi = max(start, at), min(end, stop)
-            if lo >= hi:
+            if lo >= hi or target.view is None:
+                continue
+            if lo < pos:
+                return None
+            if lo > pos:
+                buffers.append(bounce.view[pos - at:lo - at])
+            buffers.append(target.view[lo - start:hi - start])
+            straight[index] = (start, target.view)
+            pos = hi
+        if pos < stop:
+            buffers.append(bounce.view[pos - at:stop - at])
+        self._read(fd, buffers, self.base + at)
+        return straight
+
+    def _copy(self, piece: Piece, at: int, stop: int, address: int, bounce: _Bounce | None,
+              straight: dict[int, tuple[int, memoryview]]) -> None:
+        """Bytes ``at..stop`` of the data region, at ``address`` (the bounce buffer), into the targets they belong to
+        (but those read ``straight`` into already)."""
+        for index, start, end, target in piece.targets:
+            lo, hi = max(start, at), min(end, stop)
+            if lo >= hi or index in straight:
                 continue
             if not target.on_gpu:
                 ctypes.memmove(target.address + lo - start, address + lo - at, hi - lo)
@@ -215,13 +256,19 @@ class Stream:
         if bounce is not None and bounce.event is not None:
             bounce.event.record(bounce.stream)
 
-    def _read(self, fd: int, into: memoryview, at: int) -> None:
-        done = 0
-        while done < len(into):
-            got = os.preadv(fd, [into[done:]], at + done)
+    def _read(self, fd: int, buffers: list[memoryview], at: int) -> None:
+        """Fill ``buffers``, in order, from byte ``at`` of the file (IOV_MAX of them a call)."""
+        buffers = [b for b in buffers if len(b)]
+        while buffers:
+            got = os.preadv(fd, buffers[:IOV_MAX], at)
             if got == 0:
-                raise CorruptCheckpointError(f"{self.path}: file ends at byte {at + done}, inside its data region",
+                raise CorruptCheckpointError(f"{self.path}: file ends at byte {at}, inside its data region",
                                              path=self.path)
-            done += got
+            at += got
+            while buffers and got >= len(buffers[0]):
+                got -= len(buffers.pop(0))
+            if got:
+                buffers[0] = buffers[0][got:]
 
 
+IOV_MAX = 1024
