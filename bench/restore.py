@@ -46,7 +46,7 @@ from common import (datastatesd, drop_caches, fsync_tree, gpt_state, median, pri
                     tensors_of, timed)
 
 import datastates  # noqa: E402
-from datastates.client import Client, reader  # noqa: E402
+from datastates.client import Client, reader, stream  # noqa: E402
 from datastates.client.filecheck import READ_PIECE, READ_THREADS, read_header  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -79,7 +79,7 @@ def restore_and_touch(fn: Callable[[], Any]) -> Any:
 
 
 def raw_read(path: str, buf: mmap.mmap | None = None) -> mmap.mmap:
-    """The whole file with O_DIRECT, READ_THREADS threads of READ_PIECE reads, as the reader reads its data;
+    """The whole file with O_DIRECT, the reader's threads of READ_PIECE reads, as it reads its data;
     into ``buf`` if given (warm pages), else a fresh buffer."""
     size = os.path.getsize(path) // 4096 * 4096  # all but the zip's central directory, an unaligned tail
     buf = buf if buf is not None else mmap.mmap(-1, size)
@@ -92,7 +92,7 @@ def raw_read(path: str, buf: mmap.mmap | None = None) -> mmap.mmap:
             pos += os.preadv(fd, [view[pos:stop]], pos)
 
     try:
-        with ThreadPoolExecutor(READ_THREADS) as pool:
+        with ThreadPoolExecutor(stream.READ_THREADS) as pool:
             list(pool.map(read, range(0, size, READ_PIECE)))
     finally:
         os.close(fd)
@@ -170,9 +170,12 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--fresh-only", action="store_true", help="no in-place, memory or DCP restores")
+    parser.add_argument("--read-threads", type=int, default=READ_THREADS,
+                        help=f"the reader's threads (default {READ_THREADS}), to see how many the disk rewards")
     parser.add_argument("--device", default="cpu", help="where restored tensors go: cpu, or cuda (bench/gpu_check.sh)")
     parser.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh temp dir)")
     args = parser.parse_args()
+    stream.READ_THREADS = args.read_threads
     root = args.root or tempfile.mkdtemp(prefix="ds-bench-restore-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     state = gpt_state(layers=args.layers, dim=args.dim)
     nbytes = state_bytes(state)
