@@ -4,7 +4,9 @@
 # In order, each step under its own time limit (its whole process group: daemons and
 # trainers too), all within 8 minutes on one H200: the environment; tests/gpu (and
 # tests/test_cuda_handles.py) without the killed-trainer test; the 1,200-share probe;
-# bench/gpu.py --runs 1; the killed-trainer test alone under 90 s. Each step's log goes to
+# bench/gpu.py --runs 1; restores into CUDA tensors (bench/restore.py --device cuda: in place
+# from the replica and from storage, against torch.load and DCP onto the GPU); the
+# killed-trainer test alone under 90 s. Each step's log goes to
 # $OUT (default /tmp); $OUT/gpu_summary.txt gets each step's exit code and duration, then
 # the key figures. Exits non-zero if any step failed.
 set -uo pipefail
@@ -37,6 +39,7 @@ figures() {
     echo "== tests/gpu"; grep -E "$counts" "$out/tests.log" | tail -n 12
     echo "== 1,200-share probe"; grep -E '^probe:|^ *(tag|p[0-9]+) ' "$out/probe.log"
     echo "== bench/gpu.py --runs 1"; sed -n '/^daemon:/p;/^medians of/,$p' "$out/bench.log"
+    echo "== bench/restore.py --device cuda"; sed -n '/^medians of/,$p' "$out/restore.log"
     echo "== killed trainer"; grep -E "$counts" "$out/killed.log" | tail -n 3
 }
 
@@ -71,5 +74,6 @@ EOF
 step tests 190 python3 -m pytest -x -q -ra -p no:cacheprovider tests/gpu tests/test_cuda_handles.py --deselect "$killed"
 step probe 70 python3 bench/gpu_share_probe.py --snapshots 1200
 step bench 70 python3 bench/gpu.py --runs 1
+step restore 120 python3 bench/restore.py --device cuda --layers 3 --runs 3
 step killed 90 python3 -m pytest -q -ra -p no:cacheprovider "$killed"
 finish
