@@ -2,7 +2,7 @@
 # The GPU device check of issue 15, as one script: run it on a machine with a CUDA device
 # and a CUDA build of torch already installed (it installs datastates itself, without deps).
 # In order, each step under its own time limit (its whole process group: daemons and
-# trainers too), all within 8 minutes on one H200: the environment; tests/gpu (and
+# trainers too), all within 10 minutes on one H200: the environment; tests/gpu (and
 # tests/test_cuda_handles.py) without the killed-trainer test; the 1,200-share probe;
 # bench/gpu.py --runs 1; restores into CUDA tensors (bench/restore.py --device cuda: in place
 # from the replica and from storage, against torch.load and DCP onto the GPU); the
