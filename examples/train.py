@@ -198,17 +198,16 @@ def main() -> None:
     print("the daemon also keeps each tag's copy in /dev/shm (a replica, for restores after a crash): the first snapshots\n"
           "move into fresh /dev/shm pages once; later ones write over the replica they supersede (daemon/replicas.py)")
 
-    with Client() as again:  # as a restarted trainer would: from the daemon's memory if it holds the tag
-        result = again.restore(ROOT, "model_states.pt", map_location="cpu")
+    fresh = TinyGPT()  # as a restarted trainer would: its model built, then the newest committed tag read into it
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=3e-4)
+    with Client() as again:  # from the daemon's memory if it holds the tag; straight into the model's own tensors
+        result = again.restore(ROOT, "model_states.pt", into={"model": fresh.state_dict()}, strict=False)
     assert result is not None, "nothing committed"
     tag, restored = result.tag, result.state
-    fresh = TinyGPT()
-    fresh.load_state_dict(restored["model"])
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=3e-4)
-    fresh_opt.load_state_dict(restored["optimizer"])
-    ok = same(expected[tag], restored)
-    print(f"\nrestored the latest committed tag, {tag} (step {restored['step']}), from the daemon's {result.source}; "
-          f"bitwise equal to what was snapshotted: {ok}")
+    fresh_opt.load_state_dict(restored["optimizer"])  # it had not stepped: its state was read fresh (strict=False)
+    ok = same(expected[tag], restored) and same(expected[tag]["model"], fresh.state_dict())
+    print(f"\nrestored the latest committed tag, {tag} (step {restored['step']}), from the daemon's {result.source}, "
+          f"into the new model's own tensors; bitwise equal to what was snapshotted: {ok}")
     if daemon is not None:
         daemon.terminate()
         daemon.wait(60)
