@@ -1,7 +1,7 @@
 """I1-I5 under seeded fault schedules: stalls, kills, a full or read-only disk, re-saves, clock steps.
 
-``DATASTATES_SCHEDULES`` sets how many schedules run (100 by default, the suite's and CI's run,
-which keeps ``make test`` within 15 minutes; the closing figures come from 2,000 or more, run as
+``DATASTATES_SCHEDULES`` sets how many schedules run (100 by default, which keeps ``make test``
+within 15 minutes; .ci/run sets 200; the closing figures come from 2,000 or more, run as
 ``bench/fault_schedules.sh`` in chunks on two cores), ``DATASTATES_SEED`` the first seed, so a
 failure printed with its seed replays with ``DATASTATES_SEED=<seed> DATASTATES_SCHEDULES=1``.
 See tests/faults/schedules.py for what a schedule does and what is checked after it.
