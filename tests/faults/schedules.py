@@ -459,7 +459,8 @@ class Node:
                     and (not restarted or status["daemon"]["leftovers_removed"] is not None)):
                 return
             time.sleep(0.05)
-        raise Violation(f"the daemon never settled: {status.get('snapshots')}")
+        unsettled = {k: status.get(k) for k in ("pending", "commits_pending", "clients")}
+        raise Violation(f"the daemon never settled: {unsettled}; snapshots {status.get('snapshots')}")
 
 
 def shift_a_marker(run: Path, rng: random.Random) -> None:
