@@ -491,7 +491,8 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]], twins
       ``keep_last`` newer tags stand or a prune deleted it after that step (``pruned``: tag -> the
       step at its prune); every marker that is there is readable and its files whole. Of twin saves
       (``twins``: two trainers saving the same files of one tag at once) both told committed, the tag
-      holds the one whose commit was answered last, or a later step: never the other.
+      holds the one whose commit was answered last, or a later step: never the other. Of twin saves one told
+      committed and the other told its daemon was lost (the outcome unknown), the tag may hold either.
     - I4: ``latest()`` names the tag the trainer committed last of those there (by the order of
       its commits, never a clock) and holds a step at least the newest confirmed one; the
       ``latest`` tracker names a committed tag.
@@ -520,6 +521,14 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]], twins
         if marker.tag not in newness or marker.newness > newness[marker.tag]:  # a tag committed in two folders:
             committed[marker.tag], newness[marker.tag] = step, marker.newness  # readers take its newest marker
     confirmed = {s: saved[s].tag for s in saved if told.get((s, "commit")) == "ok"}
+    unknown: dict[str, set[int]] = collections.defaultdict(set)
+    """Per tag, the twin saves whose commit outcome the trainer could not know (the daemon was lost before it
+    answered: "it may have died ... check datastates.latest"): admitted after its partner's commit, such a save is
+    that tag's next version, and may have been switched in before the daemon died (seed 210293)."""
+    for pair in twins:
+        for s in pair:
+            if (told.get((s, "commit")) or "").startswith("error: DaemonUnavailable"):
+                unknown[saved[s].tag].add(s)
     for pair in twins:
         if all(s in confirmed for s in pair):
             first, last = sorted(pair, key=answered.__getitem__)
@@ -530,7 +539,7 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]], twins
     for tag in sorted(set(confirmed.values())):
         step = max(s for s, t in confirmed.items() if t == tag)  # its last commit() that resolved
         mine = committed.get(tag)
-        if mine is not None and mine >= step:
+        if mine is not None and (mine >= step or mine in unknown[tag]):
             continue
         newer = [t for t, s in committed.items() if s > step]
         if mine is None and (len(newer) >= KEEP_LAST or pruned.get(tag, -1) >= step):
