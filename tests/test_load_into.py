@@ -657,3 +657,20 @@ def test_a_state_over_the_default_read_piece(trainer: Client, run: Path) -> None
     assert identities(into) == ptrs
     for k, t in state.items():
         assert torch.equal(into[k], t), k
+
+
+@pytest.mark.parametrize("how", ["tied", "overlapping"])
+def test_into_tensors_sharing_memory_the_file_keeps_apart_are_a_misfit(
+        how: str, trainer: Client, run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tensors of ``into`` that share memory (a model tied where the checkpoint's was not; views that overlap)
+    cannot hold two different tensors of the file: StateMismatchError naming the key before anything is written.
+    It returned success with one memory holding pieces of both, as the read threads landed them."""
+    monkeypatch.setattr(stream_module, "READ_PIECE", CHUNK)  # each tensor over many pieces, on every read thread
+    torch.manual_seed(17)
+    n = 1 << 20
+    path = committed(trainer, {"a": torch.randn(n), "b": torch.randn(n)}, run)
+    memory = torch.zeros(2 * n)
+    into = {"a": memory[:n], "b": memory[:n] if how == "tied" else memory[n // 2:n // 2 + n]}
+    with pytest.raises(StateMismatchError, match=r"\['b'\]"):
+        datastates.load(path, into=into)
+    assert int(torch.count_nonzero(memory)) == 0
