@@ -674,3 +674,15 @@ def test_into_tensors_sharing_memory_the_file_keeps_apart_are_a_misfit(
     with pytest.raises(StateMismatchError, match=r"\['b'\]"):
         datastates.load(path, into=into)
     assert int(torch.count_nonzero(memory)) == 0
+
+
+def test_into_tied_as_the_file_is_but_with_other_strides(trainer: Client, run: Path) -> None:
+    """One tensor under two keys in the file and in ``into``, ``into``'s transposed: not a misfit, both get the
+    values (the check of shared memory compares how each side shares it, not ``into``'s strides with the file's)."""
+    torch.manual_seed(18)
+    t = torch.randn(64, 64)
+    path = committed(trainer, {"a": t, "b": t}, run)
+    w = torch.zeros(64, 64).t()
+    into = {"a": w, "b": w}
+    datastates.load(path, into=into)
+    assert torch.equal(into["a"], t) and into["b"] is w
