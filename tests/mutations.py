@@ -774,6 +774,30 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    with contextlib.nullcontext():  # MUTATION\n        for storage, entries in users.items():\n"),),
         ("tests/test_load_into.py::test_parameters_that_require_grad_are_filled[memory]",),
     ),
+    Mutation(
+        "into-shared-memory-unchecked",
+        "load(into=) lets two tensors of into share memory the file's tensors keep apart (a tied model, an untied file)",
+        (Edit("client/into.py", "    match.check_shared()\n", ""),),
+        ("tests/test_load_into.py::test_into_tensors_sharing_memory_the_file_keeps_apart_are_a_misfit[tied]",
+         "tests/test_load_into.py::test_into_tensors_sharing_memory_the_file_keeps_apart_are_a_misfit[overlapping]"),
+    ),
+    Mutation(
+        "into-shared-memory-strides-of-the-file",
+        "load(into=)'s check of shared memory wants into's strides to be the file's, refusing a sound tie",
+        (Edit("client/into.py", "        return True\n    return a.stride() == b.stride()", "        return True\n    return False and a.stride() == b.stride()"),),
+        ("tests/test_load_into.py::test_into_tied_as_the_file_is_but_with_other_strides",),
+    ),
+    Mutation(
+        "place-exchanges-before-looking",
+        "a writer's rename exchanges whatever is at its path (a directory included) and only then looks at it, as it "
+        "did: a failed look's abort leaves the exchanged folder under the temporary name",
+        (Edit("daemon/storage/posix.py", "    if not stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):\n",
+              "    if False:  # MUTATION\n"),
+         Edit("daemon/storage/posix.py", "    if _committed(folder, name, path):\n        raise refused\n", ""),
+         Edit("daemon/storage/posix.py", "    except BaseException:  # not a file it can read (a directory made there meanwhile): put back where it was\n        rename_within(folder, temp, name, RENAME_EXCHANGE)\n        raise\n",
+              "    except BaseException:  # MUTATION\n        raise\n")),
+        ("tests/faults/test_identity.py::test_a_writer_never_moves_a_committed_tag_folder_made_at_its_path_meanwhile",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
