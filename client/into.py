@@ -98,6 +98,9 @@ class _Match:
             if any(n > 1 and s == 0 for n, s in zip(theirs.shape, theirs.stride())):
                 raise self.misfit(path, "`into`'s tensor is expanded (a stride of 0): its elements share memory, so "
                                         "it cannot hold the checkpoint's values")
+            if _overlaps_itself(theirs):
+                raise self.misfit(path, "`into`'s tensor overlaps itself (its strides make some elements share "
+                                        "memory): it cannot hold the checkpoint's values")
             self.into.setdefault(index, []).append(theirs)
             self.keys.setdefault(id(theirs), path)
         elif isinstance(theirs, torch.Tensor):
@@ -150,6 +153,18 @@ class _Match:
     def misfit(self, path: KeyPath, why: str) -> StateMismatchError:
         return StateMismatchError(f"{self.plan.path} does not fit `into` at {key_name(path)}: {why}; nothing was "
                                   "written", path=self.plan.path, key=key_name(path))
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether some elements of ``t`` may share memory through strides other than 0 (the expanded case, checked
+    first): each dimension's stride, smallest first, must step past all the smaller dimensions span. torch's own
+    check gives up on such strides (and its copy then writes one element over another)."""
+    reach = 0
+    for n, s in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1 and s > 0), key=lambda d: d[1]):
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
 
 
 def _alike(a: torch.Tensor, a_meta: dict, b: torch.Tensor, b_meta: dict) -> bool:
