@@ -798,6 +798,12 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    except BaseException:  # MUTATION\n        raise\n")),
         ("tests/faults/test_identity.py::test_a_writer_never_moves_a_committed_tag_folder_made_at_its_path_meanwhile",),
     ),
+    Mutation(
+        "into-overlapping-rows-unchecked",
+        "load(into=) takes a tensor of into whose rows overlap (as_strided, no stride of 0)",
+        (Edit("client/into.py", "            if _overlaps_itself(theirs):\n", "            if False:  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_an_into_tensor_whose_rows_overlap_is_a_misfit",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
