@@ -804,6 +804,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("client/into.py", "            if _overlaps_itself(theirs):\n", "            if False:  # MUTATION\n"),),
         ("tests/test_load_into.py::test_an_into_tensor_whose_rows_overlap_is_a_misfit",),
     ),
+    Mutation(
+        "commit-identity-skips-non-checkpoints",
+        "a commit takes a listed file that holds no snapshot (not a checkpoint) of the listed size as the one committed",
+        (Edit("protocol/tags.py", "        if held is not None and held != rec.snapshot:\n", "        if held and held != rec.snapshot:  # MUTATION\n"),),
+        ("tests/faults/test_identity.py::test_a_file_replaced_by_same_size_bytes_that_are_no_checkpoint_fails_the_commit",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
