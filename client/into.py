@@ -81,6 +81,8 @@ class _Match:
     plan: _Plan
     new_key: NewKey
     into: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    keys: dict[int, KeyPath] = field(default_factory=dict)
+    """id() of each tensor of ``into`` matched → its first key path, to name it."""
 
     def walk(self, ours: Any, theirs: Any, path: KeyPath) -> None:
         """Match the checkpoint's ``ours`` with ``into``'s ``theirs`` at ``path``; raise on the first misfit."""
@@ -96,7 +98,11 @@ class _Match:
             if any(n > 1 and s == 0 for n, s in zip(theirs.shape, theirs.stride())):
                 raise self.misfit(path, "`into`'s tensor is expanded (a stride of 0): its elements share memory, so "
                                         "it cannot hold the checkpoint's values")
+            if _overlaps_itself(theirs):
+                raise self.misfit(path, "`into`'s tensor overlaps itself (its strides make some elements share "
+                                        "memory): it cannot hold the checkpoint's values")
             self.into.setdefault(index, []).append(theirs)
+            self.keys.setdefault(id(theirs), path)
         elif isinstance(theirs, torch.Tensor):
             raise self.misfit(path, f"`into` holds a tensor, the checkpoint a {type(ours).__name__}")
         elif isinstance(ours, Mapping) and isinstance(theirs, Mapping):
@@ -116,9 +122,57 @@ class _Match:
             for k, (a, b) in enumerate(zip(ours, theirs)):
                 self.walk(a, b, path + (k,))
 
+    def check_shared(self) -> None:
+        """Tensors of ``into`` that share memory must share it as the file's do: the same storage, the same byte
+        distance apart, each with its entry's strides. Else one memory would get two tensors' bytes (a model tied
+        where the checkpoint's was not), by whichever read thread lands last."""
+        spans = []
+        for index, tensors in self.into.items():
+            for t in tensors:
+                if t.numel():
+                    reach = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+                    spans.append((str(t.device), t.data_ptr(), t.data_ptr() + reach, index, t))
+        spans.sort(key=lambda s: s[:2])
+        ref: tuple[str, int, int, int, torch.Tensor] | None = None
+        end = 0
+        for span in spans:
+            device, lo, hi, index, t = span
+            if ref is None or device != ref[0] or lo >= end:
+                ref, end = span, hi
+                continue
+            end = max(end, hi)
+            mine, theirs = self.plan.header.entries[index].meta, self.plan.header.entries[ref[3]].meta
+            if (mine["storage"] != theirs["storage"]
+                    or lo - ref[1] != mine["storage_offset"] * t.element_size()
+                    - theirs["storage_offset"] * ref[4].element_size()
+                    or not _alike(t, mine, ref[4], theirs)):
+                raise self.misfit(self.keys[id(t)], f"`into`'s tensor shares memory with its tensor at "
+                                                    f"{key_name(self.keys[id(ref[4])])}, as the checkpoint's do not: "
+                                                    "it cannot hold both")
+
     def misfit(self, path: KeyPath, why: str) -> StateMismatchError:
         return StateMismatchError(f"{self.plan.path} does not fit `into` at {key_name(path)}: {why}; nothing was "
                                   "written", path=self.plan.path, key=key_name(path))
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether some elements of ``t`` may share memory through strides other than 0 (the expanded case, checked
+    first): each dimension's stride, smallest first, must step past all the smaller dimensions span. torch's own
+    check gives up on such strides (and its copy then writes one element over another)."""
+    reach = 0
+    for n, s in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1 and s > 0), key=lambda d: d[1]):
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
+def _alike(a: torch.Tensor, a_meta: dict, b: torch.Tensor, b_meta: dict) -> bool:
+    """Whether ``into``'s ``a`` and ``b`` lay out their elements as the file's (``a_meta``, ``b_meta``) do: each
+    with its entry's strides, or both with one stride and shape on each side (tied on both)."""
+    if tuple(a.stride()) == tuple(a_meta["stride"]) and tuple(b.stride()) == tuple(b_meta["stride"]):
+        return True
+    return a.stride() == b.stride() and a.shape == b.shape and tuple(a_meta["stride"]) == tuple(b_meta["stride"])
 
 
 def _direct_target(header: FileHeader, entries: list[int], dests: dict[int, list[torch.Tensor]], storage: int
@@ -204,6 +258,7 @@ def load_into(path: str, into: Any, device: torch.device | None, *, new_key: New
     plan = _Plan(path, header, end - base, weights_only)
     match = _Match(plan, new_key)
     match.walk(plan.entry(header.root), into, ())
+    match.check_shared()
     users: dict[int, list[int]] = {}
     for index in plan.tensor_entries.values():
         users.setdefault(header.entries[index].meta["storage"], []).append(index)

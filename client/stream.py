@@ -60,7 +60,9 @@ class _Bounce:
     """One read thread's page-aligned buffer of STEP bytes (O_DIRECT needs the alignment), page-locked where a GPU
     copy reads it."""
 
-    def __init__(self, gpu: bool) -> None:
+    def __init__(self, gpu: bool, ready: list[torch.cuda.Event]) -> None:
+        """``ready``: recorded on the current stream of each device the targets are on, when the load began; this
+        buffer's copies wait for them, so they land after the job's kernels queued on those tensors."""
         self.buf = mmap.mmap(-1, STEP)
         self.view = memoryview(self.buf)
         self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
@@ -71,6 +73,8 @@ class _Bounce:
             if getattr(err, "value", err):
                 raise RuntimeError(f"cudaHostRegister of a {STEP}-byte restore buffer failed: error {err}")
             self.stream, self.event = torch.cuda.Stream(), torch.cuda.Event()
+            for event in ready:
+                self.stream.wait_event(event)
 
     def settle(self) -> None:
         """Wait for this buffer's GPU copies, before it is read into again."""
@@ -132,6 +136,9 @@ class Stream:
         self.scatter = False
         """Read a step straight into its CPU targets (one preadv): where the file is not read with O_DIRECT, which
         needs aligned buffers (a replica on tmpfs). Set by ``run``."""
+        self.ready = [torch.cuda.current_stream(d).record_event()
+                      for d in {t.tensor.device for t in (targets or {}).values() if t.on_gpu}]
+        """Where the job's queued work on the targets ends (``_Bounce``)."""
 
     def run(self, region: np.ndarray | None = None) -> None:
         """Read, check (and copy out) every piece on READ_THREADS threads; the first failure is raised.
@@ -162,7 +169,7 @@ class Stream:
             bounce = None
             try:
                 if source is None:
-                    bounce = _Bounce(self.gpu)
+                    bounce = _Bounce(self.gpu, self.ready)
                 while not failed:
                     with lock:
                         piece = next(todo, None)

@@ -80,13 +80,14 @@ def unlisted(folder: str, marker: CommitMarker, folder_fd: int | None = None, id
                 size = os.stat(os.path.join(folder, rec.path)).st_size
             else:
                 size = os.stat(rec.path, dir_fd=folder_fd, follow_symlinks=False).st_size
-            held = file_snapshot(rec.path, folder_fd) if identity and rec.snapshot and folder_fd is not None else ""
+            held = file_snapshot(rec.path, folder_fd) if identity and rec.snapshot and folder_fd is not None else None
         except OSError as exc:
             return f"its file {rec.path} is gone from {folder} ({exc.strerror})"
         if size != rec.size:
             return f"its file {rec.path} in {folder} is {size} bytes, not {rec.size}"
-        if held and held != rec.snapshot:
-            return f"its file {rec.path} in {folder} holds snapshot {held}, not {rec.snapshot}: another writer's"
+        if held is not None and held != rec.snapshot:
+            return (f"its file {rec.path} in {folder} holds snapshot {held or '(none: it is no checkpoint)'}, not "
+                    f"{rec.snapshot}: another writer's")
     return ""
 
 

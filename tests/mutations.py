@@ -620,8 +620,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "writer-renames-over-committed",
         "a finished file is renamed over whatever is at its path, a committed file too",
-        (Edit("daemon/storage/posix.py", "    if any(entry.snapshot == held if entry.snapshot",
-              "    if False and any(entry.snapshot == held if entry.snapshot"),),
+        (Edit("daemon/storage/posix.py", "    return any(entry.snapshot == held if entry.snapshot else",
+              "    return False and any(entry.snapshot == held if entry.snapshot else"),),
         ("tests/faults/test_identity.py::test_a_writer_never_renames_its_file_over_a_committed_one",),
     ),
     Mutation(
@@ -773,6 +773,42 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("client/into.py", "    with torch.no_grad():\n        for storage, entries in users.items():\n",
               "    with contextlib.nullcontext():  # MUTATION\n        for storage, entries in users.items():\n"),),
         ("tests/test_load_into.py::test_parameters_that_require_grad_are_filled[memory]",),
+    ),
+    Mutation(
+        "into-shared-memory-unchecked",
+        "load(into=) lets two tensors of into share memory the file's tensors keep apart (a tied model, an untied file)",
+        (Edit("client/into.py", "    match.check_shared()\n", ""),),
+        ("tests/test_load_into.py::test_into_tensors_sharing_memory_the_file_keeps_apart_are_a_misfit[tied]",
+         "tests/test_load_into.py::test_into_tensors_sharing_memory_the_file_keeps_apart_are_a_misfit[overlapping]"),
+    ),
+    Mutation(
+        "into-shared-memory-strides-of-the-file",
+        "load(into=)'s check of shared memory wants into's strides to be the file's, refusing a sound tie",
+        (Edit("client/into.py", "        return True\n    return a.stride() == b.stride()", "        return True\n    return False and a.stride() == b.stride()"),),
+        ("tests/test_load_into.py::test_into_tied_as_the_file_is_but_with_other_strides",),
+    ),
+    Mutation(
+        "place-exchanges-before-looking",
+        "a writer's rename exchanges whatever is at its path (a directory included) and only then looks at it, as it "
+        "did: a failed look's abort leaves the exchanged folder under the temporary name",
+        (Edit("daemon/storage/posix.py", "    if not stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):\n",
+              "    if False:  # MUTATION\n"),
+         Edit("daemon/storage/posix.py", "    if _committed(folder, name, path):\n        raise refused\n", ""),
+         Edit("daemon/storage/posix.py", "    except BaseException:  # not a file it can read (a directory made there meanwhile): put back where it was\n        rename_within(folder, temp, name, RENAME_EXCHANGE)\n        raise\n",
+              "    except BaseException:  # MUTATION\n        raise\n")),
+        ("tests/faults/test_identity.py::test_a_writer_never_moves_a_committed_tag_folder_made_at_its_path_meanwhile",),
+    ),
+    Mutation(
+        "into-overlapping-rows-unchecked",
+        "load(into=) takes a tensor of into whose rows overlap (as_strided, no stride of 0)",
+        (Edit("client/into.py", "            if _overlaps_itself(theirs):\n", "            if False:  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_an_into_tensor_whose_rows_overlap_is_a_misfit",),
+    ),
+    Mutation(
+        "commit-identity-skips-non-checkpoints",
+        "a commit takes a listed file that holds no snapshot (not a checkpoint) of the listed size as the one committed",
+        (Edit("protocol/tags.py", "        if held is not None and held != rec.snapshot:\n", "        if held and held != rec.snapshot:  # MUTATION\n"),),
+        ("tests/faults/test_identity.py::test_a_file_replaced_by_same_size_bytes_that_are_no_checkpoint_fails_the_commit",),
     ),
 )
 def working_tree_files() -> list[str]:

@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -51,10 +52,14 @@ LEFTOVER_DEPTH = 3
 def _place(folder: int, temp: str, path: str) -> None:
     """Rename the finished ``temp`` to ``path``'s name in ``folder`` (a descriptor), never over a committed file.
 
-    A file there already is exchanged with ``temp`` in one step (RENAME_EXCHANGE), then looked at
-    under the temporary name: one a marker lists as the snapshot it holds is another writer's
-    committed file (a trainer that saved the same path on its own, twin ranks of one path), so it
-    is exchanged back and this save refused, rather than changing a committed file's bytes.
+    A file there already that a marker lists as the snapshot it holds is another writer's
+    committed file (a trainer that saved the same path on its own, twin ranks of one path):
+    this save is refused, rather than changing a committed file's bytes. It is looked at in
+    place first, so a committed file is never moved off its name (a kill in between would leave
+    it under the temporary name, which the next daemon removes); any other regular file is
+    exchanged with ``temp`` in one step (RENAME_EXCHANGE) and looked at again under the temporary
+    name, in case one was committed meanwhile: then it is exchanged back. Anything but a regular
+    file there (a directory, a link) meets ``os.replace`` as before: a directory is never moved.
     """
     name = os.path.basename(path)
     try:
@@ -67,15 +72,39 @@ def _place(folder: int, temp: str, path: str) -> None:
             raise
         os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
         return
-    rename_within(folder, temp, name, RENAME_EXCHANGE)
-    held = file_snapshot(temp, folder)
-    if any(entry.snapshot == held if entry.snapshot else entry.size == os.stat(temp, dir_fd=folder).st_size
-           for _, _, entry in listing(path, roots=("/",))):
-        rename_within(folder, temp, name, RENAME_EXCHANGE)
-        raise PathNotAllowedError(f"path {path!r} refused: another writer committed it while this snapshot was "
+    if not stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+        os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        return
+    refused = PathNotAllowedError(f"path {path!r} refused: another writer committed it while this snapshot was "
                                   "being written (a trainer saving the same path on its own?), and a committed "
                                   "file's bytes never change", path=path)
+    if _committed(folder, name, path):
+        raise refused
+    try:
+        rename_within(folder, temp, name, RENAME_EXCHANGE)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS):  # no RENAME_EXCHANGE here: it was looked at in place
+            raise
+        os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        return
+    try:
+        committed = _committed(folder, temp, path)
+    except BaseException:  # not a file it can read (a directory made there meanwhile): put back where it was
+        rename_within(folder, temp, name, RENAME_EXCHANGE)
+        raise
+    if committed:
+        rename_within(folder, temp, name, RENAME_EXCHANGE)
+        raise refused
     os.unlink(temp, dir_fd=folder)
+
+
+def _committed(folder: int, name: str, path: str) -> bool:
+    """Whether the file ``name`` in ``folder`` is what a marker lists for ``path``: its snapshot, or (a marker
+    listing none) its size."""
+    held = file_snapshot(name, folder)
+    return any(entry.snapshot == held if entry.snapshot else
+               entry.size == os.stat(name, dir_fd=folder, follow_symlinks=False).st_size
+               for _, _, entry in listing(path, roots=("/",)))
 
 
 class _Mapped:

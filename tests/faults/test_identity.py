@@ -20,7 +20,7 @@ import torch
 import datastates
 from datastates.client import Client
 from datastates.daemon.storage.posix import PosixWriter
-from datastates.protocol.errors import CommitError, CorruptCheckpointError, PathNotAllowedError
+from datastates.protocol.errors import CommitError, CorruptCheckpointError, PathNotAllowedError, StorageError
 from datastates.protocol.format import marker_name
 
 from conftest import DaemonProc, save
@@ -71,6 +71,27 @@ def test_a_file_replaced_by_another_writer_before_the_marker_fails_the_commit(
     assert datastates.load(run / "step1" / "m.pt")["step"] == 1
 
 
+def test_a_file_replaced_by_same_size_bytes_that_are_no_checkpoint_fails_the_commit(
+        shared_daemon: DaemonProc, shared_client: Client) -> None:
+    """As above, but the other writer's file is not a datastates checkpoint at all (another tool's file of the same
+    size): it holds no snapshot, so it is not the one the marker lists, and the commit fails. It was committed: a
+    tag ``latest`` names whose file no load can read."""
+    run = shared_daemon.root / "replaced-by-garbage"
+    save(shared_client, state(1), run / "step1" / "m.pt")
+    shared_client.snapshot(state(2), run / "step2" / "m.pt")
+    shared_client.wait()
+    deadline = time.monotonic() + 60
+    while not (run / "step2" / "m.pt").exists():  # renamed into place once durable; its commit is not asked yet
+        assert time.monotonic() < deadline, "the snapshot never became durable"
+        time.sleep(0.02)
+    size = (run / "step2" / "m.pt").stat().st_size
+    (run / "step2" / "m.pt.other").write_bytes(b"\0" * size)
+    (run / "step2" / "m.pt.other").replace(run / "step2" / "m.pt")
+    with pytest.raises(CommitError, match="another writer's"):
+        shared_client.commit("step2").result(timeout=60)
+    assert datastates.latest(run) == "step1"
+
+
 def test_a_writer_never_renames_its_file_over_a_committed_one(shared_daemon: DaemonProc, shared_client: Client) -> None:
     """A save whose file is finished after another writer committed the same path (a trainer saving on its own
     while the daemon committed a twin's file) is refused at its rename: the committed file's bytes stay."""
@@ -85,3 +106,23 @@ def test_a_writer_never_renames_its_file_over_a_committed_one(shared_daemon: Dae
     writer.publish(str(run / "step1" / "notes.txt"), b"a file no marker lists is replaced as before\n")
     writer.publish(str(run / "step1" / "notes.txt"), b"again\n")
     assert (run / "step1" / "notes.txt").read_bytes() == b"again\n"
+
+
+
+def test_a_writer_never_moves_a_committed_tag_folder_made_at_its_path_meanwhile(
+        shared_daemon: DaemonProc, shared_client: Client) -> None:
+    """A file being written at ``run/step1`` while a save commits tag ``step1`` in folder ``run/step1/`` (admission
+    saw no directory there; one appeared before the rename): its finish fails, as ``os.replace`` over a directory
+    did, and the committed folder stays where it is. The writer's RENAME_EXCHANGE swapped the directory for the file,
+    could not read it as a checkpoint, and its abort left the committed folder under a hidden temporary name (the
+    tag gone from every listing) and the unfinished save's file at its path."""
+    run = shared_daemon.root / "folder-at-path"
+    writer = PosixWriter(direct_io=False, owner="0123456789abcdef")
+    handle = writer.create(str(run / "step1"), "t1")
+    writer.write(handle, 0, memoryview(b"x" * 4096))
+    save(shared_client, state(1), run / "step1" / "m.pt")
+    with pytest.raises((StorageError, PathNotAllowedError)):
+        writer.finalize(handle)
+    assert (run / "step1").is_dir(), sorted(p.name for p in run.iterdir())
+    assert datastates.latest(run) == "step1"
+    assert datastates.load(run / "step1" / "m.pt")["step"] == 1

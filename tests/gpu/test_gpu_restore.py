@@ -130,3 +130,25 @@ def test_a_models_cuda_parameters_are_restored_in_place(trainer: Client, daemon:
     assert {k: (id(p), p.data_ptr()) for k, p in model.named_parameters()} == params
     for k, p in model.named_parameters():
         assert p.requires_grad and p.is_leaf and torch.equal(p.detach().cpu(), saved[k]), k
+
+
+def test_a_restore_lands_after_the_work_the_job_queued_on_into(
+        trainer: Client, daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's last kernels on ``into`` may still be queued on its current stream when the restore begins (a model
+    built on the GPU, its initializers asynchronous, nothing synchronized): the restore's copies, on the read threads'
+    own streams, must land after them. Else the queued kernel writes over the restored bytes, after ``load``
+    returned success. The current stream is held busy (``torch.cuda._sleep``) so that the queued fill surely runs
+    after an unordered restore's copies."""
+    torch.manual_seed(3)
+    state = {"w": torch.randn(8_000_000)}
+    path = daemon.root / "queued" / "rank0.pt"
+    save(trainer, state, path, tag="queued")
+    monkeypatch.setattr(stream_module, "READ_PIECE", PIECE)
+    into = {"w": torch.empty(8_000_000, device="cuda")}
+    torch.cuda.synchronize()
+    torch.cuda._sleep(5_000_000_000)  # some seconds of the current stream's time, queued
+    into["w"].fill_(7.0)  # the job's last write to it, queued behind
+    datastates.load(path, into=into)
+    torch.cuda.synchronize()
+    wrong = int((into["w"].cpu() != state["w"]).sum())
+    assert wrong == 0, f"{wrong} elements are not the checkpoint's"
