@@ -58,32 +58,33 @@ class Target:
 
 class _Bounce:
     """One read thread's page-aligned buffer of STEP bytes (O_DIRECT needs the alignment), page-locked where a GPU
-    copy reads it."""
+    copy reads it, with a stream per GPU the targets are on (a copy runs on its target device's current stream)."""
 
-    def __init__(self, gpu: bool, ready: list[torch.cuda.Event]) -> None:
-        """``ready``: recorded on the current stream of each device the targets are on, when the load began; this
-        buffer's copies wait for them, so they land after the job's kernels queued on those tensors."""
+    def __init__(self, ready: dict[torch.device, torch.cuda.Event]) -> None:
+        """``ready``: per GPU the targets are on, an event recorded on its current stream when the load began; this
+        buffer's copies wait for it, so they land after the job's kernels queued on those tensors."""
         self.buf = mmap.mmap(-1, STEP)
         self.view = memoryview(self.buf)
         self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
-        self.stream = self.event = None
-        if gpu:
-            err = torch.cuda.cudart().cudaHostRegister(self.address, STEP, 0)
+        self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
+        if ready:
+            err = torch.cuda.cudart().cudaHostRegister(self.address, STEP, 1)  # cudaHostRegisterPortable: every GPU
             if getattr(err, "value", err):
                 raise RuntimeError(f"cudaHostRegister of a {STEP}-byte restore buffer failed: error {err}")
-            self.stream, self.event = torch.cuda.Stream(), torch.cuda.Event()
-            for event in ready:
-                self.stream.wait_event(event)
+        for device, event in ready.items():
+            stream = torch.cuda.Stream(device)
+            stream.wait_event(event)
+            self.streams[device] = (stream, torch.cuda.Event())
 
     def settle(self) -> None:
         """Wait for this buffer's GPU copies, before it is read into again."""
-        if self.event is not None:
-            self.event.synchronize()
+        for _, event in self.streams.values():
+            event.synchronize()
 
     def close(self) -> None:
         self.settle()
-        if self.stream is not None:
+        if self.streams:
             torch.cuda.cudart().cudaHostUnregister(self.address)
         self.view.release()
         del self.tensor
@@ -132,12 +133,11 @@ class Stream:
                 piece.targets.append((index, rec.offset, rec.offset + rec.nbytes, target))
         for piece in self.pieces:
             piece.targets.sort(key=lambda t: t[1])
-        self.gpu = any(t.on_gpu for t in (targets or {}).values())
         self.scatter = False
         """Read a step straight into its CPU targets (one preadv): where the file is not read with O_DIRECT, which
         needs aligned buffers (a replica on tmpfs). Set by ``run``."""
-        self.ready = [torch.cuda.current_stream(d).record_event()
-                      for d in {t.tensor.device for t in (targets or {}).values() if t.on_gpu}]
+        self.ready = {d: torch.cuda.current_stream(d).record_event()
+                      for d in {t.tensor.device for t in (targets or {}).values() if t.on_gpu}}
         """Where the job's queued work on the targets ends (``_Bounce``)."""
 
     def run(self, region: np.ndarray | None = None) -> None:
@@ -169,7 +169,7 @@ class Stream:
             bounce = None
             try:
                 if source is None:
-                    bounce = _Bounce(self.gpu, self.ready)
+                    bounce = _Bounce(self.ready)
                 while not failed:
                     with lock:
                         piece = next(todo, None)
@@ -180,7 +180,10 @@ class Stream:
                 failed.append(exc)
             finally:
                 if bounce is not None:
-                    bounce.close()
+                    try:
+                        bounce.close()  # waits for its GPU copies: an error of one fails the load too
+                    except BaseException as exc:  # noqa: BLE001
+                        failed.append(exc)
 
         threads = [threading.Thread(target=work, name=f"ds-read-{i}", daemon=True)
                    for i in range(min(READ_THREADS, len(self.pieces)))]
@@ -257,11 +260,13 @@ class Stream:
             if not target.on_gpu:
                 ctypes.memmove(target.address + lo - start, address + lo - at, hi - lo)
                 continue
-            assert bounce is not None and bounce.stream is not None
-            with torch.no_grad(), torch.cuda.stream(bounce.stream):
+            assert bounce is not None
+            stream, _ = bounce.streams[target.tensor.device]
+            with torch.no_grad(), torch.cuda.stream(stream):
                 target.flat[lo - start:hi - start].copy_(bounce.tensor[lo - at:hi - at], non_blocking=True)
-        if bounce is not None and bounce.event is not None:
-            bounce.event.record(bounce.stream)
+        if bounce is not None:
+            for stream, event in bounce.streams.values():
+                event.record(stream)
 
     def _read(self, fd: int, buffers: list[memoryview], at: int) -> None:
         """Fill ``buffers``, in order, from byte ``at`` of the file (IOV_MAX of them a call)."""
