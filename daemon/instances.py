@@ -59,6 +59,14 @@ class Instance:
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(self._fd, "\n".join(self.roots).encode())
 
+    def record(self, folder: str) -> None:
+        """Name ``folder`` in the lock file as one this writer leaves temporary files in: the trainer's local saver
+        learns its folders as it saves (no daemon forgets such a lock but after FORGET_AFTER_S; a test session
+        tells its own trainers' locks from another session's by them)."""
+        if folder not in self.roots:
+            self.roots.append(folder)
+            os.pwrite(self._fd, "\n".join(self.roots).encode(), 0)
+
     def _lock(self, owner: str) -> str:
         return os.path.join(self.folder, f"{owner}.lock")
 
