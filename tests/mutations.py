@@ -774,6 +774,13 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    with contextlib.nullcontext():  # MUTATION\n        for storage, entries in users.items():\n"),),
         ("tests/test_load_into.py::test_parameters_that_require_grad_are_filled[memory]",),
     ),
+    Mutation(
+        "client-folder-gone-not-left",
+        "a client whose decision folder is gone (its HELLO failed after the daemon welcomed it) is not taken as left: "
+        "the daemon holds it while its pid lives",
+        (Edit("protocol/outcome.py", " or not os.path.lexists(folder)\n", "  # MUTATION\n"),),
+        ("tests/faults/test_stall.py::test_a_client_welcomed_after_it_stopped_waiting_is_let_go",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
