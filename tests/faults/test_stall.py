@@ -282,13 +282,20 @@ def test_a_client_welcomed_after_it_stopped_waiting_is_let_go(start_daemon: Call
     and never settled. Here the daemon stalls at that very point (its log output blocks on the line that says
     it welcomed the client; SIGSTOP lands there only by chance). Now a client whose folder is gone has left."""
     out, log_end = os.pipe()
-    filler = os.open(f"/proc/self/fd/{log_end}", os.O_WRONLY | os.O_NONBLOCK)  # its own open file: the daemon's
-    said: list[bytes] = []  # writes still block
-    drain = threading.Thread(target=lambda: said.extend(iter(lambda: os.read(out, 1 << 16), b"")), daemon=True)
-    draining = False
+    said: list[bytes] = []
+
+    def read_to_the_end() -> None:
+        said.extend(iter(lambda: os.read(out, 1 << 16), b""))
+        os.close(out)
+
+    drain = threading.Thread(target=read_to_the_end, daemon=True)
+    # the test's own open file of the pipe, non-blocking to fill it; the daemon's writes still block
+    filler = os.open(f"/proc/self/fd/{log_end}", os.O_WRONLY | os.O_NONBLOCK)
     try:
-        d = start_daemon(output=log_end, log_level="info")
-        os.close(log_end)
+        try:
+            d = start_daemon(output=log_end, log_level="info")
+        finally:
+            os.close(log_end)  # the daemon holds its own
         os.set_blocking(out, False)
         try:  # what it said at start
             while os.read(out, 1 << 16):
@@ -308,8 +315,7 @@ def test_a_client_welcomed_after_it_stopped_waiting_is_let_go(start_daemon: Call
             Client(d.endpoint, timeout=30, liveness=LIVENESS)
         assert not {f for f in set(os.listdir(SHM_DIR)) - folders if f"-client-{os.getpid()}-" in f}
         drain.start()  # the daemon goes on: it welcomes a client that left
-        draining = True
-        for _ in range(1200):  # a hang guard: the line is there once the daemon read the pipe's first page
+        for _ in range(1200):  # a hang guard: the line comes once the drain made room for it
             found = re.search(rb"client (c\d+-\d+) connected", b"".join(said))
             if found:
                 break
@@ -325,6 +331,6 @@ def test_a_client_welcomed_after_it_stopped_waiting_is_let_go(start_daemon: Call
         assert [c["how"] for c in status["clients_lost"] if c["id"] == welcomed] == ["left"]
     finally:
         os.close(filler)
-        if not draining:
+        if drain.ident is None:  # not started
             os.set_blocking(out, True)
             drain.start()  # the daemon's last lines at teardown must not block it
