@@ -198,7 +198,8 @@ class Client:
                 allow_reader(self._conn.call(m.Status(), self.timeout).status["daemon"]["pid"])
             welcome = self._conn.call(hello, self.timeout)
         except BaseException:
-            shutil.rmtree(self._decisions, ignore_errors=True)  # no daemon knows of it
+            # a daemon that welcomed it all the same (its WELCOME too late) takes the folder gone as this client gone
+            shutil.rmtree(self._decisions, ignore_errors=True)
             self._conn.close()
             raise
         self._left = False

@@ -99,7 +99,13 @@ def leave(folder: str, local: bool = False) -> None:
 
 
 def has_left(folder: str) -> bool:
-    return os.path.lexists(os.path.join(folder, LEFT))
+    """Whether the client said it left (``leave``), or removed its folder.
+
+    A client removes its folder only where its HELLO failed (client.py ``_connect``): a
+    daemon that welcomed it all the same (the WELCOME came after the client stopped
+    waiting: a daemon stalled just then) would otherwise hold it for as long as its pid lives.
+    """
+    return os.path.lexists(os.path.join(folder, LEFT)) or not os.path.lexists(folder)
 
 
 def went_local(folder: str) -> bool:

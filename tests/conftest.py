@@ -133,10 +133,11 @@ class DaemonFactory:
             wait_ready(d.endpoint, d.proc, d.log)
         return started
 
-    def _spawn(self, nofile: tuple[int, int] | None = None, unprivileged: bool = False,
+    def _spawn(self, nofile: tuple[int, int] | None = None, unprivileged: bool = False, output: int | None = None,
                **overrides: Any) -> tuple[dict[str, Any], Path, Path, subprocess.Popen]:
         """``nofile``: the daemon's open-files limits, (soft, hard), as ``ulimit -Sn`` and ``-Hn`` in a job script;
-        ``unprivileged``: without CAP_SYS_RESOURCE, as a user's daemon runs, even when the tests run as root."""
+        ``unprivileged``: without CAP_SYS_RESOURCE, as a user's daemon runs, even when the tests run as root;
+        ``output``: a descriptor its log goes to instead of its log file (a pipe the test holds: a log that blocks)."""
         n = self._spawned
         self._spawned += 1
         root = self.tmp / "ckpt"
@@ -159,7 +160,8 @@ class DaemonFactory:
             if unprivileged and os.geteuid() == 0:
                 drop_capability(CAP_SYS_RESOURCE)
 
-        proc = subprocess.Popen([DATASTATESD, "--node-config", str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([DATASTATESD, "--node-config", str(config)],
+                                stdout=log.open("w") if output is None else output, stderr=subprocess.STDOUT,
                                 preexec_fn=limit)
         return cfg, config, log, proc
 

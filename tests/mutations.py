@@ -810,6 +810,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("protocol/tags.py", "        if held is not None and held != rec.snapshot:\n", "        if held and held != rec.snapshot:  # MUTATION\n"),),
         ("tests/faults/test_identity.py::test_a_file_replaced_by_same_size_bytes_that_are_no_checkpoint_fails_the_commit",),
     ),
+    Mutation(
+        "client-folder-gone-not-left",
+        "a client whose decision folder is gone (its HELLO failed after the daemon welcomed it) is not taken as left: "
+        "the daemon holds it while its pid lives",
+        (Edit("protocol/outcome.py", " or not os.path.lexists(folder)\n", "  # MUTATION\n"),),
+        ("tests/faults/test_stall.py::test_a_client_welcomed_after_it_stopped_waiting_is_let_go",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

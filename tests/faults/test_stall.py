@@ -11,7 +11,9 @@ decision (protocol/outcome.py): whatever ``wait()`` told the trainer is what the
 from __future__ import annotations
 
 import os
+import re
 import signal
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -27,6 +29,7 @@ from datastates.client.reader import verify
 from datastates.protocol import messages as m
 from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError
 from datastates.protocol.format import TEMP_SUFFIX
+from datastates.protocol.paths import SHM_DIR
 
 from conftest import DaemonProc
 
@@ -270,3 +273,64 @@ def test_a_commit_in_flight_when_the_trainer_goes_local_is_never_answered_with_a
     assert datastates.latest(d.root / "run") == "t2"
     verify(path)  # its marker names the file that is there
     assert torch.equal(datastates.load(path)["t"], torch.full((1 << 20,), 2.0))
+
+
+def test_a_client_welcomed_after_it_stopped_waiting_is_let_go(start_daemon: Callable[..., DaemonProc]) -> None:
+    """The fault schedules, seed 200189: a client (re)connecting to a daemon that had just resumed was welcomed,
+    and the daemon stalled again before its WELCOME left. The client's HELLO failed after ``liveness`` and it
+    removed its decision folder; the daemon, watching its live pid, held that client until the trainer exited,
+    and never settled. Here the daemon stalls at that very point (its log output blocks on the line that says
+    it welcomed the client; SIGSTOP lands there only by chance). Now a client whose folder is gone has left."""
+    out, log_end = os.pipe()
+    said: list[bytes] = []
+
+    def read_to_the_end() -> None:
+        said.extend(iter(lambda: os.read(out, 1 << 16), b""))
+        os.close(out)
+
+    drain = threading.Thread(target=read_to_the_end, daemon=True)
+    # the test's own open file of the pipe, non-blocking to fill it; the daemon's writes still block
+    filler = os.open(f"/proc/self/fd/{log_end}", os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        try:
+            d = start_daemon(output=log_end, log_level="info")
+        finally:
+            os.close(log_end)  # the daemon holds its own
+        os.set_blocking(out, False)
+        try:  # what it said at start
+            while os.read(out, 1 << 16):
+                pass
+        except BlockingIOError:
+            pass
+        os.set_blocking(out, True)
+        try:  # the pipe full: the daemon's next log line blocks it
+            while os.write(filler, b"." * 4096) == 4096:
+                pass
+            while os.write(filler, b"."):
+                pass
+        except BlockingIOError:
+            pass
+        folders = set(os.listdir(SHM_DIR))
+        with pytest.raises(DaemonUnavailable, match="no sign of life"):
+            Client(d.endpoint, timeout=30, liveness=LIVENESS)
+        assert not {f for f in set(os.listdir(SHM_DIR)) - folders if f"-client-{os.getpid()}-" in f}
+        drain.start()  # the daemon goes on: it welcomes a client that left
+        for _ in range(1200):  # a hang guard: the line comes once the drain made room for it
+            found = re.search(rb"client (c\d+-\d+) connected", b"".join(said))
+            if found:
+                break
+            time.sleep(0.05)
+        assert found, b"".join(said)[-2000:].decode(errors="replace")
+        welcomed = found.group(1).decode()
+        for _ in range(1200):  # a hang guard: the daemon's watch looks every client_timeout / 6
+            status = daemon_status(d.endpoint)
+            if not status["clients"]:
+                break
+            time.sleep(0.05)
+        assert not status["clients"], f"the daemon still holds {[c['id'] for c in status['clients']]}"
+        assert [c["how"] for c in status["clients_lost"] if c["id"] == welcomed] == ["left"]
+    finally:
+        os.close(filler)
+        if drain.ident is None:  # not started
+            os.set_blocking(out, True)
+            drain.start()  # the daemon's last lines at teardown must not block it
