@@ -12,7 +12,9 @@ admission fails that file instead of redirecting it outside the roots.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -21,7 +23,7 @@ import re
 import stat
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from datastates.protocol.errors import PathNotAllowedError
 from datastates.protocol.fileio import (MADV_POPULATE_WRITE, PAGE, RENAME_EXCHANGE, RENAME_NOREPLACE, on_tmpfs, open_folder,
@@ -47,6 +49,21 @@ def temp_path(path: str, token: str) -> str:
 
 
 LEFTOVER_DEPTH = 3
+
+
+@contextlib.contextmanager
+def folder_locked(folder: int) -> Iterator[None]:
+    """An exclusive flock on a folder (its descriptor) for a check and the rename it guards: a commit's check of its
+    listed files and its marker's rename, or a writer's look at what is at its path and its exchange. Two writers of
+    one node (the daemon, a trainer saving on its own) then never interleave the two (the fault schedules, seed
+    220373: a trainer's exchange between a commit's check and its marker's rename replaced a committed file)."""
+    held = os.dup(folder)  # one open file description with ``folder``: its own flock below is no second lock, and
+    try:                   # the lock outlives ``folder`` being closed inside (a publish's finalize releases it)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(held, fcntl.LOCK_UN)
+        os.close(held)
 
 
 def _place(folder: int, temp: str, path: str) -> None:
@@ -279,7 +296,8 @@ class PosixWriter(StorageWriter):
                 os.ftruncate(handle.fd, handle.end)
             os.fsync(handle.fd)
             handle.close()
-            _place(handle.folder, os.path.basename(handle.temp), handle.path)
+            with folder_locked(handle.folder):
+                _place(handle.folder, os.path.basename(handle.temp), handle.path)
             os.fsync(handle.folder)
         except PathNotAllowedError:
             handle.mapped = mapped
@@ -315,12 +333,13 @@ class PosixWriter(StorageWriter):
         handle = self.create(path, f"{os.getpid()}-{id(data):x}", "", direct=False)
         try:
             self.write(handle, 0, memoryview(data))
-            if check is not None:
-                check(handle.folder)
+            with folder_locked(handle.folder):  # no writer's rename (this process's or a trainer's) between the two
+                if check is not None:
+                    check(handle.folder)
+                self.finalize(handle)
         except BaseException:
             self.abort(handle)
             raise
-        self.finalize(handle)
 
 
     def remove_leftovers(self, root: str, gone: Gone) -> list[str]:
