@@ -30,6 +30,7 @@ import torch
 import datastates
 from datastates.client import Client
 from datastates.protocol.errors import CommitError, DatastatesError, SnapshotFailedError, StorageError
+from datastates.protocol.format import TRACKER
 
 from conftest import (DATASTATESCTL, DaemonFactory, DaemonProc, assert_state_equal, mapped_files, read_only, save, sh,
                       temp_files)
@@ -351,5 +352,6 @@ def test_the_local_fallback_removes_its_staging_folder_when_a_resave_meets_a_ful
         again = state_of(3, 4 * MiB)
         save(c, again, folder / "a.pt", tag="last")  # once it fits, the re-save commits
     assert_state_equal(copy_of(again), datastates.load(folder / "a.pt"))
-    assert sorted(p.name for p in (root / "run").iterdir()) == ["last"]  # no version left beside it
+    assert sorted(p.name for p in (root / "run").iterdir()) == ["last", TRACKER]  # no version left beside it
+    assert (root / "run" / TRACKER).read_text() == "last"  # a local commit names its tag in the tracker too
     assert temp_files(root) == []
