@@ -91,8 +91,10 @@ class _Bounce:
 
 
 STEP = 8 << 20
-"""The bytes one read thread reads, checks and copies out at a time: small enough to stay in the CPU's cache
-between its read and its copy, and to make the bounce buffers cheap to allocate."""
+"""The bytes one thread of an in-place load reads, checks and copies out at a time: small enough to stay in the CPU's
+cache between its read and its copy, and to make the bounce buffers cheap to allocate. A fresh load copies nothing
+out and reads whole READ_PIECE pieces (bench/restore.py at 1.5 GB: 0.93 of a raw O_DIRECT read into a fresh buffer,
+against 0.70 with 8 MiB reads)."""
 
 
 @dataclass
@@ -199,8 +201,9 @@ class Stream:
         hashes = [checksummer() for _ in piece.segments]
         if fill:  # fresh pages for the whole piece in one call, not one fault per page inside each read
             advise(source.ctypes.data + piece.start, piece.stop - piece.start, MADV_POPULATE_WRITE)
-        for at in range(piece.start, piece.stop, STEP):
-            stop = min(piece.stop, at + STEP)
+        step = READ_PIECE if fill else STEP  # a fresh load copies nothing out: large reads serve the disk better
+        for at in range(piece.start, piece.stop, step):
+            stop = min(piece.stop, at + step)
             straight = None
             if source is not None:
                 data, address = memoryview(source[at:stop]), source.ctypes.data + at
