@@ -50,19 +50,24 @@ def test_a_file_swapped_for_another_snapshots_is_refused_by_load_verify_and_rest
     assert datastates.load(run / "step2" / "m.pt")["step"] == 2  # the file where it belongs still loads
 
 
+def committed_then_durable(client: Client, run: Path) -> None:
+    """step1 committed under ``run``, and step2's file durable in its place, its commit not asked yet."""
+    save(client, state(1), run / "step1" / "m.pt")
+    client.snapshot(state(2), run / "step2" / "m.pt")
+    client.wait()
+    deadline = time.monotonic() + 60
+    while not (run / "step2" / "m.pt").exists():  # renamed into place once durable
+        assert time.monotonic() < deadline, "the snapshot never became durable"
+        time.sleep(0.02)
+
+
 def test_a_file_replaced_by_another_writer_before_the_marker_fails_the_commit(
         shared_daemon: DaemonProc, shared_client: Client) -> None:
     """Another writer (a twin rank saving the same path on its own, ``fallback="local"``) puts a file of the same
     size at a snapshot's path before its tag's marker goes in: the commit fails, naming it, rather than committing a
     marker whose file holds another snapshot (the fault schedules, seed 190247)."""
     run = shared_daemon.root / "replaced-before-commit"
-    save(shared_client, state(1), run / "step1" / "m.pt")
-    shared_client.snapshot(state(2), run / "step2" / "m.pt")
-    shared_client.wait()
-    deadline = time.monotonic() + 60
-    while not (run / "step2" / "m.pt").exists():  # renamed into place once durable; its commit is not asked yet
-        assert time.monotonic() < deadline, "the snapshot never became durable"
-        time.sleep(0.02)
+    committed_then_durable(shared_client, run)
     shutil.copyfile(run / "step1" / "m.pt", run / "step2" / "m.pt.other")
     (run / "step2" / "m.pt.other").replace(run / "step2" / "m.pt")  # same size, sound, another snapshot
     with pytest.raises(CommitError, match="another writer's"):
@@ -77,13 +82,7 @@ def test_a_file_replaced_by_same_size_bytes_that_are_no_checkpoint_fails_the_com
     size): it holds no snapshot, so it is not the one the marker lists, and the commit fails. It was committed: a
     tag ``latest`` names whose file no load can read."""
     run = shared_daemon.root / "replaced-by-garbage"
-    save(shared_client, state(1), run / "step1" / "m.pt")
-    shared_client.snapshot(state(2), run / "step2" / "m.pt")
-    shared_client.wait()
-    deadline = time.monotonic() + 60
-    while not (run / "step2" / "m.pt").exists():  # renamed into place once durable; its commit is not asked yet
-        assert time.monotonic() < deadline, "the snapshot never became durable"
-        time.sleep(0.02)
+    committed_then_durable(shared_client, run)
     size = (run / "step2" / "m.pt").stat().st_size
     (run / "step2" / "m.pt.other").write_bytes(b"\0" * size)
     (run / "step2" / "m.pt.other").replace(run / "step2" / "m.pt")
