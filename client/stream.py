@@ -105,6 +105,8 @@ class Piece:
     stop: int
     segments: list[tuple[int, int, int, bytes]] = field(default_factory=list)
     """(storage, start, length, checksum) of each checksummed segment inside this piece."""
+    headers: list[tuple[int, bytes]] = field(default_factory=list)
+    """The zip local headers that meet this piece (``ZipLayout.storage_headers``), checked as its steps are read."""
     targets: list[tuple[int, int, int, Target]] = field(default_factory=list)
     """(storage, start, stop, target) of each storage that meets this piece, by start, relative to the data region."""
 
@@ -122,10 +124,12 @@ class Stream:
         """``targets``: each storage's Target (an in-place load); None for a fresh load, which checks every
         storage and copies none out."""
         self.path, self.header, (self.base, self.end) = path, header, span
-        self.headers = layout.storage_headers() if layout is not None and verify else []
         size = header.piece_size * max(1, READ_PIECE // header.piece_size)
         """Whole pieces of the format: each checksummed segment lies inside one, read by one thread."""
         self.pieces = [Piece(at, min(self.end - self.base, at + size)) for at in range(0, self.end - self.base, size)]
+        for at, expected in layout.storage_headers() if layout is not None and verify else ():
+            for piece in self.pieces[at // size:(at + len(expected) - 1) // size + 1]:
+                piece.headers.append((at, expected))
         for index, target in (targets if targets is not None else dict.fromkeys(range(len(header.storages)))).items():
             rec = header.storages[index]
             segs = check_bounds(path, header, index, self.end - self.base)
@@ -221,7 +225,7 @@ class Stream:
                 if lo < hi:
                     h.update(straight[index][1][lo - straight[index][0]:hi - straight[index][0]]
                              if straight and index in straight else data[lo - at:hi - at])
-            check_local_headers(self.path, self.headers, data, at)
+            check_local_headers(self.path, piece.headers, data, at)
             self._copy(piece, at, stop, address, bounce, straight or {})
         for h, (index, start, length, want) in zip(hashes, piece.segments):
             if h.digest() != want:

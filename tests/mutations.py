@@ -742,7 +742,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "into-zip-headers-unchecked",
         "load(into=) does not check the zip local headers inside the data region (torch.load would misread the file)",
-        (Edit("client/stream.py", "            check_local_headers(self.path, self.headers, data, at)\n", ""),),
+        (Edit("client/stream.py", "            check_local_headers(self.path, piece.headers, data, at)\n", ""),),
         ("tests/test_load_into.py::test_a_damaged_zip_local_header_in_the_data_region_raises",),
     ),
     Mutation(
