@@ -87,6 +87,13 @@ def _raise_fd_limit() -> None:
                     "(raise it with ulimit -Hn, LimitNOFILE= or docker --ulimit nofile=)", hard)
 
 
+def _raise_memlock_limit() -> None:
+    """Take all the locked memory allowed: committed replicas are locked in memory where it suffices (daemon/pins.py)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+
+
 async def _serve(cfg: config.NodeConfig) -> None:
     from .server import Daemon  # torch, seconds to import: after the config is known to be good
 
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # parallelism comes from copy_threads, not from intra-op threads
     _raise_fd_limit()
+    _raise_memlock_limit()
     try:
         uvloop.run(_serve(cfg))
     finally:

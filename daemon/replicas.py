@@ -40,6 +40,7 @@ from datastates.protocol.paths import SHM_DIR
 
 from .events import CommitEvent
 from .instances import Gone
+from .pins import Pins
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,8 @@ class ReplicaStore:
         """Per rank file, the file of its last superseded replica, for the next one to write over."""
         self.used = 0
         """Bytes of every replica held or being written, and of the spares."""
+        self._pins = Pins()
+        """The committed replicas' pages, locked in memory (daemon/pins.py)."""
         if policy != "none":
             os.makedirs(self.folder, mode=0o700, exist_ok=True)
 
@@ -151,6 +154,7 @@ class ReplicaStore:
     def discard(self, job_id: int) -> None:
         replica = self._held.pop(job_id, None)
         if replica is not None:
+            self._pins.unpin(job_id)
             self.used -= replica.size
             self._remove(replica.file, replica.spare)  # the spare is still there if its write never started
 
@@ -161,6 +165,7 @@ class ReplicaStore:
             self.discard(replica.job_id)
             return
         self._held.pop(replica.job_id, None)
+        self._pins.unpin(replica.job_id)
         old = self._spares.pop(replica.rank_file, None)
         if old is not None:
             self.used -= old.size
@@ -192,6 +197,7 @@ class ReplicaStore:
             current = next((r for r in self._held.values() if r.path == path and r.snapshot == snapshot), None)
             if current is not None:
                 current.committed = True
+                self._pins.pin(current.job_id, current.file, current.size)
             newest = current.job_id if current is not None else commit.order
             for old in [r for r in self._held.values() if r.rank_file == rank_file(path)
                         and commit.snapshots.get(r.path) != r.snapshot and r.job_id < newest
@@ -224,6 +230,7 @@ class ReplicaStore:
 
     def close(self) -> None:
         """A stopped daemon's replicas serve no one: the next daemon knows nothing of them."""
+        self._pins.close()
         if self.policy != "none":
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -233,6 +240,8 @@ class ReplicaStore:
             "budget_bytes": self.budget,
             "used_bytes": self.used,
             "spare_bytes": sum(sp.size for sp in self._spares.values()),
+            "locked_bytes": self._pins.locked_bytes,
+            "lock_refused": self._pins.refused,
             "folder": self.folder,
             "replicas": [{"tag": r.tag, "path": r.path, "file": r.file, "size": r.size, "rank": r.rank[1], "job": r.rank[0],
                           "snapshot": r.snapshot, "committed": r.committed, "in_place": r.in_place}

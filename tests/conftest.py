@@ -602,6 +602,17 @@ def mapped_files(d: DaemonProc, folder: str) -> list[str]:
         return sorted({line.split(None, 5)[5].rstrip() for line in f if f" {folder}/" in line})
 
 
+def removed_but_mapped(d: DaemonProc, folder: str, wait: float = 30) -> list[str]:
+    """The removed files under ``folder`` the daemon still maps after up to ``wait`` seconds: it unlocks and unmaps
+    a replica's pages on a thread of its own (daemon/pins.py), moments after removing the file."""
+    deadline = time.monotonic() + wait
+    while True:
+        removed = [m for m in mapped_files(d, folder) if m.endswith("(deleted)")]
+        if not removed or time.monotonic() > deadline:
+            return removed
+        time.sleep(0.05)
+
+
 def file_index(raw: bytes) -> tuple[Any, int, int, int]:
     """(header, where the index starts, the header's length, where the data region starts) of a checkpoint
     file's bytes, either format, as the reader finds them."""

@@ -817,6 +817,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("protocol/outcome.py", " or not os.path.lexists(folder)\n", "  # MUTATION\n"),),
         ("tests/faults/test_stall.py::test_a_client_welcomed_after_it_stopped_waiting_is_let_go",),
     ),
+    Mutation(
+        "replica-not-locked",
+        "a committed replica's pages are not locked: a global drop of caches leaves its restores one fault per page",
+        (Edit("daemon/replicas.py", "                self._pins.pin(current.job_id, current.file, current.size)\n",
+              "                pass  # MUTATION\n"),),
+        ("tests/test_restore.py::test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault",),
+    ),
+    Mutation(
+        "superseded-replica-stays-locked",
+        "a superseded replica stays locked: locked memory grows with every rank file's old replicas",
+        (Edit("daemon/replicas.py", "        self._pins.unpin(replica.job_id)\n", "        pass  # MUTATION\n"),),
+        ("tests/test_restore.py::test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

@@ -25,7 +25,7 @@ from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import CommitError, CorruptCheckpointError, InvalidRequestError
 from datastates.protocol.format import CommitMarker, marker_name
 
-from conftest import DATASTATESCTL, DaemonProc, assert_state_equal, at_first_open, mapped_files, save
+from conftest import DATASTATESCTL, DaemonProc, assert_state_equal, at_first_open, removed_but_mapped, save
 
 TRAINER = """
 import sys, time, torch
@@ -277,7 +277,7 @@ def test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages(start_d
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "SAME", "a restored tensor changed under the trainer: its replica was written over"
     # the served replica was removed, not reused: the daemon's kept mapping of it went too (its pages are freed)
-    removed = [m for m in mapped_files(d, daemon_status(d.endpoint)["replicas"]["folder"]) if m.endswith("(deleted)")]
+    removed = removed_but_mapped(d, daemon_status(d.endpoint)["replicas"]["folder"])
     assert not removed, f"the daemon still maps removed replicas: {removed}"
 
 
@@ -348,3 +348,49 @@ def test_files_of_one_tag_in_sibling_folders_with_one_name_all_restore_from_memo
             assert restored is not None and (restored.tag, restored.source) == ("step1", "memory"), (
                 name, restored.why_not_memory)
             assert_state_equal(state, restored.state)
+
+
+COUNT_FAULTS = """
+import resource, sys
+import datastates
+state = datastates.load(sys.argv[1])  # the first load also imports what it needs: their pages fault too
+del state
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+state = datastates.load(sys.argv[1])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, state["w"].numel())
+"""
+
+
+def test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """A global ``echo 3 > /proc/sys/vm/drop_caches`` flags every unlocked replica page for reclaim, and the kernel
+    then maps those one per fault (a restore 2 x slower): the daemon locks each committed replica's pages (only
+    the newest per rank file: a superseded one is unlocked), and a restore after the drop still maps about 16 pages
+    per fault. Needs root (CAP_IPC_LOCK, and the drop)."""
+    if os.geteuid() != 0 or not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        pytest.skip("needs root: locking replicas past RLIMIT_MEMLOCK, and a global drop of caches")
+    d = start_daemon(memory_restore_budget="256MiB")
+    elements = 16 << 20  # 64 MiB: 16,384 pages
+    with Client(d.endpoint, timeout=60) as c:
+        for step in (1, 2):
+            save(c, {"w": torch.full((elements,), float(step))}, d.root / f"step{step}" / "rank0.pt")
+    status = daemon_status(d.endpoint)["replicas"]
+    (replica,) = [r for r in status["replicas"] if r["tag"] == "step2"]
+    for _ in range(600):  # locked on the daemon's own thread, moments after the commit
+        status = daemon_status(d.endpoint)["replicas"]
+        if status["locked_bytes"] == replica["size"]:
+            break
+        time.sleep(0.05)
+    assert (status["locked_bytes"], status["lock_refused"]) == (replica["size"], ""), status
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        locked = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmLck:"))
+    assert locked >= replica["size"], f"the daemon locks {locked} bytes, its replica is {replica['size']}"
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    out = subprocess.run([sys.executable, "-c", COUNT_FAULTS, replica["file"]], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    faults, numel = map(int, out.stdout.split())
+    assert numel == elements
+    pages = replica["size"] // 4096
+    assert faults < pages // 4, f"{faults} page faults to map a replica of {pages} pages after a global drop of caches"

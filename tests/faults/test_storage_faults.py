@@ -32,7 +32,7 @@ from datastates.client import Client
 from datastates.protocol.errors import CommitError, DatastatesError, SnapshotFailedError, StorageError
 from datastates.protocol.format import TRACKER
 
-from conftest import (DATASTATESCTL, DaemonFactory, DaemonProc, assert_state_equal, mapped_files, read_only, save, sh,
+from conftest import (DATASTATESCTL, DaemonFactory, DaemonProc, assert_state_equal, read_only, removed_but_mapped, save, sh,
                       temp_files)
 
 MiB = 1 << 20
@@ -182,7 +182,7 @@ def test_disk_full_fails_the_tag_and_keeps_the_last_one(
         assert "disk full" in not_committed.value.message and str(big) in not_committed.value.message
         entry = status_of(c, big)
         assert entry["state"] == "failed" and "disk full" in entry["error"] and str(big) in entry["error"]
-        removed = [m for m in mapped_files(d, c.status()["replicas"]["folder"]) if m.endswith("(deleted)")]
+        removed = removed_but_mapped(d, c.status()["replicas"]["folder"])
         assert not removed, f"the failed snapshot's replica pages are still mapped, outside the budget: {removed}"
 
     assert d.proc.poll() is None, d.log_text()
