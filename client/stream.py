@@ -12,8 +12,9 @@ out to the tensors it belongs to. Where the bytes come from and go:
   memory already), and only hashed here;
 - an in-place load (``Stream.run()``, with targets): through a small page-aligned bounce buffer
   per thread (O_DIRECT from disk; a tmpfs replica read, not mapped), into the targets. Reading
-  a replica costs no page tables: mapping one takes a fault per 4 KiB page, not one per 16,
-  after a global ``echo 3 > /proc/sys/vm/drop_caches`` (measured: 2 x the time).
+  a replica costs no page tables, and no fault per 4 KiB page where a global
+  ``echo 3 > /proc/sys/vm/drop_caches`` turned fault-around off for a replica the daemon could
+  not lock (daemon/pins.py).
 
 A checksum or zip header that does not match, or a file that ends early, raises
 CorruptCheckpointError naming the tensor: a load never returns what it could not check.
