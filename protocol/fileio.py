@@ -25,7 +25,11 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def open_for_reading(path: str) -> int:
-    """A descriptor for large reads of ``path``: O_DIRECT, or through the page cache where the file system refuses it (tmpfs)."""
+    """A descriptor for large reads of ``path``: O_DIRECT, but through the page cache on tmpfs (its pages are that
+    memory: Linux 6.6 and later accept O_DIRECT there, and readers would then need aligned buffers for no gain) or
+    where the file system refuses it."""
+    if on_tmpfs(path):
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError:
