@@ -22,11 +22,13 @@ thread, never on the server loop; one thread keeps each replica's lock and unloc
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
 import resource
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,22 +43,40 @@ class Pins:
 
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ds-pin")
-        self._held: dict[int, mmap.mmap] = {}
+        self._held: dict[int, tuple[mmap.mmap, int]] = {}
+        """job id → the locked mapping, and the file's descriptor (its link count says when the file was removed)."""
+        self._closed = False
         self.locked_bytes = 0
         self.refused = ""
         """Why the last lock failed (RLIMIT_MEMLOCK, memory), or "": for ``status``."""
 
     def pin(self, job_id: int, file: str, size: int) -> None:
-        self._thread.submit(self._pin, job_id, file, size)
+        if not self._closed:
+            self._thread.submit(self._logged, self._pin, job_id, file, size)
 
     def unpin(self, job_id: int) -> None:
-        self._thread.submit(self._unpin, job_id)
+        if not self._closed:
+            self._thread.submit(self._logged, self._unpin, job_id)
+
+    def release_removed(self) -> None:
+        """Unlock the replicas whose file was removed under the daemon (its /dev/shm folder cleaned up by
+        someone else): their replica serves no restore, and their pages are freed only once unmapped."""
+        if not self._closed:
+            self._thread.submit(self._logged, self._sweep)
 
     def close(self) -> None:
-        """Unlock everything: the replicas' files go next."""
+        """Unlock everything, the locks still queued left undone: the replicas' files go next."""
+        self._closed = True
+        self._thread.shutdown(wait=True, cancel_futures=True)
         for job_id in list(self._held):
-            self.unpin(job_id)
-        self._thread.shutdown(wait=True)
+            self._unpin(job_id)
+
+    @staticmethod
+    def _logged(step: Callable[..., None], *args: Any) -> None:
+        try:
+            step(*args)
+        except Exception:  # noqa: BLE001 - a lock is an optimization: it never fails a commit or a restore
+            log.exception("locking replica pages failed")
 
     def _pin(self, job_id: int, file: str, size: int) -> None:
         if job_id in self._held or size <= 0:
@@ -67,30 +87,42 @@ class Pins:
             return
         try:
             if os.fstat(fd).st_size < size:
-                return
+                raise FileNotFoundError
             pages = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
-        address = np.frombuffer(pages, dtype=np.uint8).ctypes.data
-        if _libc.mlock(address, size) != 0:
+            raise
+        if _libc.mlock(np.frombuffer(pages, dtype=np.uint8).ctypes.data, size) != 0:
             err = ctypes.get_errno()
             pages.close()
-            if not self.refused:
-                log.warning("replica %s not locked in memory (mlock: %s; RLIMIT_MEMLOCK %s): memory restores still "
-                            "work, but a global drop of caches or swapping can make them slower; raise `ulimit -l`",
-                            file, os.strerror(err), _memlock_limit())
-            self.refused = os.strerror(err)
+            shrank = os.fstat(fd).st_size < size  # cut while locked: a spare written over by the next replica
+            os.close(fd)
+            if not shrank:
+                self._refused(file, size, err)
             return
-        self._held[job_id] = pages
+        self._held[job_id] = (pages, fd)
         self.locked_bytes += size
+        self.refused = ""
+
+    def _refused(self, file: str, size: int, err: int) -> None:
+        limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+        over = err == errno.EPERM or (limit != resource.RLIM_INFINITY and self.locked_bytes + size > limit)
+        why = f"over RLIMIT_MEMLOCK ({limit} bytes; raise `ulimit -l`)" if over else os.strerror(err)
+        if self.refused != why:
+            log.warning("replica %s not locked in memory: %s. Memory restores still work, but swapping or a global "
+                        "drop of caches can make them slower", file, why)
+        self.refused = why
 
     def _unpin(self, job_id: int) -> None:
-        pages = self._held.pop(job_id, None)
-        if pages is not None:
+        held = self._held.pop(job_id, None)
+        if held is not None:
+            pages, fd = held
             self.locked_bytes -= len(pages)
             pages.close()  # munmap unlocks
+            os.close(fd)
+
+    def _sweep(self) -> None:
+        for job_id in [j for j, (_, fd) in self._held.items() if os.fstat(fd).st_nlink == 0]:
+            self._unpin(job_id)
 
 
-def _memlock_limit() -> str:
-    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"

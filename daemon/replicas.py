@@ -130,6 +130,7 @@ class ReplicaStore:
         """A replica to write for snapshot ``job_id``, or None when the policy is off or the budget or /dev/shm has no room."""
         if self.policy == "none":
             return None
+        self._pins.release_removed()  # replicas removed under the daemon: their locked pages go
         spare = self._spares.pop(rank_file(path), None)
         if spare is not None:
             self.used -= spare.size  # becomes this replica's file, or goes
@@ -222,6 +223,8 @@ class ReplicaStore:
             return None, f"the daemon's replica is of another tag ({', '.join(sorted({r.tag for r in found}))})"
         match = [r for r in found if r.tag == tag and r.snapshot == snapshot and r.committed and r.size == size
                  and os.path.exists(r.file)]
+        if not all(os.path.exists(r.file) for r in found):
+            self._pins.release_removed()
         if not snapshot or not match:
             return None, (f"the daemon holds no replica of the version of tag {tag!r} its marker lists "
                           f"(snapshot {snapshot or 'not named'}), only of another version")

@@ -37,7 +37,8 @@ def open_for_reading(path: str) -> int:
 
 
 def on_tmpfs(path: str) -> bool:
-    """Whether ``path`` lives on a tmpfs (/dev/shm, say), by the longest mount point above it: its pages are memory."""
+    """Whether ``path`` lives on a tmpfs (/dev/shm, say), by the longest mount point above it (of mounts stacked on
+    one point, the last listed: the one on top): its pages are memory."""
     real = os.path.realpath(path)
     best, fstype = "", ""
     try:
@@ -45,7 +46,7 @@ def on_tmpfs(path: str) -> bool:
             for line in f:
                 fields = line.split()
                 point = fields[1].replace("\\040", " ")
-                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
                     best, fstype = point, fields[2]
     except OSError:
         return False

@@ -830,6 +830,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("daemon/replicas.py", "        self._pins.unpin(replica.job_id)\n", "        pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault",),
     ),
+    Mutation(
+        "removed-replica-stays-locked",
+        "a replica whose file was removed under the daemon (RemoveIPC) stays locked and mapped until the daemon exits",
+        (Edit("daemon/replicas.py", "        self._pins.release_removed()  # replicas removed under the daemon: their locked pages go\n",
+              "        pass  # MUTATION\n"),),
+        ("tests/test_restore.py::test_a_replica_removed_under_the_daemon_is_unlocked_and_unmapped_by_the_next_snapshot",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

@@ -9,6 +9,7 @@ while loading the storage file fails its checksum.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -394,3 +395,29 @@ def test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restor
     assert numel == elements
     pages = replica["size"] // 4096
     assert faults < pages // 4, f"{faults} page faults to map a replica of {pages} pages after a global drop of caches"
+
+
+def test_a_replica_removed_under_the_daemon_is_unlocked_and_unmapped_by_the_next_snapshot(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """systemd's RemoveIPC or a /dev/shm clean-up deletes the daemon's replica folder: the locked pages of a replica
+    no restore can use any more must not stay locked (and unswappable) until the daemon exits."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: locking replicas past RLIMIT_MEMLOCK")
+    d = start_daemon(memory_restore_budget="512MiB")
+    size = 0
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, {"w": torch.full((8 << 20,), 1.0)}, d.root / "runA" / "step1" / "rank0.pt")
+        for _ in range(600):
+            size = daemon_status(d.endpoint)["replicas"]["locked_bytes"]
+            if size:
+                break
+            time.sleep(0.05)
+        assert size > 32 << 20, daemon_status(d.endpoint)["replicas"]
+        folder = daemon_status(d.endpoint)["replicas"]["folder"]
+        shutil.rmtree(folder)
+        for step in (1, 2, 3):  # another run goes on: small snapshots, the last one removes a spare
+            save(c, {"w": torch.full((1 << 10,), float(step))}, d.root / "runB" / f"step{step}" / "rank0.pt")
+    assert not removed_but_mapped(d, folder), "the removed replica's pages are still mapped by the daemon"
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        locked = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmLck:"))
+    assert locked < size, f"the daemon still locks {locked} bytes; the removed replica had {size}"
