@@ -102,8 +102,9 @@ against 0.70 with 8 MiB reads)."""
 STEP_THREADS = 8
 """Threads of an in-place load read with O_DIRECT: each has one STEP read in flight at a time, and the disk wants
 about 64 MiB in flight (raw O_DIRECT reads of a 1.5 GB file here, one quiet run and one loaded: 8 x 8 MiB at 1.42 and
-1.58 GB/s, 4 x 8 MiB at 1.31 and 1.31, 4 x 64 MiB at 1.24 and 1.41). A load read through the page cache (a tmpfs replica, a file system that refuses O_DIRECT)
-is bound by the CPU's copies rather than by reads in flight: READ_THREADS."""
+1.58 GB/s, 4 x 8 MiB at 1.31 and 1.31, 4 x 64 MiB at 1.24 and 1.41). A load read through the page cache (a tmpfs
+replica, a file system that refuses O_DIRECT) is bound by the CPU's copies rather than by reads in flight:
+READ_THREADS."""
 
 
 @dataclass
