@@ -5,8 +5,8 @@ header's checksum too. Hypothesis crafts headers (every field of the index, the 
 metadata, the skeleton's bytes) and bodies (bytes flipped, cut or appended) from a real
 file the daemon wrote; ``load`` and ``verify`` must either return the state or raise a
 ``DatastatesError`` (``corrupt``, ``unsupported_format``, ``weights_only``), never another
-exception, within bounded time and memory. 5,000 cases by default (``DATASTATES_FUZZ_CASES``
-sets another count, for a longer randomized pass, with ``DATASTATES_FUZZ_SEED``).
+exception, within bounded time and memory. 1,000 cases by default, 5,000 with ``--long``
+(``DATASTATES_FUZZ_CASES`` sets another count, for a longer randomized pass, with ``DATASTATES_FUZZ_SEED``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from datastates.protocol.format import DATA_ALIGN, FileHeader, StorageRecord, al
 
 from conftest import DaemonProc, file_index, save, with_index
 
-CASES = int(os.environ.get("DATASTATES_FUZZ_CASES", "5000"))
+CASES_SET = os.environ.get("DATASTATES_FUZZ_CASES", "")
+CASES, SHORT_CASES = 5000, 1000
+"""With ``--long``; the default run (and ``make test``) does SHORT_CASES."""
 SEED = int(os.environ.get("DATASTATES_FUZZ_SEED", "14"))
 CASE_SECONDS = 10.0
 """A hang guard per case (a crafted size that makes the reader loop), far above the milliseconds one takes."""
@@ -123,7 +125,9 @@ def read_both(path: Path) -> None:
         assert time.monotonic() - start < CASE_SECONDS, "one crafted file took the reader past the hang guard"
 
 
-def test_crafted_headers_and_bodies_are_refused_with_the_formats_own_error(good: Path, tmp_path: Path) -> None:
+def test_crafted_headers_and_bodies_are_refused_with_the_formats_own_error(good: Path, tmp_path: Path,
+                                                                          long_runs: bool) -> None:
+    cases = int(CASES_SET) if CASES_SET else CASES if long_runs else SHORT_CASES
     raw = good.read_bytes()
     header = file_index(raw)[0]
     path = tmp_path / "model_states.pt"
@@ -131,7 +135,7 @@ def test_crafted_headers_and_bodies_are_refused_with_the_formats_own_error(good:
     tried = {"n": 0}
 
     @seed(SEED)
-    @settings(max_examples=CASES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=cases, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(st.lists(header_changes(header), max_size=3),
            st.tuples(st.sampled_from(["none", "flip", "cut", "append"]), st.integers(0, 1 << 20), st.integers(0, 1 << 20)))
     def case(changes: list[tuple[str, Any]], body: tuple[str, int, int]) -> None:
@@ -140,7 +144,7 @@ def test_crafted_headers_and_bodies_are_refused_with_the_formats_own_error(good:
         tried["n"] += 1
 
     case()
-    assert tried["n"] >= min(CASES, 5000) * 0.9, f"only {tried['n']} cases ran"
+    assert tried["n"] >= min(cases, 5000) * 0.9, f"only {tried['n']} cases ran"
     grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before
     assert grew < MEMORY_MARGIN, f"crafted files grew the reader's peak memory by {grew >> 20} MiB"
 

@@ -25,7 +25,7 @@ from conftest import DaemonProc, assert_state_equal
 
 TRIALS = 20
 """With ``--long``; the default run (and ``make test``) does SHORT_TRIALS."""
-SHORT_TRIALS = 8
+SHORT_TRIALS = 4
 
 
 def state_for(step: int) -> dict[str, Any]:
