@@ -155,6 +155,21 @@ class Watched:
         return out
 
 
+def locks_settled(endpoint: str, timeout: float = 30) -> None:
+    """Wait until the daemon holds exactly its committed replicas locked (daemon/pins.py locks and unlocks them on a
+    thread of its own, moments after each commit): its resident memory counts a locked replica's pages once more, so
+    a sample taken while a lock or an unlock is still queued would move by a replica's size."""
+    from datastates.client import daemon_status
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        replicas = daemon_status(endpoint)["replicas"]
+        committed = sum(r["size"] for r in replicas["replicas"] if r["committed"])
+        if replicas["lock_refused"] or replicas["locked_bytes"] == committed:
+            return
+        time.sleep(0.02)
+
+
 def soak(endpoint: str, root: str, saves: int, every: int, state_mb: float, overlap: int = 0,
          on_sample: Callable[[dict[str, Any]], None] = lambda s: None, timeout: float = 600) -> list[dict[str, Any]]:
     """Run a trainer process of ``saves`` saves of a ``state_mb`` state under ``root`` through the daemon at
@@ -171,6 +186,7 @@ def soak(endpoint: str, root: str, saves: int, every: int, state_mb: float, over
         try:
             for line in proc.stdout:
                 if line.startswith(READY):
+                    locks_settled(endpoint)
                     samples.append(watched.sample(int(line[len(READY):])))
                     on_sample(samples[-1])
                     proc.stdin.write("\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -14,6 +15,9 @@ from datastates.client import Client
 from datastates.client.reader import verify
 
 from conftest import DaemonProc, assert_state_equal, save
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from soak import locks_settled  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:
@@ -76,6 +80,7 @@ def test_host_memory_stays_flat_over_50_checkpoints(start_daemon: Callable[..., 
             for t in state.values():
                 t.add_(1)
             save(c, state, d.root / f"s{step}" / "model_states.pt", tag=f"s{step}")
+            locks_settled(d.endpoint)  # the newest replica locked, the one before unlocked: each counts in RSS
             rss.append(rss_bytes(d.proc.pid))
         status = c.status()["daemon"]["host_memory"]
     assert status["chunks_allocated"] * status["chunk_size"] <= status["budget_bytes"]
