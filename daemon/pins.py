@@ -86,8 +86,9 @@ class Pins:
         except OSError:  # discarded already: its unpin is queued behind
             return
         try:
-            if os.fstat(fd).st_size < size:
-                raise FileNotFoundError
+            if os.fstat(fd).st_size < size:  # cut already: a spare, written over by the next replica
+                os.close(fd)
+                return
             pages = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except BaseException:
             os.close(fd)
@@ -124,5 +125,3 @@ class Pins:
     def _sweep(self) -> None:
         for job_id in [j for j, (_, fd) in self._held.items() if os.fstat(fd).st_nlink == 0]:
             self._unpin(job_id)
-
-
