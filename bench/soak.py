@@ -155,15 +155,14 @@ class Watched:
         return out
 
 
-def locks_settled(endpoint: str, timeout: float = 30) -> None:
-    """Wait until the daemon holds exactly its committed replicas locked (daemon/pins.py locks and unlocks them on a
-    thread of its own, moments after each commit): its resident memory counts a locked replica's pages once more, so
-    a sample taken while a lock or an unlock is still queued would move by a replica's size."""
-    from datastates.client import daemon_status
-
+def locks_settled(status: Callable[[], dict[str, Any]], timeout: float = 30) -> None:
+    """Wait until the daemon (its ``status()``) holds exactly its committed replicas locked (daemon/pins.py locks
+    and unlocks them on a thread of its own, moments after each commit): its resident memory counts a locked
+    replica's pages once more, and its descriptors one per locked replica, so a sample taken while a lock or an
+    unlock is still queued would move by a replica."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        replicas = daemon_status(endpoint)["replicas"]
+        replicas = status()["replicas"]
         committed = sum(r["size"] for r in replicas["replicas"] if r["committed"])
         if replicas["lock_refused"] or replicas["locked_bytes"] == committed:
             return
@@ -174,9 +173,11 @@ def soak(endpoint: str, root: str, saves: int, every: int, state_mb: float, over
          on_sample: Callable[[dict[str, Any]], None] = lambda s: None, timeout: float = 600) -> list[dict[str, Any]]:
     """Run a trainer process of ``saves`` saves of a ``state_mb`` state under ``root`` through the daemon at
     ``endpoint``; the samples taken before its first save and after every ``every`` saves."""
-    from datastates.client import daemon_status
+    from datastates.client.connection import Connection
+    from datastates.protocol import messages as m
 
-    status = daemon_status(endpoint)
+    conn = Connection(endpoint)  # one for the whole run: one per poll would show in the daemon's descriptors
+    status = conn.call(m.Status(), 5).status
     cmd = [sys.executable, os.path.abspath(__file__), "--trainer", endpoint, "--root", root, "--saves", str(saves),
            "--every", str(every), "--state-mb", str(state_mb), "--overlap", str(overlap)]
     samples: list[dict[str, Any]] = []
@@ -186,7 +187,7 @@ def soak(endpoint: str, root: str, saves: int, every: int, state_mb: float, over
         try:
             for line in proc.stdout:
                 if line.startswith(READY):
-                    locks_settled(endpoint)
+                    locks_settled(lambda: conn.call(m.Status(), 5).status)
                     samples.append(watched.sample(int(line[len(READY):])))
                     on_sample(samples[-1])
                     proc.stdin.write("\n")
@@ -195,6 +196,7 @@ def soak(endpoint: str, root: str, saves: int, every: int, state_mb: float, over
                     sys.stdout.write(line)
             rc = proc.wait(timeout)
         finally:
+            conn.close()
             if proc.poll() is None:
                 proc.kill()
     if rc != 0 or not samples or samples[-1]["saves"] != saves:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -15,9 +14,6 @@ from datastates.client import Client
 from datastates.client.reader import verify
 
 from conftest import DaemonProc, assert_state_equal, save
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from soak import locks_settled  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:
@@ -71,8 +67,9 @@ def test_wait_returns_only_once_the_daemon_holds_its_own_copy(start_daemon: Call
 
 
 def test_host_memory_stays_flat_over_50_checkpoints(start_daemon: Callable[..., DaemonProc]) -> None:
-    """The pool is mapped once and reused: 50 checkpoints leave the daemon's RSS where 10 did."""
-    d = start_daemon(host_memory="16MiB", chunk_size="1MiB")
+    """The pool is mapped once and reused: 50 checkpoints leave the daemon's RSS where 10 did. Without replicas,
+    whose pages the daemon maps and locks as they come and go (tests/test_soak.py holds them to a bound)."""
+    d = start_daemon(host_memory="16MiB", chunk_size="1MiB", memory_restore="none")
     state = {f"w{i}": torch.randn(1 << 18) for i in range(24)}  # 24 MiB: streams through a 16 MiB pool
     rss = []
     with Client(d.endpoint, timeout=120) as c:
@@ -80,7 +77,6 @@ def test_host_memory_stays_flat_over_50_checkpoints(start_daemon: Callable[..., 
             for t in state.values():
                 t.add_(1)
             save(c, state, d.root / f"s{step}" / "model_states.pt", tag=f"s{step}")
-            locks_settled(d.endpoint)  # the newest replica locked, the one before unlocked: each counts in RSS
             rss.append(rss_bytes(d.proc.pid))
         status = c.status()["daemon"]["host_memory"]
     assert status["chunks_allocated"] * status["chunk_size"] <= status["budget_bytes"]
