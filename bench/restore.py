@@ -172,14 +172,12 @@ def main() -> int:
     parser.add_argument("--fresh-only", action="store_true", help="no in-place, memory or DCP restores")
     parser.add_argument("--read-threads", type=int, default=READ_THREADS,
                         help=f"the reader's threads (default {READ_THREADS}), to see how many the disk rewards")
-    parser.add_argument("--step-threads", type=int, default=stream.STEP_THREADS,
-                        help=f"threads of an in-place load from disk (default {stream.STEP_THREADS})")
     parser.add_argument("--step-mib", type=int, default=stream.STEP >> 20,
                         help=f"the reader's read size, MiB (default {stream.STEP >> 20})")
     parser.add_argument("--device", default="cpu", help="where restored tensors go: cpu, or cuda (bench/gpu_check.sh)")
     parser.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh temp dir)")
     args = parser.parse_args()
-    stream.READ_THREADS, stream.STEP_THREADS, stream.STEP = args.read_threads, args.step_threads, args.step_mib << 20
+    stream.READ_THREADS, stream.STEP = args.read_threads, args.step_mib << 20
     root = args.root or tempfile.mkdtemp(prefix="ds-bench-restore-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     state = gpt_state(layers=args.layers, dim=args.dim)
     nbytes = state_bytes(state)

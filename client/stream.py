@@ -1,7 +1,7 @@
 """Reading a checkpoint file's data region in checked pieces, on several threads: what every load shares.
 
 The region is cut into whole pieces of the format (each checksummed segment lies inside
-one), and READ_THREADS threads (STEP_THREADS for an in-place load from disk) take them in
+one), and READ_THREADS threads take them in
 turn. Each piece goes in STEP reads: hashed while it is in the CPU's cache, its zip headers
 compared, then (an in-place load) copied out to the tensors it belongs to. Where the bytes
 come from and go:
@@ -11,11 +11,12 @@ come from and go:
   storage a slice of that buffer afterwards: no second copy;
 - a fresh load of a replica on tmpfs: its pages mapped copy-on-write by the caller (they are
   memory already), and only hashed here;
-- an in-place load (``Stream.run()``, with targets): through a small page-aligned bounce buffer
-  per thread (O_DIRECT from disk; a tmpfs replica read, not mapped), into the targets. Reading
-  a replica costs no page tables, and no fault per 4 KiB page where a global
-  ``echo 3 > /proc/sys/vm/drop_caches`` turned fault-around off for a replica the daemon could
-  not lock (daemon/pins.py).
+- an in-place load (``Stream.run()``, with targets): through the page cache (``open_sequential``:
+  the kernel reads ahead while the threads copy; a tmpfs replica is read, not mapped), each
+  step's bytes straight into its CPU targets in one preadv, the rest (zip headers, GPU targets'
+  bytes) into a small bounce buffer per thread. Reading a replica costs no page tables, and no
+  fault per 4 KiB page where a global ``echo 3 > /proc/sys/vm/drop_caches`` turned fault-around
+  off for a replica the daemon could not lock (daemon/pins.py).
 
 A checksum or zip header that does not match, or a file that ends early, raises
 CorruptCheckpointError naming the tensor: a load never returns what it could not check.
@@ -24,7 +25,6 @@ CorruptCheckpointError naming the tensor: a load never returns what it could not
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import mmap
 import os
 import threading
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from datastates.protocol.errors import CorruptCheckpointError
-from datastates.protocol.fileio import MADV_POPULATE_WRITE, on_tmpfs, open_for_reading
+from datastates.protocol.fileio import MADV_POPULATE_WRITE, forget_cached, on_tmpfs, open_for_reading, open_sequential
 from datastates.protocol.format import FileHeader, ZipLayout, checksummer
 
 from .filecheck import READ_PIECE, READ_THREADS, advise, check_bounds, check_local_headers, storage_error
@@ -59,8 +59,8 @@ class Target:
 
 
 class _Bounce:
-    """One read thread's page-aligned buffer of STEP bytes (O_DIRECT needs the alignment), page-locked where a GPU
-    copy reads it, with a stream per GPU the targets are on (a copy runs on its target device's current stream)."""
+    """One read thread's buffer of STEP bytes for what is not read straight into a target, in whole pages (they are
+    page-locked where a GPU copy reads them), with a stream per GPU the targets are on (a copy runs on its target device's current stream)."""
 
     def __init__(self, ready: dict[torch.device, torch.cuda.Event]) -> None:
         """``ready``: per GPU the targets are on, an event recorded on its current stream when the load began; this
@@ -99,12 +99,6 @@ out and reads whole READ_PIECE pieces (bench/restore.py at 1.5 GB: 0.93 of a raw
 against 0.70 with 8 MiB reads)."""
 
 
-STEP_THREADS = 8
-"""Threads of an in-place load read with O_DIRECT: each has one STEP read in flight at a time, and the disk wants
-about 64 MiB in flight (raw O_DIRECT reads of a 1.5 GB file here, one quiet run and one loaded: 8 x 8 MiB at 1.42 and
-1.58 GB/s, 4 x 8 MiB at 1.31 and 1.31, 4 x 64 MiB at 1.24 and 1.41). A load read through the page cache (a tmpfs
-replica, a file system that refuses O_DIRECT) is bound by the CPU's copies rather than by reads in flight:
-READ_THREADS."""
 
 
 @dataclass
@@ -149,9 +143,6 @@ class Stream:
                 piece.targets.append((index, rec.offset, rec.offset + rec.nbytes, target))
         for piece in self.pieces:
             piece.targets.sort(key=lambda t: t[1])
-        self.scatter = False
-        """Read a step straight into its CPU targets (one preadv): where the file is not read with O_DIRECT, which
-        needs aligned buffers (a replica on tmpfs). Set by ``run``."""
         self.ready = {d: torch.cuda.current_stream(d).record_event()
                       for d in {t.tensor.device for t in (targets or {}).values() if t.on_gpu}}
         """Where the job's queued work on the targets ends (``_Bounce``)."""
@@ -164,15 +155,18 @@ class Stream:
         """
         if not self.pieces:
             return
-        if region is not None and on_tmpfs(self.path):
+        tmpfs = on_tmpfs(self.path)
+        if region is not None and tmpfs:
             self._threads(-1, region, fill=False)
             return
-        fd = open_for_reading(self.path)
+        fd = open_for_reading(self.path) if region is not None else open_sequential(self.path)
         try:
-            self.scatter = region is None and not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
             self._threads(fd, region, fill=region is not None)
         finally:
-            os.close(fd)
+            if region is None and not tmpfs:
+                forget_cached(fd)
+            else:
+                os.close(fd)
 
     def _threads(self, fd: int, source: np.ndarray | None, fill: bool) -> None:
         """The pieces on READ_THREADS threads: from ``source`` (the region in memory; read into it first if
@@ -201,9 +195,8 @@ class Stream:
                     except BaseException as exc:  # noqa: BLE001
                         failed.append(exc)
 
-        count = STEP_THREADS if source is None and not self.scatter else READ_THREADS
         threads = [threading.Thread(target=work, name=f"ds-read-{i}", daemon=True)
-                   for i in range(min(count, len(self.pieces)))]
+                   for i in range(min(READ_THREADS, len(self.pieces)))]
         for t in threads:
             t.start()
         for t in threads:
@@ -227,7 +220,7 @@ class Stream:
             else:
                 assert bounce is not None
                 bounce.settle()  # its previous step's GPU copies read it still
-                straight = self._scatter(fd, piece, at, stop, bounce) if self.scatter else None
+                straight = self._scatter(fd, piece, at, stop, bounce)
                 if straight is None:
                     self._read(fd, [bounce.view[:stop - at]], self.base + at)
                 data, address = bounce.view[:stop - at], bounce.address

@@ -12,6 +12,7 @@ import mmap
 import os
 import shutil
 import stat
+import threading
 
 PAGE = 4096
 """O_DIRECT's alignment of offsets, lengths and buffer addresses."""
@@ -34,6 +35,31 @@ def open_for_reading(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def open_sequential(path: str) -> int:
+    """A descriptor for one pass through ``path`` whose bytes are copied into memory the reader has already (an
+    in-place load): through the page cache, so that the kernel reads ahead while the reader copies and hashes. The
+    copy out of the page cache costs what one out of an O_DIRECT bounce buffer would, and the disk is never idle
+    between a thread's reads (bench/restore.py, 1.54 GB in place: 0.870 s against 0.945 s for O_DIRECT on 8 threads,
+    a raw O_DIRECT read into a reused buffer 0.826 s). ``forget_cached`` drops the pages it leaves."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    return fd
+
+
+def forget_cached(fd: int) -> None:
+    """Drop the page cache's clean pages of ``fd``'s file on a thread of its own, then close ``fd`` (which this
+    takes over): a restore leaves the node's memory as an O_DIRECT one would, and does not wait for the drop (0.06 s
+    per 1.5 GB measured inline). Nothing on tmpfs, whose pages are the file."""
+
+    def drop() -> None:
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=drop, name="ds-forget", daemon=True).start()
 
 
 def on_tmpfs(path: str) -> bool:

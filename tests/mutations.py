@@ -837,6 +837,12 @@ MUTATIONS: tuple[Mutation, ...] = (
               "        pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_a_replica_removed_under_the_daemon_is_unlocked_and_unmapped_by_the_next_snapshot",),
     ),
+    Mutation(
+        "in-place-load-keeps-page-cache",
+        "an in-place load from disk leaves the whole file in the page cache: a second copy of the checkpoint in memory",
+        (Edit("client/stream.py", "                forget_cached(fd)\n", "                os.close(fd)  # MUTATION\n"),),
+        ("tests/test_load_into.py::test_an_in_place_load_from_disk_leaves_the_file_out_of_the_page_cache",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

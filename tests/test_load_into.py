@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -360,20 +362,22 @@ def test_a_file_truncated_before_the_restore_raises_and_writes_nothing(trainer: 
     assert_state_equal(zeros_like(state), into)
 
 
-def test_a_file_truncated_while_it_is_read_raises(trainer: Client, run: Path) -> None:
+def test_a_file_truncated_while_it_is_read_raises(trainer: Client, run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cut to its first tensor's half after its header and zip records were checked, just as its data region is
-    opened for reading (an audit hook on that open): the restore raises, through Client.restore too."""
+    opened for reading: the restore raises, through Client.restore too."""
     path, state = corruptible(trainer, run)
     supersede(trainer, run)
     at, nbytes = storage_at(path, "w")
     cut: list[int] = []
+    opener = stream_module.open_sequential
 
-    def hook(event: str, args: tuple) -> None:
-        if event == "open" and not cut and args and args[0] == str(path) and args[2] & os.O_DIRECT:
+    def cut_then_open(name: str) -> int:
+        if name == str(path):
             cut.append(at + nbytes // 2)
             os.truncate(path, cut[0])
+        return opener(name)
 
-    sys.addaudithook(hook)  # for good: inert once it ran
+    monkeypatch.setattr(stream_module, "open_sequential", cut_then_open)
     with pytest.raises(CorruptCheckpointError, match="file ends"):
         trainer.restore(run, "rank0.pt", tag="step1", into=zeros_like(state))
     assert cut and path.stat().st_size == cut[0]  # the case under test: cut as it was opened to be read
@@ -670,6 +674,43 @@ def test_a_state_over_the_default_read_piece(trainer: Client, run: Path) -> None
     assert identities(into) == ptrs
     for k, t in state.items():
         assert torch.equal(into[k], t), k
+
+
+def cached_pages(path: Path) -> int:
+    """How many of ``path``'s pages the page cache holds (mincore(2) of a private mapping that touches none)."""
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        vec = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        assert LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec)
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def test_an_in_place_load_from_disk_leaves_the_file_out_of_the_page_cache(trainer: Client, run: Path) -> None:
+    """An in-place load reads through the page cache, for the kernel's read-ahead, and then drops the file's pages
+    (on a thread of its own, after it returned): a node restoring hundreds of GB is left as an O_DIRECT read leaves
+    it, not holding a second copy of the checkpoint beside the model's."""
+    state = {"w": torch.randn(12_000_000), "b": torch.randn(1000)}
+    path = committed(trainer, state, run)
+    supersede(trainer, run)  # step1's replica dropped: the restore below reads storage
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    assert cached_pages(path) < 16  # the case under test: cold (the tail's few pages may stay)
+    into = zeros_like(state)
+    got = trainer.restore(run, "rank0.pt", tag="step1", into=into)
+    assert got is not None and got.source == "storage", got
+    for k, t in state.items():
+        assert torch.equal(into[k], t), k
+    for _ in range(200):  # a hang guard: the drop runs after the load returned
+        if cached_pages(path) < 16:
+            break
+        time.sleep(0.05)
+    assert cached_pages(path) < 16, f"{cached_pages(path)} of the file's pages stay cached after the restore"
 
 
 @pytest.mark.parametrize("how", ["tied", "overlapping"])
