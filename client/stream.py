@@ -11,10 +11,13 @@ come from and go:
   storage a slice of that buffer afterwards: no second copy;
 - a fresh load of a replica on tmpfs: its pages mapped copy-on-write by the caller (they are
   memory already), and only hashed here;
-- an in-place load (``Stream.run()``, with targets): through the page cache (``open_sequential``:
-  the kernel reads ahead while the threads copy; a tmpfs replica is read, not mapped), each
-  step's bytes straight into its CPU targets in one preadv, the rest (zip headers, GPU targets'
-  bytes) into a small bounce buffer per thread. Reading a replica costs no page tables, and no
+- an in-place load (``Stream.run()``, with targets) into CPU tensors: through the page cache
+  (``open_sequential``: the kernel reads ahead while the threads copy; a tmpfs replica is read,
+  not mapped), each step's bytes straight into its CPU targets in one preadv, the rest (zip
+  headers, GPU targets' bytes) into a small bounce buffer per thread;
+- an in-place load whose bytes go mostly to GPUs: with O_DIRECT into each thread's page-locked
+  bounce buffer, and from there over the thread's stream to the GPU: no pageable copy on the
+  way (a replica on tmpfs is its pages already). Reading a replica costs no page tables, and no
   fault per 4 KiB page where a global ``echo 3 > /proc/sys/vm/drop_caches`` turned fault-around
   off for a replica the daemon could not lock (daemon/pins.py).
 
@@ -25,6 +28,7 @@ CorruptCheckpointError naming the tensor: a load never returns what it could not
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import threading
@@ -59,8 +63,9 @@ class Target:
 
 
 class _Bounce:
-    """One read thread's buffer of STEP bytes for what is not read straight into a target, in whole pages (they are
-    page-locked where a GPU copy reads them), with a stream per GPU the targets are on (a copy runs on its target device's current stream)."""
+    """One read thread's page-aligned buffer of STEP bytes (O_DIRECT needs the alignment) for what is not read
+    straight into a target, page-locked where a GPU copy reads it, with a stream per GPU the targets are on (a copy
+    runs on its target device's current stream)."""
 
     def __init__(self, ready: dict[torch.device, torch.cuda.Event]) -> None:
         """``ready``: per GPU the targets are on, an event recorded on its current stream when the load began; this
@@ -98,6 +103,12 @@ cache between its read and its copy, and to make the bounce buffers cheap to all
 out and reads whole READ_PIECE pieces (bench/restore.py at 1.5 GB: 0.93 of a raw O_DIRECT read into a fresh buffer,
 against 0.70 with 8 MiB reads)."""
 
+
+STEP_THREADS = 8
+"""Threads of an in-place load read with O_DIRECT (into GPUs): each has one STEP read in flight at a time, and the
+disk wants about 64 MiB in flight (raw O_DIRECT reads of a 1.5 GB file here, one quiet run and one loaded: 8 x 8 MiB
+at 1.42 and 1.58 GB/s, 4 x 8 MiB at 1.31 and 1.31, 4 x 64 MiB at 1.24 and 1.41). A load read through the page cache
+has the kernel's read-ahead in flight and is bound by its copies: READ_THREADS."""
 
 
 
@@ -143,6 +154,13 @@ class Stream:
                 piece.targets.append((index, rec.offset, rec.offset + rec.nbytes, target))
         for piece in self.pieces:
             piece.targets.sort(key=lambda t: t[1])
+        self.scatter = False
+        """Read a step straight into its CPU targets (one preadv): where the file is read through the page cache
+        (O_DIRECT would need aligned targets). Set by ``run``."""
+        on_gpu = sum(header.storages[i].nbytes for i, t in (targets or {}).items() if t and t.on_gpu)
+        self.direct = on_gpu * 2 > sum(header.storages[i].nbytes for i in (targets or {}))
+        """An in-place load whose bytes go mostly to GPUs reads with O_DIRECT: into the page-locked bounce buffers,
+        where the page cache would put a pageable copy on their way."""
         self.ready = {d: torch.cuda.current_stream(d).record_event()
                       for d in {t.tensor.device for t in (targets or {}).values() if t.on_gpu}}
         """Where the job's queued work on the targets ends (``_Bounce``)."""
@@ -159,11 +177,13 @@ class Stream:
         if region is not None and tmpfs:
             self._threads(-1, region, fill=False)
             return
-        fd = open_for_reading(self.path) if region is not None else open_sequential(self.path)
+        cached = region is None and not self.direct
+        fd = open_sequential(self.path) if cached else open_for_reading(self.path)
         try:
+            self.scatter = region is None and not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
             self._threads(fd, region, fill=region is not None)
         finally:
-            if region is None and not tmpfs:
+            if cached and not tmpfs:
                 forget_cached(fd)
             else:
                 os.close(fd)
@@ -195,8 +215,9 @@ class Stream:
                     except BaseException as exc:  # noqa: BLE001
                         failed.append(exc)
 
+        count = STEP_THREADS if source is None and not self.scatter else READ_THREADS
         threads = [threading.Thread(target=work, name=f"ds-read-{i}", daemon=True)
-                   for i in range(min(READ_THREADS, len(self.pieces)))]
+                   for i in range(min(count, len(self.pieces)))]
         for t in threads:
             t.start()
         for t in threads:
@@ -220,7 +241,7 @@ class Stream:
             else:
                 assert bounce is not None
                 bounce.settle()  # its previous step's GPU copies read it still
-                straight = self._scatter(fd, piece, at, stop, bounce)
+                straight = self._scatter(fd, piece, at, stop, bounce) if self.scatter else None
                 if straight is None:
                     self._read(fd, [bounce.view[:stop - at]], self.base + at)
                 data, address = bounce.view[:stop - at], bounce.address
