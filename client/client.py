@@ -161,6 +161,8 @@ class Client:
         """COMMITs the daemon has not answered: (tag, the caller's future, the daemon's reply). With the local
         fallback, a tag whose snapshots ``wait()`` saves again locally is committed locally instead."""
         self._commits_lock = threading.Lock()
+        self._expected: list[threading.Event] = []
+        """Snapshots another thread is about to send (``expect``): ``wait()`` waits for each to be set first."""
         self._waiting = False
         """Whether ``wait()`` runs: a COMMIT the lost daemon fails meanwhile may be one it commits locally."""
         self._tickets = itertools.count(1)
@@ -289,6 +291,14 @@ class Client:
         Raises the first failure among them (the daemon refused one, or could not copy
         it); each failure is reported by one ``wait()`` only.
         """
+        with self._commits_lock:
+            expected, self._expected = self._expected, []
+        for i, event in enumerate(expected):
+            if not event.wait(timeout):
+                with self._commits_lock:
+                    self._expected[:0] = expected[i:]
+                raise WaitTimeout(f"a snapshot expected from another thread (DCP's async_save) was not sent within "
+                                  f"{timeout} s")
         if not self._uncopied:
             return
         pending = list(self._uncopied)
@@ -412,6 +422,15 @@ class Client:
         refused = next((a.exception() for a in acks if a.exception() is not None), None)
         if refused is not None:
             raise refused
+
+    def expect(self) -> threading.Event:
+        """Say that another thread is about to snapshot tensors this one may change next (DCP's ``async_save``
+        returns before its own thread plans the save and sends the snapshot): ``wait()``, and so the fence, first
+        waits until the returned event is set. Set it once that snapshot is sent, or will never be."""
+        event = threading.Event()
+        with self._commits_lock:
+            self._expected.append(event)
+        return event
 
     def protect(self, optimizer: torch.optim.Optimizer) -> Any:
         """Fence every ``optimizer.step()`` with ``wait()``, so a loop needs this one line.

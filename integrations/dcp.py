@@ -1,0 +1,324 @@
+"""``torch.distributed.checkpoint`` (DCP) through datastates: FSDP2, tensor parallel and resharding on load.
+
+DCP already plans sharded saves and loads (which rank writes which shard, and which stored
+chunks a rank of another layout needs); this module is only its storage layer::
+
+    fut = dcp.async_save(state, checkpoint_id="/ckpt/step100", storage_writer=DatastatesStorageWriter(client))
+    dcp.load(state, checkpoint_id=f"/ckpt/{datastates.latest('/ckpt')}", storage_reader=DatastatesStorageReader())
+
+**Saving.** Each rank hands its daemon one snapshot, ``<checkpoint_id>/rank<R>.pt``, of the
+items DCP's plan gives it: references to its local shards (a DTensor's local tensor, a
+plain tensor), copied by the daemon lazily, and the few objects DCP pickles itself. The
+coordinator adds ``metadata.pt`` (DCP's ``Metadata``, each item's file and key in it)
+once every rank's results are in, and the checkpoint folder's name is the tag: it is
+committed once, with every rank's file and the metadata durable, and ``dcp.save`` returns
+(``async_save``'s future resolves) only then. ``async_save`` stages nothing: ``stage()``
+resolves the items on the caller's thread (no copy) and ``client.expect()`` makes the
+fence (``client.protect(optimizer)``) wait for the snapshot DCP's save thread sends, and
+then for the daemon's copy, before the optimizer changes a shard.
+
+Call order (DCP's): ``stage`` (``async_save`` only), ``reset(checkpoint_id)``,
+``set_up_storage_writer``, ``prepare_local_plan``, ``prepare_global_plan``, ``write_data``
+on every rank, then ``finish`` on the coordinator.
+
+**Loading.** ``read_metadata`` refuses a folder whose tag is not committed (an interrupted
+save, DCP's own layout, any other folder). Each rank reads the files its plan names: where
+its requests cover a file's every item whole, into tensors of the stored shape and dtype
+(the same layout as the save), straight into them (``datastates.load(path, into=...)``,
+checksums checked); otherwise the file is read fresh and each request's slice copied into
+its tensor (resharding). With a ``client``, a file the node's daemon still holds in memory
+is read from there.
+
+Each rank's file is a zip plain ``torch.load`` reads (a dict: ``"<fqn>@<offsets>"`` →
+that rank's shard); stock ``dcp.load`` cannot read the folder (DCP's own files hold one
+``torch.save`` blob per item), so ``to_filesystem`` (``datastatesctl convert --to dcp``)
+writes DCP's own ``FileSystemWriter`` layout of a committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import threading
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint import FileSystemWriter, Metadata
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from datastates.client.client import Client
+from datastates.client.reader import load
+from datastates.protocol.errors import CommitError, InvalidRequestError, StateMismatchError
+from datastates.protocol.format import marker_name
+from datastates.protocol.tags import trusted_marker
+
+METADATA = "metadata.pt"
+"""The checkpoint's DCP ``Metadata``, written by the coordinator into the same tag as the ranks' files."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardAt:
+    """Where one DCP item is stored (the ``storage_data`` of its ``MetadataIndex``): a file of the checkpoint folder
+    and the key of the item in that file's dict."""
+
+    file: str
+    key: str
+
+
+SAFE_GLOBALS = [ShardAt, Metadata, *(getattr(dcp_metadata, n) for n in (
+    "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "StorageMeta")), torch.Size]
+"""What the metadata file's skeleton may build (besides tensors and plain values): DCP's metadata classes."""
+
+
+def entry_key(index: dcp_metadata.MetadataIndex) -> str:
+    """An item's key in its rank's file: its fully qualified name, and its chunk's offsets where it is a tensor's."""
+    return index.fqn if index.offset is None else f"{index.fqn}@{','.join(map(str, index.offset))}"
+
+
+def _value(planner: SavePlanner, item: WriteItem) -> Any:
+    """What DCP would write for ``item``: a tensor (a reference to the rank's own shard, no copy), or the bytes DCP
+    pickled an object into."""
+    data = planner.resolve_data(item)
+    return data.getvalue() if isinstance(data, io.BytesIO) else data.detach()
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else len(value)
+
+
+class DatastatesStorageWriter(StorageWriter, AsyncStager):
+    """DCP's storage layer as snapshots and one commit through this rank's ``client`` (see the module's docstring).
+
+    One writer per save, as with DCP's own writers. ``async_save`` runs it on DCP's thread executor (the default);
+    the process executor is refused, since a client cannot cross processes.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self, client: Client) -> None:
+        super().__init__()
+        self.client = client
+        self.folder = ""
+        self.tag = ""
+        self.is_coordinator = False
+        self._staged: dict[str, Any] | None = None
+        self._expected: threading.Event | None = None
+
+    def __reduce__(self) -> Any:
+        raise TypeError("DatastatesStorageWriter holds this rank's connection to its daemon and cannot be sent to "
+                        "another process: use async_save's default thread executor")
+
+    # -- AsyncStager: no copy, only the references, taken before async_save returns
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Resolve every item this rank may write (DCP's default plan before it is deduplicated across ranks), as
+        references; the fence then waits for the snapshot ``write_data`` sends from DCP's thread."""
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict, None, True)  # objects too: whichever rank coordinates writes them
+        self._staged = {entry_key(item.index): _value(planner, item) for item in planner.create_local_plan().items}
+        self._expected = self.client.expect()
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing is staged: the fence waits for the daemon's copy instead."""
+
+    def close(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._expected is not None:
+            self._expected.set()
+            self._expected = None
+
+    # -- StorageWriter
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is None:
+            raise InvalidRequestError("DatastatesStorageWriter needs a checkpoint_id: the folder to save into, whose "
+                                      "name is the tag")
+        self.folder = os.path.abspath(os.fspath(checkpoint_id))
+        self.tag = os.path.basename(self.folder)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Snapshot this rank's items as one file; the results say where each is, before a byte is copied."""
+        name = rank_file(self.client.ranks.rank)
+        try:
+            entries: dict[str, Any] = {}
+            for item in plan.items:
+                key = entry_key(item.index)
+                if self._staged is None:
+                    entries[key] = _value(planner, item)
+                elif key in self._staged:
+                    entries[key] = self._staged[key]
+                else:
+                    raise InvalidRequestError(f"DCP's plan asks this rank to write {key!r}, which stage() did not "
+                                              "resolve: DatastatesStorageWriter supports DCP's default save planner")
+            self.client.snapshot(entries, os.path.join(self.folder, name), tag=self.tag)
+        finally:
+            self._release()
+            self._staged = None
+        if not self.is_coordinator:  # the coordinator commits in finish(), with the metadata
+            self.client.commit(self.tag)
+        fut: Future[list[WriteResult]] = Future()  # torch's: DCP waits on it
+        fut.set_result([WriteResult(index=item.index, size_in_bytes=_nbytes(entries[entry_key(item.index)]),
+                                    storage_data=ShardAt(name, entry_key(item.index))) for item in plan.items])
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The coordinator's metadata joins its own file in the tag, which it then commits for every rank; returns
+        once committed (CommitError: a rank's part failed, so the checkpoint is not visible)."""
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        self.client.snapshot({"metadata": metadata}, os.path.join(self.folder, METADATA), tag=self.tag)
+        self.client.commit(self.tag).result()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class DatastatesStorageReader(StorageReader):
+    """DCP's storage layer for loading a committed datastates checkpoint, into any layout (see the module's
+    docstring). ``client``: read a file the node's daemon still holds in memory from there."""
+
+    def __init__(self, client: Client | None = None) -> None:
+        super().__init__()
+        self.client = client
+        self.folder = ""
+        self.storage_data: dict[dcp_metadata.MetadataIndex, ShardAt] = {}
+        self._chunks: dict[dcp_metadata.MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        """Each stored tensor chunk's shape and dtype."""
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.folder = os.path.abspath(os.fspath(checkpoint_id))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata of a committed checkpoint; CommitError for a folder that is not one."""
+        tag = os.path.basename(self.folder)
+        marker = trusted_marker(os.path.join(self.folder, marker_name(tag))) if self.folder else None
+        if marker is None or METADATA not in {f.path for f in marker.files}:
+            dcp_own = os.path.exists(os.path.join(self.folder, ".metadata"))
+            raise CommitError(f"{self.folder!r} is not a committed datastates DCP checkpoint (no valid commit marker "
+                              f"naming its {METADATA}): " + ("it is DCP's own layout; read it with FileSystemReader"
+                                                            if dcp_own else "an interrupted save, or another folder"),
+                              tag=tag)
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            metadata: Metadata = load(os.path.join(self.folder, METADATA))["metadata"]
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self._chunks = {dcp_metadata.MetadataIndex(fqn, chunk.offsets): (chunk.sizes, md.properties.dtype)
+                        for fqn, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, dcp_metadata.TensorStorageMetadata) for chunk in md.chunks}
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Each file this rank's plan names, read once: into its tensors where it fits them whole, else fresh."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
+        keys: dict[str, set[str]] = {}
+        for at in self.storage_data.values():
+            keys.setdefault(at.file, set()).add(at.key)
+        for name, items in per_file.items():
+            into = self._into(items, planner, keys[name])
+            state = self._read(name, into)
+            for item in items:
+                value = state[self.storage_data[item.storage_index].key]
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(value))
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                if into is None:
+                    source = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
+                    if target.size() != source.size():
+                        raise StateMismatchError(f"{name}: {item.storage_index.fqn} has a stored slice of shape "
+                                                 f"{tuple(source.size())} where the state's is "
+                                                 f"{tuple(target.size())}", path=name, key=item.storage_index.fqn)
+                    target.copy_(source)
+                planner.commit_tensor(item, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _into(self, items: list[ReadItem], planner: LoadPlanner, file_keys: set[str]) -> dict[str, Any] | None:
+        """The tensors to read one file straight into, where ``items`` take every item of it whole, each into a
+        tensor of its stored shape and dtype (a load in the layout of the save); else None."""
+        into: dict[str, Any] = {}
+        for item in items:
+            key = self.storage_data[item.storage_index].key
+            if item.type == LoadItemType.BYTE_IO:
+                into[key] = None
+                continue
+            shape, dtype = self._chunks.get(item.storage_index, (None, None))
+            target = planner.resolve_tensor(item).detach()
+            if (key in into or shape is None or any(item.storage_offsets) or tuple(item.lengths) != tuple(shape)
+                    or target.size() != shape or target.dtype != dtype):
+                return None
+            into[key] = target
+        return into if set(into) == file_keys else None
+
+    def _read(self, name: str, into: dict[str, Any] | None) -> dict[str, Any]:
+        """One file of the checkpoint: from the daemon's memory where a client is given and it holds it, else from
+        storage."""
+        if self.client is not None:
+            root, tag = os.path.split(self.folder)
+            restored = self.client.restore(root, name, tag=tag, into=into)
+            if restored is not None:
+                return restored.state
+        path = os.path.join(self.folder, name)
+        return load(path, into=into) if into is not None else load(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def to_filesystem(folder: str | os.PathLike, out: str | os.PathLike) -> str:
+    """Write the committed datastates DCP checkpoint ``folder`` in DCP's own ``FileSystemWriter`` layout at ``out``,
+    for stock ``dcp.load`` or ``format_utils.dcp_to_torch_save``; returns ``out``. Every item is read whole (the
+    state at its saved, global shapes) in this one process."""
+    state: dict[str, Any] = {}
+    reader = DatastatesStorageReader()
+    reader.reset(folder)
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    dcp_save(state, storage_writer=FileSystemWriter(os.fspath(out)), no_dist=True)
+    return os.fspath(out)
