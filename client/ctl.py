@@ -186,6 +186,11 @@ def _prune(root: str, keep_last: int, dry_run: bool) -> int:
 
 
 def _convert(folder: str, to: str, out: str, weights_only: bool) -> int:
+    if to == "dcp":  # a checkpoint DCP saved through datastates, as DCP's own FileSystemWriter lays one out
+        from datastates.integrations.dcp import to_filesystem
+
+        print(f"wrote {to_filesystem(folder, out)}")
+        return 0
     from .convert import convert_tag  # torch: only the commands that read checkpoints pay for it
 
     for path in convert_tag(folder, to, out, weights_only):
@@ -237,9 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     p_prune.add_argument("root")
     p_prune.add_argument("--keep-last", type=int, required=True, metavar="N", help="committed tags to keep (>= 1)")
     p_prune.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
-    p_convert = sub.add_parser("convert", help="write a committed tag as plain torch.save or safetensors files")
+    p_convert = sub.add_parser("convert", help="write a committed tag as plain torch.save or safetensors files, or a "
+                                               "checkpoint DCP saved through datastates in DCP's own layout")
     p_convert.add_argument("tag", help="the tag's folder")
-    p_convert.add_argument("--to", required=True, help="torch or safetensors (an unknown format is refused)")
+    p_convert.add_argument("--to", required=True, help="torch, safetensors, or dcp (DCP's FileSystemWriter layout, for "
+                                                       "stock dcp.load; an unknown format is refused)")
     p_convert.add_argument("--out", required=True, help="the folder to write into")
     p_convert.add_argument("--no-weights-only", dest="weights_only", action="store_false",
                            help="unpickle any object (runs code the file's author chose): only for files you trust")

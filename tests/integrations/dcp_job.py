@@ -107,9 +107,14 @@ def local_tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def unequal(a: Any, b: Any) -> list[str]:
-    """The paths whose tensors differ (or that one side lacks): a count and names, never a tensor's values."""
+    """The paths whose tensors differ (or that one side lacks), the first 20: names, never a tensor's values."""
     ta, tb = local_tensors(a), local_tensors(b)
-    return sorted(k for k in set(ta) | set(tb) if k not in ta or k not in tb or not torch.equal(ta[k], tb[k]))
+    return sorted(k for k in set(ta) | set(tb) if k not in ta or k not in tb or not torch.equal(ta[k], tb[k]))[:20]
+
+
+def say(result: dict[str, Any]) -> None:
+    """One line for the test, in one write: the ranks share torchrun's stdout, and a pipe keeps such a write whole."""
+    os.write(1, f"RESULT {json.dumps(result)}\n".encode())
 
 
 def save(root: Path, client: Client) -> dict[str, Any]:
@@ -165,7 +170,7 @@ def killed(root: Path, client: Client) -> dict[str, Any]:
         def write_then_die(*args: Any) -> Any:
             fut = sent(*args)
             client.wait()  # its snapshot reached the daemon, copied
-            print("RESULT " + json.dumps({"rank": 1, "dying": True}), flush=True)
+            say({"rank": 1, "dying": True})
             os.kill(os.getpid(), signal.SIGKILL)
             return fut
 
@@ -186,7 +191,7 @@ def main() -> None:
         else:
             with Client(timeout=120) as client:
                 result = save(root, client) if mode == "save" else killed(root, client)
-        print("RESULT " + json.dumps({"rank": dist.get_rank(), **result}), flush=True)
+        say({"rank": dist.get_rank(), **result})
         if mode != "killed":
             dist.barrier()
     finally:

@@ -1,0 +1,153 @@
+"""DCP through datastates (integrations/dcp.py), with real ranks: FSDP2 and FSDP x TP saved from 4, loaded into 4, 2, 1.
+
+One daemon for the module; tests/integrations/dcp_job.py saves once (``dcp.async_save`` and
+``dcp.save`` through DatastatesStorageWriter, DCP's own FileSystemWriter beside them as the
+reference), and each load job compares every local shard it loaded with DCP's own round trip.
+The save takes an optimizer step right after ``async_save`` returns, so a fence that let it
+through before the daemon copied the shards would show here as a load unequal to the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import datastates
+from datastates.integrations.dcp import METADATA, DatastatesStorageReader, rank_file, to_filesystem
+from datastates.protocol.errors import CommitError
+from datastates.protocol.format import marker_name
+from datastates.protocol.tags import read_marker
+
+from conftest import DATASTATESCTL, DaemonFactory, DaemonProc
+from test_multirank import free_port
+
+HERE = Path(__file__).parent
+BIN = Path(sys.executable).parent
+CASES = ("fsdp", "2d")
+TAGS = [f"{case}-step{n}" for case in CASES for n in (2, 3)]
+
+
+def torchrun(d: DaemonProc, nproc: int, *args: str) -> tuple[subprocess.CompletedProcess, dict[int, dict[str, Any]]]:
+    """dcp_job.py on ``nproc`` ranks against ``d``; each rank's RESULT line by its rank."""
+    env = {**os.environ, "DATASTATES_ENDPOINT": d.endpoint, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                           "--master-port", str(free_port()), str(HERE / "dcp_job.py"), str(d.root), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    return proc, {r["rank"]: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """A daemon, and the job's checkpoints saved from 4 ranks under its root."""
+    factory = DaemonFactory(tmp_path_factory.mktemp("dcp"))
+    d = factory.start()
+    proc, results = torchrun(d, 4, "save")
+    assert proc.returncode == 0 and sorted(results) == [0, 1, 2, 3], proc.stdout[-4000:] + proc.stderr[-4000:]
+    yield d
+    factory.stop_all_later()
+
+
+def test_each_save_commits_one_tag_holding_every_ranks_file_and_the_metadata(saved: DaemonProc) -> None:
+    """async_save's and save's tags are committed, each with the 4 ranks' files and DCP's metadata; ``latest`` names
+    the last; each rank's file is a zip plain ``torch.load`` reads: its shards by key, and DCP's pickled objects."""
+    for tag in TAGS:
+        marker = read_marker(str(saved.root / tag / marker_name(tag)))
+        assert sorted(f.path for f in marker.files) == sorted([METADATA, *(rank_file(r) for r in range(4))]), tag
+    assert datastates.latest(saved.root) == TAGS[-1]
+    shards = torch.load(saved.root / "fsdp-step2" / rank_file(1), weights_only=True)
+    assert shards["model.blocks.0.up.weight@16,0"].shape == (16, 16), sorted(shards)[:8]  # rank 1's quarter of 64 rows
+    assert all(isinstance(v, (torch.Tensor, bytes)) for v in shards.values())  # shards, and objects DCP pickled
+
+
+@pytest.mark.parametrize("world", [4, 2, 1])
+def test_a_load_into_any_number_of_ranks_equals_dcps_own_round_trip(saved: DaemonProc, world: int) -> None:
+    """FSDP over 4 ranks and FSDP 2 x TP 2, loaded into FSDP over ``world`` ranks (in place where the layout is the
+    save's, resharded elsewhere): the model and AdamW state, the model alone, and one key alone, each equal on every
+    rank to DCP's FileSystemWriter/FileSystemReader round trip of the same state."""
+    proc, results = torchrun(saved, world, "load", *CASES)
+    assert proc.returncode == 0 and sorted(results) == list(range(world)), proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank, result in results.items():
+        for case in CASES:
+            got = result[case]
+            assert got["tensors"] > 0 and got["changed"], (rank, case, got)
+            assert got["whole"] == [] and got["model_only"] == [] and got["one_key"] == [], (rank, case, got)
+
+
+def test_a_partial_load_in_one_process_and_a_misfit_named(saved: DaemonProc) -> None:
+    """Without torch.distributed (``no_dist``): one weight, whole, equals DCP's own; a state of another shape is
+    refused naming the key."""
+    ours, theirs = {"model": {"head.weight": torch.zeros(8, 16)}}, {"model": {"head.weight": torch.zeros(8, 16)}}
+    dcp.load(ours, checkpoint_id=str(saved.root / "fsdp-step2"), storage_reader=DatastatesStorageReader(),
+             no_dist=True)
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(str(saved.root / "ref-fsdp")), no_dist=True)
+    assert torch.equal(ours["model"]["head.weight"], theirs["model"]["head.weight"])
+    assert ours["model"]["head.weight"].count_nonzero() > 0
+    with pytest.raises(CheckpointException, match="Size mismatch .* for model.head.weight"):  # DCP's planner's
+        dcp.load({"model": {"head.weight": torch.zeros(9, 16)}}, checkpoint_id=str(saved.root / "fsdp-step2"),
+                 storage_reader=DatastatesStorageReader(), no_dist=True)
+
+
+def test_dcp_to_torch_save_of_the_converted_checkpoint_gives_what_it_gives_on_dcps_own(saved: DaemonProc,
+                                                                                        tmp_path: Path) -> None:
+    """``datastatesctl convert --to dcp`` writes DCP's own layout, which stock ``dcp_to_torch_save`` reads into the
+    same state as from DCP's own checkpoint of it."""
+    out = tmp_path / "as-dcp"
+    done = subprocess.run([DATASTATESCTL, "convert", str(saved.root / "fsdp-step2"), "--to", "dcp", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    dcp_to_torch_save(out, tmp_path / "ours.pt")
+    dcp_to_torch_save(saved.root / "ref-fsdp", tmp_path / "theirs.pt")
+    ours, theirs = (torch.load(tmp_path / n, weights_only=False) for n in ("ours.pt", "theirs.pt"))
+    flat_ours, flat_theirs = flatten(ours), flatten(theirs)
+    assert sorted(flat_ours) == sorted(flat_theirs)
+    unequal = [k for k, v in flat_ours.items() if not (torch.equal(v, flat_theirs[k]) if isinstance(v, torch.Tensor)
+                                                       else v == flat_theirs[k])]
+    assert unequal == [], f"{len(unequal)} values differ, first {unequal[:4]}"
+    assert to_filesystem(saved.root / "2d-step2", tmp_path / "again") == str(tmp_path / "again")
+
+
+def flatten(state: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(state, dict):
+        out: dict[str, Any] = {}
+        for k, v in state.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: state}
+
+
+def test_the_reader_refuses_a_folder_that_is_not_a_committed_checkpoint(saved: DaemonProc, tmp_path: Path) -> None:
+    """DCP's own layout is named as such; an empty folder (an interrupted save's) is refused as not committed."""
+    reader = DatastatesStorageReader()
+    reader.reset(saved.root / "ref-fsdp")
+    with pytest.raises(CommitError, match="DCP's own layout; read it with FileSystemReader"):
+        reader.read_metadata()
+    reader.reset(tmp_path)
+    with pytest.raises(CommitError, match="not a committed datastates DCP checkpoint"):
+        reader.read_metadata()
+
+
+def test_a_rank_killed_mid_save_leaves_nothing_visible_and_the_last_checkpoint_whole(saved: DaemonProc) -> None:
+    """Rank 1 is SIGKILLed once its shards reached the daemon: the job fails, the tag is never committed (the reader
+    refuses it, ``latest`` still names the last one), and the last checkpoint still verifies file by file."""
+    proc, results = torchrun(saved, 4, "killed")
+    assert proc.returncode != 0 and results.get(1, {}).get("dying"), proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert datastates.latest(saved.root) == TAGS[-1]
+    assert not (saved.root / "fsdp-killed" / marker_name("fsdp-killed")).exists()
+    reader = DatastatesStorageReader()
+    reader.reset(saved.root / "fsdp-killed")
+    with pytest.raises(CommitError, match="not a committed"):
+        reader.read_metadata()
+    check = subprocess.run([DATASTATESCTL, "verify", str(saved.root / TAGS[-1])], capture_output=True, text=True,
+                           timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
