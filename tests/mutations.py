@@ -843,6 +843,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("client/stream.py", "                forget_cached(fd)\n", "                os.close(fd)  # MUTATION\n"),),
         ("tests/test_load_into.py::test_an_in_place_load_from_disk_leaves_the_file_out_of_the_page_cache",),
     ),
+    Mutation(
+        "dcp-async-save-unfenced",
+        "DCP's async_save stages references without making the fence wait for the snapshot its save thread sends: "
+        "the optimizer step right after it changes shards before the daemon copies them",
+        (Edit("integrations/dcp.py", "        self._expected = self.client.expect()\n", "        pass  # MUTATION\n"),),
+        ("tests/integrations/test_dcp.py::test_a_load_into_any_number_of_ranks_equals_dcps_own_round_trip",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
