@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -23,12 +23,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import datastates
-from datastates.integrations.dcp import METADATA, DatastatesStorageReader, rank_file, to_filesystem
+from datastates.client import Client
+from datastates.integrations.dcp import METADATA, DatastatesStorageReader, DatastatesStorageWriter, rank_file, to_filesystem
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker
 
-from conftest import DATASTATESCTL, DaemonFactory, DaemonProc
+from conftest import DATASTATESCTL, DaemonFactory, DaemonProc, assert_state_equal
 from test_multirank import free_port
 
 HERE = Path(__file__).parent
@@ -151,3 +152,42 @@ def test_a_rank_killed_mid_save_leaves_nothing_visible_and_the_last_checkpoint_w
     check = subprocess.run([DATASTATESCTL, "verify", str(saved.root / TAGS[-1])], capture_output=True, text=True,
                            timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_resave_replaces_the_checkpoint_whole_and_a_daemon_killed_mid_save_leaves_it(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """``dcp.save`` in one process (``no_dist``) to one checkpoint_id three times: the second replaces the first
+    (the re-save rule: switched whole at its commit); the daemon is SIGKILLed as the third's snapshot reaches it, so
+    the save raises, and the second stays what the reader loads, bitwise, before and after the next daemon starts."""
+    d = start_daemon()
+    folder = d.root / "run" / "ckpt"
+
+    def state(step: int) -> dict[str, Any]:
+        torch.manual_seed(step)
+        return {"model": {"w": torch.randn(1_000_000), "b": torch.randn(7)}, "step": step}
+
+    def loaded() -> dict[str, Any]:
+        got = {"model": {"w": torch.zeros(1_000_000), "b": torch.zeros(7)}, "step": 0}
+        dcp.load(got, checkpoint_id=str(folder), storage_reader=DatastatesStorageReader(), no_dist=True)
+        return got
+
+    with Client(d.endpoint, timeout=60, liveness=3) as client:
+        for step in (1, 2):
+            dcp.save(state(step), checkpoint_id=str(folder), storage_writer=DatastatesStorageWriter(client),
+                     no_dist=True)
+            assert_state_equal(state(step), loaded())
+        writer = DatastatesStorageWriter(client)
+        sent = writer.write_data
+
+        def write_then_kill(*args: Any) -> Any:
+            fut = sent(*args)
+            d.proc.kill()
+            d.proc.wait()
+            return fut
+
+        writer.write_data = write_then_kill  # type: ignore[method-assign]
+        with pytest.raises(CheckpointException, match="DaemonUnavailable|DaemonNotRunning"):
+            dcp.save(state(3), checkpoint_id=str(folder), storage_writer=writer, no_dist=True)
+    assert_state_equal(state(2), loaded())
+    start_daemon()  # the next daemon's recovery removes what the killed one left
+    assert_state_equal(state(2), loaded())
