@@ -1,6 +1,6 @@
 """An FSDP2 (and FSDP x TP) job for torchrun on gloo, CPU: DCP saves through datastates, loads with resharding.
 
-Usage: torchrun ... dcp_job.py ROOT MODE [CASE...]. Every rank reaches its node's daemon through
+Usage: torchrun ... dcp_job.py ROOT save|load [CASE...]. Every rank reaches its node's daemon through
 $DATASTATES_ENDPOINT; each prints one JSON line (``RESULT {...}``) for the test to read.
 
 - ``save``: 4 ranks. For each case, ``fsdp`` (FSDP2 over 4 ranks) and ``2d`` (FSDP 2 x TP 2),
@@ -14,8 +14,8 @@ $DATASTATES_ENDPOINT; each prints one JSON line (``RESULT {...}``) for the test 
   optimizer of another seed load ``ROOT/<case>-step2`` through ``DatastatesStorageReader``,
   and another pair the reference through ``FileSystemReader``; every local shard must be
   equal. Then the model alone, and one key of it alone, the same way.
-- ``killed``: 4 ranks; rank 1 SIGKILLs itself once its snapshot of ``ROOT/fsdp-killed`` is
-  sent, before the coordinator commits.
+  Last, a save of ``ROOT/fsdp-killed`` that rank 1 does not survive: it SIGKILLs itself once
+  its shards reached the daemon, before the coordinator commits (torchrun then stops the rest).
 """
 
 from __future__ import annotations
@@ -137,6 +137,8 @@ def save(root: Path, client: Client) -> dict[str, Any]:
         dcp.save(state_of(model, opt), checkpoint_id=str(root / f"{case}-step3"),
                  storage_writer=DatastatesStorageWriter(client))
         out[case] = "saved"
+    say({"rank": dist.get_rank(), **out})
+    killed(root, client)
     return out
 
 
@@ -160,7 +162,8 @@ def load_case(root: Path, case: str, tag: str) -> dict[str, Any]:
     return result
 
 
-def killed(root: Path, client: Client) -> dict[str, Any]:
+def killed(root: Path, client: Client) -> None:
+    """A save rank 1 does not survive: it never returns there, and torchrun stops the other ranks."""
     model, opt = build("fsdp", seed=0)
     train_step(model, opt, 1)
     writer = DatastatesStorageWriter(client)
@@ -175,28 +178,19 @@ def killed(root: Path, client: Client) -> dict[str, Any]:
             return fut
 
         writer.write_data = write_then_die  # type: ignore[method-assign]
-    try:
-        dcp.save(state_of(model, opt), checkpoint_id=str(root / "fsdp-killed"), storage_writer=writer)
-    except Exception as exc:  # noqa: BLE001 - the outcome is the result
-        return {"raised": type(exc).__name__, "why": str(exc)[:2000]}
-    return {"raised": None}
+    dcp.save(state_of(model, opt), checkpoint_id=str(root / "fsdp-killed"), storage_writer=writer)
 
 
 def main() -> None:
     root, mode = Path(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
-    try:
-        if mode == "load":
-            result: dict[str, Any] = {c: load_case(root, c, f"{c}-step2") for c in sys.argv[3:]}
-        else:
-            with Client(timeout=120) as client:
-                result = save(root, client) if mode == "save" else killed(root, client)
-        say({"rank": dist.get_rank(), **result})
-        if mode != "killed":
-            dist.barrier()
-    finally:
-        if mode != "killed":
-            dist.destroy_process_group()
+    if mode == "load":
+        say({"rank": dist.get_rank(), **{c: load_case(root, c, f"{c}-step2") for c in sys.argv[3:]}})
+    else:
+        with Client(timeout=120) as client:
+            save(root, client)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

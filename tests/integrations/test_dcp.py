@@ -39,24 +39,38 @@ TAGS = [f"{case}-step{n}" for case in CASES for n in (2, 3)]
 
 
 def torchrun(d: DaemonProc, nproc: int, *args: str) -> tuple[subprocess.CompletedProcess, dict[int, dict[str, Any]]]:
-    """dcp_job.py on ``nproc`` ranks against ``d``; each rank's RESULT line by its rank."""
+    """dcp_job.py on ``nproc`` ranks against ``d``; each rank's RESULT lines, merged, by its rank."""
     env = {**os.environ, "DATASTATES_ENDPOINT": d.endpoint, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                            "--master-port", str(free_port()), str(HERE / "dcp_job.py"), str(d.root), *args],
                           env=env, capture_output=True, text=True, timeout=600)
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
-    return proc, {r["rank"]: r for r in results}
+    results: dict[int, dict[str, Any]] = {}
+    for line in proc.stdout.splitlines():
+        if "RESULT " in line:
+            said = json.loads(line.split("RESULT ", 1)[1])
+            results.setdefault(said["rank"], {}).update(said)
+    return proc, results
+
+
+Job = tuple[DaemonProc, subprocess.CompletedProcess, dict[int, dict[str, Any]]]
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    """A daemon, and the job's checkpoints saved from 4 ranks under its root."""
+def save_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
+    """A daemon, and the job's checkpoints saved from 4 ranks under its root; then the save rank 1 does not
+    survive, which ends the job: torchrun's outcome and each rank's results."""
     factory = DaemonFactory(tmp_path_factory.mktemp("dcp"))
     d = factory.start()
     proc, results = torchrun(d, 4, "save")
-    assert proc.returncode == 0 and sorted(results) == [0, 1, 2, 3], proc.stdout[-4000:] + proc.stderr[-4000:]
-    yield d
+    saved = [r for r, got in results.items() if got.get("fsdp") == got.get("2d") == "saved"]
+    assert sorted(saved) == [0, 1, 2, 3], proc.stdout[-4000:] + proc.stderr[-4000:]
+    yield d, proc, results
     factory.stop_all_later()
+
+
+@pytest.fixture
+def saved(save_job: Job) -> DaemonProc:
+    return save_job[0]
 
 
 def test_each_save_commits_one_tag_holding_every_ranks_file_and_the_metadata(saved: DaemonProc) -> None:
@@ -71,11 +85,12 @@ def test_each_save_commits_one_tag_holding_every_ranks_file_and_the_metadata(sav
     assert all(isinstance(v, (torch.Tensor, bytes)) for v in shards.values())  # shards, and objects DCP pickled
 
 
-@pytest.mark.parametrize("world", [4, 2, 1])
+@pytest.mark.parametrize("world", [4, 2])
 def test_a_load_into_any_number_of_ranks_equals_dcps_own_round_trip(saved: DaemonProc, world: int) -> None:
     """FSDP over 4 ranks and FSDP 2 x TP 2, loaded into FSDP over ``world`` ranks (in place where the layout is the
     save's, resharded elsewhere): the model and AdamW state, the model alone, and one key alone, each equal on every
-    rank to DCP's FileSystemWriter/FileSystemReader round trip of the same state."""
+    rank to DCP's FileSystemWriter/FileSystemReader round trip of the same state. Into one process:
+    ``test_dcp_to_torch_save_...`` (every item at its whole shape) and ``test_a_partial_load_...``."""
     proc, results = torchrun(saved, world, "load", *CASES)
     assert proc.returncode == 0 and sorted(results) == list(range(world)), proc.stdout[-4000:] + proc.stderr[-4000:]
     for rank, result in results.items():
@@ -101,8 +116,9 @@ def test_a_partial_load_in_one_process_and_a_misfit_named(saved: DaemonProc) -> 
 
 def test_dcp_to_torch_save_of_the_converted_checkpoint_gives_what_it_gives_on_dcps_own(saved: DaemonProc,
                                                                                         tmp_path: Path) -> None:
-    """``datastatesctl convert --to dcp`` writes DCP's own layout, which stock ``dcp_to_torch_save`` reads into the
-    same state as from DCP's own checkpoint of it."""
+    """``datastatesctl convert --to dcp`` (a load of every item into one process: 4 ranks' shards into whole tensors)
+    writes DCP's own layout, which stock ``dcp_to_torch_save`` reads into the same state as from DCP's own
+    checkpoint of it; the FSDP x TP checkpoint converts too."""
     out = tmp_path / "as-dcp"
     done = subprocess.run([DATASTATESCTL, "convert", str(saved.root / "fsdp-step2"), "--to", "dcp", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -138,11 +154,11 @@ def test_the_reader_refuses_a_folder_that_is_not_a_committed_checkpoint(saved: D
         reader.read_metadata()
 
 
-def test_a_rank_killed_mid_save_leaves_nothing_visible_and_the_last_checkpoint_whole(saved: DaemonProc) -> None:
+def test_a_rank_killed_mid_save_leaves_nothing_visible_and_the_last_checkpoint_whole(save_job: Job) -> None:
     """Rank 1 is SIGKILLed once its shards reached the daemon: the job fails, the tag is never committed (the reader
     refuses it, ``latest`` still names the last one), and the last checkpoint still verifies file by file."""
-    proc, results = torchrun(saved, 4, "killed")
-    assert proc.returncode != 0 and results.get(1, {}).get("dying"), proc.stdout[-4000:] + proc.stderr[-4000:]
+    saved, proc, results = save_job
+    assert proc.returncode != 0 and any(r.get("dying") for r in results.values()), proc.stdout[-4000:]
     assert datastates.latest(saved.root) == TAGS[-1]
     assert not (saved.root / "fsdp-killed" / marker_name("fsdp-killed")).exists()
     reader = DatastatesStorageReader()
