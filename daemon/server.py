@@ -312,13 +312,20 @@ class Daemon:
     async def _bye(self, identity: bytes, body: m.Bye) -> m.ByeAck:
         record = self.clients.remove(identity)  # its region cache goes; jobs in flight keep their own maps
         if record is not None:
-            self.ledger.forget(record.id)
-            self._left_behind(record)
+            self._depart(record)
         return m.ByeAck()
 
     async def _heartbeat(self, identity: bytes, body: m.Heartbeat) -> m.HeartbeatAck:
         self.clients.get(identity)  # a client from before a restart must hear it is unknown, not that all is well
         return m.HeartbeatAck()
+
+    def _depart(self, record: ClientRecord) -> None:
+        """A client gone, with BYE or without: its open tags go, and the rounds its rank still owed a commit fail now
+        for the ranks waiting in them (a rank that left never commits them), not at commit_timeout."""
+        self.ledger.forget(record.id)
+        self._left_behind(record)
+        if record.ranks.world_size > 1:
+            self.ledger.rank_lost(record.ranks)
 
     def _left_behind(self, record: ClientRecord) -> None:
         if record.decisions:
@@ -333,10 +340,7 @@ class Daemon:
     def _gone(self, record: ClientRecord, how: str) -> dict[str, Any]:
         """A client gone without BYE: its open tags go, its snapshots of its own memory not yet copied fail, the rest
         finish."""
-        self.ledger.forget(record.id)
-        self._left_behind(record)
-        if record.ranks.world_size > 1:
-            self.ledger.rank_lost(record.ranks)
+        self._depart(record)
         mine = self.jobs.of_client(record.id)
         why = ("its trainer abandoned it (it gave this daemon up: stalled past liveness, or gone)" if how == "left"
                else f"its trainer {how}")

@@ -251,6 +251,26 @@ def test_a_rank_killed_before_committing_fails_the_tag_at_once(start_daemon: Cal
     assert datastates.latest(d.root) is None
 
 
+def test_a_rank_that_says_bye_without_committing_fails_the_tag_at_once(start_daemon: Callable[..., DaemonProc]) -> None:
+    """A rank that closes its client without committing a tag (its save raised, as DCP's coordinator does when another
+    rank died) never will: the ranks waiting in that round hear so at once, not after commit_timeout (600 s)."""
+    d = start_daemon()
+    with rank_client(d, 0, 2, 2, 1) as c0:
+        with rank_client(d, 1, 2, 2, 1) as c1:
+            c1.snapshot({"w": torch.ones(3)}, d.root / "global_step1" / "rank1.pt")
+            c1.wait()
+            c0.snapshot({"w": torch.ones(3)}, d.root / "global_step1" / "rank0.pt")
+            c0.wait()
+            fut = c0.commit("global_step1")
+            for _ in range(1200):  # a hang guard: rank 0's round has begun (a BYE before it would find none to fail)
+                if gathering_tags(d):
+                    break
+                time.sleep(0.05)
+        with pytest.raises(CommitError, match="rank 1 is gone"):
+            fut.result(timeout=120)
+    assert datastates.latest(d.root) is None
+
+
 RANK = """
 import sys, torch
 from datastates.client import Client
