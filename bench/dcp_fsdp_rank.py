@@ -1,0 +1,555 @@
+"""The rank side of bench/dcp_fsdp.py: one torchrun rank (gloo, CPU), FSDP2 over every rank.
+
+``torchrun ... bench/dcp_fsdp_rank.py PHASE ARGS_JSON``; each rank prints ``RESULT {...}`` lines
+(one JSON object each) for the parent to collect. The phases:
+
+- ``train``: one model and AdamW for the whole phase; optionally a short pre-measurement of
+  DCP's async_save configurations first (the fastest picked on rank 0 and broadcast); a warm-up
+  checkpoint per contender; then ``runs`` rounds of the contenders, interleaved, each a timed loop
+  of ``steps`` steps with a checkpoint every ``every``. After each checkpointing run, one key of its
+  last checkpoint is loaded back and compared with the value it had when saved.
+- ``save4``: (4 ranks) the model saved once through datastates, for the reshard load; rank 0
+  keeps one full tensor of it (``ref4.pt``) to check the load against.
+- ``load``: per run, a raw O_DIRECT write (rank 0), a datastates and a DCP save (durable
+  times, nothing else running), then cold loads into another FSDP model and optimizer:
+  DCP's ``FileSystemReader``, ``DatastatesStorageReader()``, ``DatastatesStorageReader(client)``
+  (the daemon's memory), and the 4-rank checkpoint (4 → 2), every load checked.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import drop_caches, fsync_tree  # noqa: E402
+
+from datastates.client import Client  # noqa: E402
+from datastates.integrations.dcp import DatastatesStorageReader, DatastatesStorageWriter  # noqa: E402
+
+RAW_PIECE = 64 << 20
+
+DCP_CONFIGS: dict[str, tuple[AsyncCheckpointerType, StagingOptions]] = {
+    # StagingOptions(use_pinned_memory, use_shared_memory, use_async_staging, use_non_blocking_copy); a
+    # non-blocking copy needs an accelerator, and pinning without CUDA is ignored by DCP (with a warning)
+    "thread+shm": (AsyncCheckpointerType.THREAD, StagingOptions(False, True, True, False)),
+    "thread+private": (AsyncCheckpointerType.THREAD, StagingOptions(False, False, True, False)),
+    "thread+pinned": (AsyncCheckpointerType.THREAD, StagingOptions(True, False, True, False)),
+    "process+shm": (AsyncCheckpointerType.PROCESS, StagingOptions(False, True, True, False)),
+    "process+pinned": (AsyncCheckpointerType.PROCESS, StagingOptions(True, True, True, False)),
+}
+"""DCP's async_save configurations tried: the executor, and a reused ``DefaultStager``'s options."""
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention and a 4x MLP, all Linear layers."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, dim: int, vocab: int, ctx: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(ctx, dim)
+        self.blocks = nn.ModuleList(Block(dim, max(1, dim // 64)) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+@dataclass
+class Trainer:
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    cfg: dict[str, Any]
+    step: int = 0
+
+    def train_step(self) -> None:
+        """One step on a batch of this rank's (random tokens, seeded by the step and the rank)."""
+        g = torch.Generator().manual_seed(self.step * 1000 + dist.get_rank())
+        idx = torch.randint(self.cfg["vocab"], (self.cfg["batch"], self.cfg["seq"] + 1), generator=g)
+        logits = self.model(idx[:, :-1])
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1)).backward()
+        self.opt.step()  # the fences (datastates' protect, DCP's staging) are pre-hooks of this
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+
+    def state(self) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.opt)
+        return {"model": msd, "optim": osd}
+
+
+def build(cfg: dict[str, Any], seed: int, steps: int = 1) -> Trainer:
+    """The GPT, each block and the whole sharded over every rank (FSDP2), its AdamW, after ``steps`` steps."""
+    torch.manual_seed(seed)
+    model = GPT(cfg["layers"], cfg["dim"], cfg["vocab"], cfg["seq"])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    t = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1), cfg)
+    for _ in range(steps):  # AdamW makes its state on its first step
+        t.train_step()
+    return t
+
+
+def local_tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of ``state`` by its path, a DTensor as this rank's shard."""
+    if isinstance(state, DTensor):
+        return {prefix: state.to_local()}
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, dict):
+        return {k: v for key, val in state.items() for k, v in local_tensors(val, f"{prefix}.{key}" if prefix else str(key)).items()}
+    return {}
+
+
+def local_bytes(state: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in local_tensors(state).values())
+
+
+def unequal(a: Any, b: Any) -> list[str]:
+    ta, tb = local_tensors(a), local_tensors(b)
+    return sorted(k for k in set(ta) | set(tb) if k not in ta or k not in tb or not torch.equal(ta[k], tb[k]))
+
+
+CHECK_KEY = "blocks.0.fc.weight"
+"""The model key every contender's last checkpoint is checked by: loaded alone, compared with its saved value."""
+
+
+def check_one_key(folder: str, reader: Any, expected: torch.Tensor, t: Trainer) -> bool:
+    probe = {"model": {CHECK_KEY: torch.zeros_like(t.state()["model"][CHECK_KEY])}}
+    dcp.load(probe, checkpoint_id=folder, storage_reader=reader)
+    return bool(torch.equal(probe["model"][CHECK_KEY].to_local(), expected))
+
+
+def emit(kind: str, **fields: Any) -> None:
+    """One result line on stdout, in one write: the ranks share the pipe, and a write of under PIPE_BUF bytes is
+    never interleaved with another."""
+    line = "RESULT " + json.dumps({"kind": kind, "rank": dist.get_rank(), **fields}, default=str) + "\n"
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())
+
+
+# -- the contenders of the training phase ------------------------------------------------------
+
+
+@dataclass
+class RunStats:
+    """One timed loop of one contender on this rank."""
+
+    contender: str
+    run: int
+    step_s: list[float] = field(default_factory=list)
+    state_dict_s: float = 0.0
+    """get_state_dict at the checkpoints (the same for every contender; not in ``blocked``)."""
+    save_call_s: float = 0.0
+    """In the async_save calls (DCP: staging too where it is synchronous)."""
+    wait_prev_s: float = 0.0
+    """Before an async_save, waiting for the previous checkpoint (none should be pending, checkpoints far apart)."""
+    fence_s: float = 0.0
+    """In the optimizer step's pre-hook: datastates' fence, DCP's wait for staging."""
+    drain_s: float = 0.0
+    """After the loop, until the last checkpoint is durable."""
+    durable_s: list[float] = field(default_factory=list)
+    """Per checkpoint, from the async_save call to its future resolved."""
+    checkpoints: int = 0
+    ckpt_bytes: int = 0
+    check_ok: bool | None = None
+
+
+class Contender:
+    """One way to checkpoint in the loop: ``begin`` (hooks), ``checkpoint`` at every N steps, ``end``."""
+
+    name = ""
+
+    def __init__(self, t: Trainer, group: dist.ProcessGroup, root: str) -> None:
+        self.t, self.group, self.root = t, group, root
+        self.pending: Future | None = None
+        self.stats = RunStats("", 0)
+        self.last: tuple[str, torch.Tensor] | None = None
+        """The newest checkpoint's folder and the check key's local shard as saved."""
+
+    def fence(self) -> Any:
+        """Install the fence hook; returns its handle (or None)."""
+        return None
+
+    def save(self, state: dict[str, Any], folder: str) -> Future:
+        raise NotImplementedError
+
+    def reader(self) -> Any:
+        raise NotImplementedError
+
+    def checkpoint(self, folder: str) -> None:
+        s = self.stats
+        t0 = time.perf_counter()
+        if self.pending is not None:
+            self.pending.result()
+        t1 = time.perf_counter()
+        state = self.t.state()
+        t2 = time.perf_counter()
+        fut = self.save(state, folder)
+        t3 = time.perf_counter()
+        fut.add_done_callback(lambda _f, t2=t2: s.durable_s.append(time.perf_counter() - t2))  # runs as it resolves
+        s.wait_prev_s += t1 - t0
+        s.state_dict_s += t2 - t1
+        s.save_call_s += t3 - t2
+        s.checkpoints += 1
+        s.ckpt_bytes = local_bytes(state)
+        self.pending = fut
+        self.last = folder, state["model"][CHECK_KEY].to_local().clone()  # after the call: not timed
+
+    def drain(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def close(self) -> None:
+        pass
+
+
+class DcpAsync(Contender):
+    """DCP's own ``async_save`` with ``FileSystemWriter``, a reused ``DefaultStager``; its staging future is resolved
+    right before the next optimizer step (DCP reads the live tensors until then)."""
+
+    def __init__(self, t: Trainer, group: dist.ProcessGroup, root: str, config: str) -> None:
+        super().__init__(t, group, root)
+        self.name = f"dcp {config}"
+        self.kind, options = DCP_CONFIGS[config]
+        self.stager = DefaultStager(options)
+        self.staging: Future | None = None
+
+    def fence(self) -> Any:
+        def wait_staged(*_: Any) -> None:
+            if self.staging is not None:
+                self.staging.result()
+                self.staging = None
+
+        return self.t.opt.register_step_pre_hook(wait_staged)
+
+    def save(self, state: dict[str, Any], folder: str) -> Future:
+        out = dcp.async_save(state, checkpoint_id=folder, storage_writer=dcp.FileSystemWriter(folder),
+                             process_group=self.group, async_checkpointer_type=self.kind, async_stager=self.stager)
+        if isinstance(out, AsyncSaveResponse):
+            self.staging = out.staging_completion
+            return out.upload_completion
+        return out
+
+    def drain(self) -> None:
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
+        super().drain()
+
+    def reader(self) -> Any:
+        return dcp.FileSystemReader(self.last[0]) if self.last else None
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+class Datastates(Contender):
+    """``dcp.async_save`` through ``DatastatesStorageWriter``; ``client.protect(opt)`` is the fence."""
+
+    name = "datastates"
+
+    def __init__(self, t: Trainer, group: dist.ProcessGroup, root: str, client: Client) -> None:
+        super().__init__(t, group, root)
+        self.client = client
+
+    def fence(self) -> Any:
+        return self.client.protect(self.t.opt)
+
+    def save(self, state: dict[str, Any], folder: str) -> Future:
+        return dcp.async_save(state, checkpoint_id=folder, storage_writer=DatastatesStorageWriter(self.client),
+                              process_group=self.group)
+
+    def drain(self) -> None:
+        self.client.wait()  # the last snapshot has no optimizer step after it to fence it
+        super().drain()
+
+    def reader(self) -> Any:
+        return DatastatesStorageReader()
+
+
+class NoCheckpoint(Contender):
+    name = "none"
+
+
+def timed_loop(c: Contender, run: int, steps: int, every: int, folder: str) -> RunStats:
+    """``steps`` training steps, a checkpoint every ``every`` into ``folder``/step<N>; the fence hook timed by two
+    pre-hooks around it (pre-hooks run in the order they were registered)."""
+    c.stats = stats = RunStats(c.name, run)
+    t0 = [0.0]
+
+    def start(*_: Any) -> None:
+        t0[0] = time.perf_counter()
+
+    def stop(*_: Any) -> None:
+        stats.fence_s += time.perf_counter() - t0[0]
+
+    handles = [c.t.opt.register_step_pre_hook(start), c.fence(), c.t.opt.register_step_pre_hook(stop)]
+    try:
+        dist.barrier()
+        for i in range(1, steps + 1):
+            s0 = time.perf_counter()
+            c.t.train_step()
+            if not isinstance(c, NoCheckpoint) and i % every == 0:
+                c.checkpoint(os.path.join(folder, f"step{c.t.step}"))
+            stats.step_s.append(time.perf_counter() - s0)
+        d0 = time.perf_counter()
+        c.drain()
+        stats.drain_s = time.perf_counter() - d0
+    finally:
+        for h in handles:
+            if h is not None:
+                h.remove()
+    if c.last is not None:
+        stats.check_ok = check_one_key(c.last[0], c.reader(), c.last[1], c.t)
+    return stats
+
+
+def pick_dcp_config(t: Trainer, group: dist.ProcessGroup, root: str, configs: list[str], steps: int,
+                    every: int) -> str:
+    """A short loop per configuration (after a warm-up checkpoint); the lowest mean step time on rank 0 wins."""
+    means: dict[str, float] = {}
+    for name in configs:
+        c = DcpAsync(t, group, root, name)
+        try:
+            timed_loop(c, -1, every, every, os.path.join(root, "probe-warmup", name))  # buffers, a process: once
+            s = timed_loop(c, 0, steps, every, os.path.join(root, "probe", name))
+            means[name] = sum(s.step_s) / len(s.step_s)
+            emit("probe", config=name, **asdict(s))
+        except Exception as exc:  # noqa: BLE001 - a configuration this torch cannot run is reported, not fatal
+            emit("probe", config=name, error=f"{type(exc).__name__}: {exc}"[:500])
+        finally:
+            c.close()
+    best = [min(means, key=means.__getitem__) if means else ""]
+    dist.broadcast_object_list(best, src=0)
+    if not best[0]:
+        raise RuntimeError("no DCP async_save configuration ran")
+    return best[0]
+
+
+def train_phase(args: dict[str, Any]) -> None:
+    root = args["root"]
+    t = build(args["model"], seed=0, steps=args["warmup"])
+    group = dist.new_group(backend="gloo")  # DCP's save thread gathers on its own group, never beside training's
+    config = args["dcp_config"]
+    if config == "auto":  # pinning without CUDA is ignored by DCP: the same as private memory, so not tried
+        tried = [c for c in DCP_CONFIGS if "pinned" not in c or torch.cuda.is_available()]
+        config = pick_dcp_config(t, group, root, tried, args["probe_steps"], args["every"])
+    emit("dcp_config", config=config)
+    with Client(timeout=300) as client:
+        contenders: list[Contender] = [NoCheckpoint(t, group, root), DcpAsync(t, group, root, config),
+                                       Datastates(t, group, root, client)]
+        for c in contenders[1:]:  # one-time costs (the stager's buffers, a process, the daemon's regions) untimed
+            timed_loop(c, -1, args["every"], args["every"], os.path.join(root, "warmup", c.name.replace(" ", "-")))
+        for run in range(args["runs"]):
+            order = contenders if run % 2 == 0 else contenders[::-1]
+            for c in order:
+                folder = os.path.join(root, "train", f"{c.name.replace(' ', '-')}-r{run}")
+                emit("train", **asdict(timed_loop(c, run, args["steps"], args["every"], folder)))
+                dist.barrier()
+                if dist.get_rank() == 0:
+                    shutil.rmtree(folder, ignore_errors=True)
+        for c in contenders:
+            c.close()
+
+
+# -- save4 and load --------------------------------------------------------------------------
+
+
+def ref_tensor(t: Trainer) -> torch.Tensor:
+    """The check key's whole tensor, gathered from every rank (a collective)."""
+    return t.state()["model"][CHECK_KEY].full_tensor()
+
+
+def save4_phase(args: dict[str, Any]) -> None:
+    t = build(args["model"], seed=4, steps=2)
+    with Client(timeout=300) as client:
+        dcp.save(t.state(), checkpoint_id=args["folder"], storage_writer=DatastatesStorageWriter(client))
+    full = ref_tensor(t)
+    if dist.get_rank() == 0:
+        torch.save(full, os.path.join(args["root"], "ref4.pt"))
+    emit("save4", bytes=local_bytes(t.state()))
+
+
+def raw_write(path: str, nbytes: int, threads: int) -> float:
+    """``nbytes`` (rounded up to 4 KiB) written with O_DIRECT from an aligned buffer, ``RAW_PIECE`` writes on
+    ``threads`` threads, then fsynced: the disk's own speed for the checkpoint's bytes."""
+    buf = mmap.mmap(-1, RAW_PIECE)  # page-aligned
+    buf.write(os.urandom(1 << 20) * (RAW_PIECE >> 20))
+    size = (nbytes + 4095) // 4096 * 4096
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+
+    def pieces(k: int) -> None:
+        for off in range(k * RAW_PIECE, size, threads * RAW_PIECE):
+            n = min(RAW_PIECE, size - off)
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, memoryview(buf)[done:n], off + done)
+
+    try:
+        workers = [threading.Thread(target=pieces, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    return dt
+
+
+def timed_across(fn: Callable[[], Any]) -> float:
+    """``fn`` started together on every rank; the time until the last rank is done (a barrier after)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def cold(*folders: str) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        drop_caches(*folders)
+    dist.barrier()
+
+
+def load_phase(args: dict[str, Any]) -> None:
+    root = args["root"]
+    src = build(args["model"], seed=2, steps=2)
+    dst = build(args["model"], seed=3, steps=1)
+    group = dist.new_group(backend="gloo")
+    kind, options = DCP_CONFIGS[args["dcp_config"]]
+    stager = DefaultStager(options)
+    ref4 = torch.load(os.path.join(root, "ref4.pt"))
+    sources: list[str] = []
+    with Client(timeout=300) as client:
+        restore = client.restore
+
+        def restore_noted(*a: Any, **kw: Any) -> Any:
+            out = restore(*a, **kw)
+            sources.append(out.source if out is not None else "none")
+            return out
+
+        client.restore = restore_noted  # type: ignore[method-assign]  # which source the memory load took
+        for run in range(args["runs"]):
+            state = src.state()
+            nbytes = torch.tensor([local_bytes(state)])
+            dist.all_reduce(nbytes)
+            out: dict[str, Any] = {"run": run, "bytes": int(nbytes.item())}
+            raw = torch.zeros(1)
+            if dist.get_rank() == 0:
+                raw[0] = raw_write(os.path.join(root, f"raw-{run}.bin"), out["bytes"], args["raw_threads"])
+            dist.broadcast(raw, 0)
+            out["raw_write_s"] = float(raw.item())
+            ds_folder = os.path.join(root, "ds2", f"load{run}")  # one run folder: each save supersedes the replica
+            fs_folder = os.path.join(root, "fs2", f"load{run}")
+
+            def save_ds() -> None:
+                dcp.async_save(state, checkpoint_id=ds_folder, storage_writer=DatastatesStorageWriter(client),
+                               process_group=group).result()
+
+            def save_fs() -> None:
+                res = dcp.async_save(state, checkpoint_id=fs_folder, storage_writer=dcp.FileSystemWriter(fs_folder),
+                                     process_group=group, async_checkpointer_type=kind, async_stager=stager)
+                (res.upload_completion if isinstance(res, AsyncSaveResponse) else res).result()
+
+            out["durable_dcp_s"] = timed_across(save_fs)
+            out["durable_ds_s"] = timed_across(save_ds)  # the newest tag: the one the memory load reads
+            if dist.get_rank() == 0:
+                fsync_tree(fs_folder)  # DCP's writer fsyncs its files; its folder entries too, to be alike
+
+            def load_into(folder: str, reader: Any) -> Callable[[], None]:
+                def go() -> None:
+                    target = dst.state()
+                    dcp.load(target, checkpoint_id=folder, storage_reader=reader)
+                    loaded[0] = target
+                return go
+
+            loaded: list[Any] = [None]
+            checks: dict[str, Any] = {}
+            for name, folder, reader in (("fs", fs_folder, dcp.FileSystemReader(fs_folder)),
+                                         ("ds", ds_folder, DatastatesStorageReader()),
+                                         ("memory", ds_folder, DatastatesStorageReader(client)),
+                                         ("reshard", args["folder4"], DatastatesStorageReader())):
+                for tensor in local_tensors(dst.state()).values():  # nothing of the previous load left to pass a check
+                    tensor.zero_()
+                if name != "memory":
+                    cold(folder)
+                sources.clear()
+                out[f"load_{name}_s"] = timed_across(load_into(folder, reader))
+                if name == "memory":
+                    out["memory_sources"] = sorted(set(sources))
+                set_state_dict(dst.model, dst.opt, model_state_dict=loaded[0]["model"],
+                               optim_state_dict=loaded[0]["optim"])
+                if name == "reshard":
+                    checks[name] = bool(torch.equal(ref_tensor(dst), ref4))
+                else:
+                    checks[name] = unequal(dst.state(), state)[:4] or True
+                loaded[0] = None
+            out["checks"] = checks
+            emit("load", **out)
+    stager.close()
+
+
+def main() -> None:
+    phase, args = sys.argv[1], json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        {"train": train_phase, "save4": save4_phase, "load": load_phase}[phase](args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
