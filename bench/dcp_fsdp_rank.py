@@ -4,7 +4,8 @@
 (one JSON object each) for the parent to collect. The phases:
 
 - ``train``: one model and AdamW for the whole phase; optionally a short pre-measurement of
-  DCP's async_save configurations first (the fastest picked on rank 0 and broadcast); a warm-up
+  DCP's async_save configurations first (short loops of each and of no checkpoint, interleaved;
+  the lowest slowdown on rank 0 picked and broadcast); a warm-up
   checkpoint per contender; then ``runs`` rounds of the contenders, interleaved, each a timed loop
   of ``steps`` steps with a checkpoint every ``every``. After each checkpointing run, one key of its
   last checkpoint is loaded back and compared with the value it had when saved.
@@ -22,9 +23,11 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
@@ -349,37 +352,47 @@ def timed_loop(c: Contender, run: int, steps: int, every: int, folder: str) -> R
     return stats
 
 
-def pick_dcp_config(t: Trainer, group: dist.ProcessGroup, root: str, configs: list[str], steps: int,
-                    every: int) -> str:
-    """A short loop per configuration (after a warm-up checkpoint); the lowest mean step time on rank 0 wins."""
-    means: dict[str, float] = {}
+def pick_dcp_config(t: Trainer, group: dist.ProcessGroup, root: str, configs: list[str], steps: int, every: int,
+                    rounds: int) -> tuple[str, dict[str, float]]:
+    """Short loops of each configuration and of no checkpoint, interleaved over ``rounds`` (after a warm-up
+    checkpoint each); the lowest median slowdown on rank 0 wins. A configuration that fails is reported and left out."""
+    contenders: list[Contender] = [NoCheckpoint(t, group, root)]
     for name in configs:
         c = DcpAsync(t, group, root, name)
         try:
             timed_loop(c, -1, every, every, os.path.join(root, "probe-warmup", name))  # buffers, a process: once
-            s = timed_loop(c, 0, steps, every, os.path.join(root, "probe", name))
-            means[name] = sum(s.step_s) / len(s.step_s)
-            emit("probe", config=name, **asdict(s))
+            contenders.append(c)
         except Exception as exc:  # noqa: BLE001 - a configuration this torch cannot run is reported, not fatal
-            emit("probe", config=name, error=f"{type(exc).__name__}: {exc}"[:500])
-        finally:
+            emit("probe", config=name, run=0, error=f"{type(exc).__name__}: {exc}"[:500])
             c.close()
-    best = [min(means, key=means.__getitem__) if means else ""]
+    slowdowns: dict[str, list[float]] = defaultdict(list)
+    for run in range(rounds):
+        means: dict[str, float] = {}
+        for c in contenders if run % 2 == 0 else contenders[::-1]:
+            s = timed_loop(c, run, steps, every, os.path.join(root, "probe", c.name.replace(" ", "-"), str(run)))
+            means[c.name] = sum(s.step_s) / len(s.step_s)
+            emit("probe", config=c.name, **asdict(s))
+        for name, mean in means.items():
+            slowdowns[name].append(mean / means["none"])
+    for c in contenders:
+        c.close()
+    scores = {c.name.removeprefix("dcp "): statistics.median(slowdowns[c.name]) for c in contenders[1:]}
+    best = [min(scores, key=scores.__getitem__) if scores else ""]
     dist.broadcast_object_list(best, src=0)
     if not best[0]:
         raise RuntimeError("no DCP async_save configuration ran")
-    return best[0]
+    return best[0], scores
 
 
 def train_phase(args: dict[str, Any]) -> None:
     root = args["root"]
     t = build(args["model"], seed=0, steps=args["warmup"])
     group = dist.new_group(backend="gloo")  # DCP's save thread gathers on its own group, never beside training's
-    config = args["dcp_config"]
+    config, scores = args["dcp_config"], {}
     if config == "auto":  # pinning without CUDA is ignored by DCP: the same as private memory, so not tried
         tried = [c for c in DCP_CONFIGS if "pinned" not in c or torch.cuda.is_available()]
-        config = pick_dcp_config(t, group, root, tried, args["probe_steps"], args["every"])
-    emit("dcp_config", config=config)
+        config, scores = pick_dcp_config(t, group, root, tried, args["probe_steps"], args["every"], args["probe_rounds"])
+    emit("dcp_config", config=config, slowdowns=scores)
     with Client(timeout=300) as client:
         contenders: list[Contender] = [NoCheckpoint(t, group, root), DcpAsync(t, group, root, config),
                                        Datastates(t, group, root, client)]
@@ -480,8 +493,15 @@ def load_phase(args: dict[str, Any]) -> None:
             return out
 
         client.restore = restore_noted  # type: ignore[method-assign]  # which source the memory load took
+        state = src.state()
+        # one untimed save each first: the stager's buffers, DCP's checkpoint process, the daemon's first regions
+        dcp.async_save(state, checkpoint_id=os.path.join(root, "ds2", "warmup"), storage_writer=DatastatesStorageWriter(client),
+                       process_group=group).result()
+        res = dcp.async_save(state, checkpoint_id=os.path.join(root, "fs2", "warmup"), process_group=group,
+                             storage_writer=dcp.FileSystemWriter(os.path.join(root, "fs2", "warmup")),
+                             async_checkpointer_type=kind, async_stager=stager)
+        (res.upload_completion if isinstance(res, AsyncSaveResponse) else res).result()
         for run in range(args["runs"]):
-            state = src.state()
             nbytes = torch.tensor([local_bytes(state)])
             dist.all_reduce(nbytes)
             out: dict[str, Any] = {"run": run, "bytes": int(nbytes.item())}
@@ -507,36 +527,32 @@ def load_phase(args: dict[str, Any]) -> None:
             if dist.get_rank() == 0:
                 fsync_tree(fs_folder)  # DCP's writer fsyncs its files; its folder entries too, to be alike
 
-            def load_into(folder: str, reader: Any) -> Callable[[], None]:
-                def go() -> None:
-                    target = dst.state()
-                    dcp.load(target, checkpoint_id=folder, storage_reader=reader)
-                    loaded[0] = target
-                return go
-
-            loaded: list[Any] = [None]
             checks: dict[str, Any] = {}
             for name, folder, reader in (("fs", fs_folder, dcp.FileSystemReader(fs_folder)),
                                          ("ds", ds_folder, DatastatesStorageReader()),
                                          ("memory", ds_folder, DatastatesStorageReader(client)),
                                          ("reshard", args["folder4"], DatastatesStorageReader())):
-                for tensor in local_tensors(dst.state()).values():  # nothing of the previous load left to pass a check
+                target = dst.state()
+                for tensor in local_tensors(target).values():  # nothing of the previous load left to pass a check
                     tensor.zero_()
                 if name != "memory":
                     cold(folder)
                 sources.clear()
-                out[f"load_{name}_s"] = timed_across(load_into(folder, reader))
+                out[f"load_{name}_s"] = timed_across(
+                    lambda: dcp.load(target, checkpoint_id=folder, storage_reader=reader))  # noqa: B023 - called here
                 if name == "memory":
                     out["memory_sources"] = sorted(set(sources))
-                set_state_dict(dst.model, dst.opt, model_state_dict=loaded[0]["model"],
-                               optim_state_dict=loaded[0]["optim"])
+                set_state_dict(dst.model, dst.opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
                 if name == "reshard":
                     checks[name] = bool(torch.equal(ref_tensor(dst), ref4))
                 else:
                     checks[name] = unequal(dst.state(), state)[:4] or True
-                loaded[0] = None
+                del target
             out["checks"] = checks
             emit("load", **out)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(fs_folder, ignore_errors=True)
     stager.close()
 
 
