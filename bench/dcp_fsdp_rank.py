@@ -202,7 +202,8 @@ class RunStats:
 
 
 class Contender:
-    """One way to checkpoint in the loop: ``begin`` (hooks), ``checkpoint`` at every N steps, ``end``."""
+    """One way to checkpoint in the loop: ``fence`` (its hook, installed per loop), ``checkpoint`` every N steps,
+    ``drain`` after the loop, ``reader`` for the check, ``close`` once."""
 
     name = ""
 
@@ -319,9 +320,9 @@ class NoCheckpoint(Contender):
     name = "none"
 
 
-def timed_loop(c: Contender, run: int, steps: int, every: int, folder: str) -> RunStats:
-    """``steps`` training steps, a checkpoint every ``every`` into ``folder``/step<N>; the fence hook timed by two
-    pre-hooks around it (pre-hooks run in the order they were registered)."""
+def timed_loop(c: Contender, run: int, steps: int, every: int, folder: str, prefix: str = "") -> RunStats:
+    """``steps`` training steps, a checkpoint every ``every`` into ``folder``/<prefix>step<N>; the fence hook timed by
+    two pre-hooks around it (pre-hooks run in the order they were registered)."""
     c.stats = stats = RunStats(c.name, run)
     t0 = [0.0]
 
@@ -338,7 +339,7 @@ def timed_loop(c: Contender, run: int, steps: int, every: int, folder: str) -> R
             s0 = time.perf_counter()
             c.t.train_step()
             if not isinstance(c, NoCheckpoint) and i % every == 0:
-                c.checkpoint(os.path.join(folder, f"step{c.t.step}"))
+                c.checkpoint(os.path.join(folder, f"{prefix}step{c.t.step}"))
             stats.step_s.append(time.perf_counter() - s0)
         d0 = time.perf_counter()
         c.drain()
@@ -350,6 +351,13 @@ def timed_loop(c: Contender, run: int, steps: int, every: int, folder: str) -> R
     if c.last is not None:
         stats.check_ok = check_one_key(c.last[0], c.reader(), c.last[1], c.t)
     return stats
+
+
+def clear(folder: str) -> None:
+    """Every rank done with ``folder``, rank 0 removes it (the disk fills up otherwise)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pick_dcp_config(t: Trainer, group: dist.ProcessGroup, root: str, configs: list[str], steps: int, every: int,
@@ -369,7 +377,9 @@ def pick_dcp_config(t: Trainer, group: dist.ProcessGroup, root: str, configs: li
     for run in range(rounds):
         means: dict[str, float] = {}
         for c in contenders if run % 2 == 0 else contenders[::-1]:
-            s = timed_loop(c, run, steps, every, os.path.join(root, "probe", c.name.replace(" ", "-"), str(run)))
+            folder = os.path.join(root, "probe", c.name.replace(" ", "-"), str(run))
+            s = timed_loop(c, run, steps, every, folder)
+            clear(folder)
             means[c.name] = sum(s.step_s) / len(s.step_s)
             emit("probe", config=c.name, **asdict(s))
         for name, mean in means.items():
@@ -397,15 +407,16 @@ def train_phase(args: dict[str, Any]) -> None:
         contenders: list[Contender] = [NoCheckpoint(t, group, root), DcpAsync(t, group, root, config),
                                        Datastates(t, group, root, client)]
         for c in contenders[1:]:  # one-time costs (the stager's buffers, a process, the daemon's regions) untimed
-            timed_loop(c, -1, args["every"], args["every"], os.path.join(root, "warmup", c.name.replace(" ", "-")))
+            timed_loop(c, -1, args["every"], args["every"], os.path.join(root, "train", c.name.replace(" ", "-")),
+                       "warmup-")
         for run in range(args["runs"]):
             order = contenders if run % 2 == 0 else contenders[::-1]
             for c in order:
-                folder = os.path.join(root, "train", f"{c.name.replace(' ', '-')}-r{run}")
-                emit("train", **asdict(timed_loop(c, run, args["steps"], args["every"], folder)))
-                dist.barrier()
-                if dist.get_rank() == 0:
-                    shutil.rmtree(folder, ignore_errors=True)
+                # one run folder per contender, the tags named by run and step: the daemon keeps one replica (and a
+                # spare) per rank file of a run folder, so a folder per run would hold one each, to the end
+                folder = os.path.join(root, "train", c.name.replace(" ", "-"))
+                emit("train", **asdict(timed_loop(c, run, args["steps"], args["every"], folder, f"r{run}-")))
+                clear(folder)
         for c in contenders:
             c.close()
 
@@ -475,6 +486,23 @@ def cold(*folders: str) -> None:
     dist.barrier()
 
 
+def timed_metadata(reader: Any) -> list[float]:
+    """Time ``reader.read_metadata`` (the coordinator's part of a load: DCP broadcasts what it returns) into the list
+    returned."""
+    spent = [0.0]
+    read = reader.read_metadata
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return read(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    reader.read_metadata = timed
+    return spent
+
+
 def load_phase(args: dict[str, Any]) -> None:
     root = args["root"]
     src = build(args["model"], seed=2, steps=2)
@@ -489,7 +517,8 @@ def load_phase(args: dict[str, Any]) -> None:
 
         def restore_noted(*a: Any, **kw: Any) -> Any:
             out = restore(*a, **kw)
-            sources.append(out.source if out is not None else "none")
+            sources.append("none" if out is None else out.source if out.source == "memory"
+                           else f"{out.source} ({out.why_not_memory})")
             return out
 
         client.restore = restore_noted  # type: ignore[method-assign]  # which source the memory load took
@@ -538,8 +567,10 @@ def load_phase(args: dict[str, Any]) -> None:
                 if name != "memory":
                     cold(folder)
                 sources.clear()
+                spent = timed_metadata(reader)
                 out[f"load_{name}_s"] = timed_across(
                     lambda: dcp.load(target, checkpoint_id=folder, storage_reader=reader))  # noqa: B023 - called here
+                out[f"metadata_{name}_s"] = spent[0]
                 if name == "memory":
                     out["memory_sources"] = sorted(set(sources))
                 set_state_dict(dst.model, dst.opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
@@ -550,9 +581,7 @@ def load_phase(args: dict[str, Any]) -> None:
                 del target
             out["checks"] = checks
             emit("load", **out)
-            dist.barrier()
-            if dist.get_rank() == 0:
-                shutil.rmtree(fs_folder, ignore_errors=True)
+            clear(fs_folder)
     stager.close()
 
 
