@@ -11,10 +11,10 @@ each a torchrun launch that prints one JSON line per rank and result (rank side:
 1. train: ``--runs`` rounds, contenders interleaved (the order flips every run), each a
    loop of ``--steps`` steps with a checkpoint every ``--every``:
    ``none`` (the baseline step time); ``dcp``, DCP's ``async_save`` with ``FileSystemWriter``
-   and a reused ``DefaultStager`` in the configuration found fastest here (a short
-   pre-measurement of thread / process executor x shared / private / pinned staging (pinned
-   only where CUDA is: without it DCP ignores the flag),
-   unless ``--dcp-config`` names one); ``datastates``, ``async_save`` through
+   and a reused ``DefaultStager`` in the configuration found fastest here, unless
+   ``--dcp-config`` names one: short loops of the thread and the process executor, each with
+   shared, private and (where CUDA is; DCP ignores the flag without it) pinned staging
+   memory, interleaved with loops of no checkpoint, the lowest slowdown wins; ``datastates``, ``async_save`` through
    ``DatastatesStorageWriter(client)`` with ``client.protect(opt)`` as the fence. Every
    contender first takes one untimed checkpoint (its one-time costs), and each run's last
    checkpoint is loaded back (one key) and compared with the value it saved.
