@@ -34,9 +34,9 @@ fence, plus any wait for the previous checkpoint) over DCP's; durable throughput
 write's; the cold load over ``FileSystemReader``'s, the memory load over it, and 4 -> 2 over 2 -> 2.
 JSON to ``bench/results/dcp_fsdp.json``; the ranks' stderr to ``dcp_fsdp.log`` beside it.
 
-    .venv/bin/python bench/dcp_fsdp.py                      # the issue's size, 3 runs
-    .venv/bin/python bench/dcp_fsdp.py --layers 2 --runs 2  # a quick check
-    .venv/bin/python bench/dcp_fsdp.py --dcp-config thread+shm  # skip the pre-measurement
+    .venv/bin/python bench/dcp_fsdp.py                      # the issue's size, 3 runs: about 11 min here
+    .venv/bin/python bench/dcp_fsdp.py --dcp-config thread+shm  # without the pre-measurement: about 8 min
+    .venv/bin/python bench/dcp_fsdp.py --layers 1 --dim 128 --vocab 1024 --steps 10 --runs 2  # a check, under 1 min
 
 Absolute times drift on this machine (a shared virtual disk); the ratios, measured in one run, are what to compare.
 """
