@@ -6,7 +6,7 @@ gains from datastates is measured in its own loop, with torchrun's ranks, not in
 GPT-shaped model (transformer blocks of Linear layers; by default 42 M parameters: about
 0.5 GB of model plus AdamW state) with ``fully_shard``, against one ``datastatesd``. Phases,
 each a torchrun launch that prints one JSON line per rank and result (rank side:
-``bench/dcp_fsdp_rank.py``):
+``bench/dcp_fsdp_rank.py``, the model ``bench/dcp_fsdp_model.py``):
 
 1. train: ``--runs`` rounds, contenders interleaved (the order flips every run), each a
    loop of ``--steps`` steps with a checkpoint every ``--every``:
