@@ -138,6 +138,36 @@ def dcp_async(state: Any, mode: str, stager: Any | None, label: str) -> Contende
     return Contender(f"dcp.async_save {mode}, {label}", save, _dcp_restore(state))
 
 
+def dcp_datastates(state: Any, endpoint: str) -> Contender:
+    """``dcp.async_save`` through ``DatastatesStorageWriter`` (one process, ``no_dist``); loaded back with
+    ``DatastatesStorageReader``."""
+    from datastates.integrations.dcp import DatastatesStorageReader, DatastatesStorageWriter
+
+    client = Client(endpoint, timeout=300)
+    counter = iter(range(1_000_000))
+
+    def save(folder: str) -> tuple[float, float, float]:
+        checkpoint_id = os.path.join(folder, f"step{next(counter)}")  # the folder's name is the tag
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=checkpoint_id, storage_writer=DatastatesStorageWriter(client),
+                             no_dist=True)
+        blocking = time.perf_counter() - t0
+        client.wait()
+        safe = time.perf_counter() - t0
+        fut.result()
+        return blocking, safe, time.perf_counter() - t0
+
+    def restore(folder: str) -> float:
+        t0 = time.perf_counter()
+        template = _empty_like(state)
+        dcp.load(template, checkpoint_id=os.path.join(folder, datastates.latest(folder)),
+                 storage_reader=DatastatesStorageReader())
+        touch_all(template)
+        return time.perf_counter() - t0
+
+    return Contender("dcp.async_save via datastates", save, restore)
+
+
 def raw_disk(nbytes: int, fresh: bool) -> Contender:
     """O_DIRECT writes and reads of the same byte count, 2 threads: the physical limit.
 
@@ -264,7 +294,7 @@ def plot(rows: dict[str, Any], path: str) -> None:
     for ax, key, title in zip(axes, ("blocking", "durable_gbps", "restore_gbps"),
                               ("trainer blocked per checkpoint (s, log)", "durable throughput (GB/s)", "restore throughput (GB/s)")):
         vals = [rows[n][key] for n in names]
-        colors = ["tab:orange" if n == "datastates" else "tab:gray" if n.startswith("raw") else "tab:blue" for n in names]
+        colors = ["tab:orange" if "datastates" in n else "tab:gray" if n.startswith("raw") else "tab:blue" for n in names]
         ax.barh(names, vals, color=colors)
         ax.set_title(title)
         if key == "blocking":
@@ -322,6 +352,7 @@ def main() -> None:
             dcp_async(state, "thread", stager, "reused shm async stager"),
             raw_disk(nbytes, fresh=False),
             raw_disk(nbytes, fresh=True),
+            dcp_datastates(state, endpoint),
             ds,
         ]
         contenders = [c for c in contenders if not any(s in c.name for s in args.skip)]
@@ -338,7 +369,7 @@ def main() -> None:
             for r in range(args.process_runs):
                 print(f"process mode {r + 1}/{args.process_runs}", flush=True)
                 run_round([process], args.root)
-            contenders.insert(-3, process)
+            contenders.insert(-4, process)
     rows = summarize(contenders, nbytes)
     print_table(rows, nbytes, args.runs)
     rat = ratios(rows)
