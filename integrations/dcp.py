@@ -9,11 +9,11 @@ chunks a rank of another layout needs); this module is only its storage layer::
 **Saving.** Each rank hands its daemon one snapshot, ``<checkpoint_id>/rank<R>.pt``, of the
 items DCP's plan gives it: references to its local shards (a DTensor's local tensor, a
 plain tensor), copied by the daemon lazily, and the few objects DCP pickles itself. The
-coordinator adds ``metadata.pt`` (DCP's ``Metadata``, each item's file and key in it)
+coordinator adds ``metadata.pt`` (DCP's ``Metadata`` pickled, each item's file and key in it)
 once every rank's results are in, and the checkpoint folder's name is the tag: it is
 committed once, with every rank's file and the metadata durable, and ``dcp.save`` returns
 (``async_save``'s future resolves) only then. ``async_save`` stages nothing: ``stage()``
-resolves the items on the caller's thread (no copy) and ``client.expect()`` makes the
+takes references to the items on the caller's thread (no copy) and ``client.expect()`` makes the
 fence (``client.protect(optimizer)``) wait for the snapshot DCP's save thread sends, and
 then for the daemon's copy, before the optimizer changes a shard.
 
@@ -37,17 +37,20 @@ writes DCP's own ``FileSystemWriter`` layout of a committed checkpoint.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
+import pickle
 import threading
 from typing import Any
 
 import torch
-from torch.futures import Future
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemWriter, Metadata
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -56,17 +59,17 @@ from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
     WriteItem,
-    WriteItemType,
 )
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
 from datastates.client.client import Client
 from datastates.client.reader import load
-from datastates.protocol.errors import CommitError, InvalidRequestError, StateMismatchError
+from datastates.protocol.errors import CommitError, InvalidRequestError, StateMismatchError, UnsupportedFormatError
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import trusted_marker
 
@@ -87,10 +90,25 @@ class ShardAt:
     key: str
 
 
-SAFE_GLOBALS = [ShardAt, Metadata, *(getattr(dcp_metadata, n) for n in (
-    "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-    "StorageMeta")), torch.Size]
-"""What the metadata file's skeleton may build (besides tensors and plain values): DCP's metadata classes."""
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``Metadata`` back from the metadata file's bytes, building nothing but DCP's metadata classes, ShardAt,
+    ``torch.Size`` and torch's dtypes, layouts and memory formats: a crafted file runs no code. (The C unpickler:
+    torch's weights-only one took 0.35 s for a 0.5 GB FSDP2 state's metadata, DCP's own reader 0.01 s.)"""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
+            return getattr(dcp_metadata, name)
+        if (module, name) == (__name__, ShardAt.__name__):
+            return ShardAt
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
+                                                                (torch.dtype, torch.layout, torch.memory_format))):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):  # how a layout pickles: by its name
+            return torch.serialization._get_layout
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise UnsupportedFormatError(f"the checkpoint's {METADATA} names {module}.{name}, which DCP's metadata never "
+                                     "holds: refused")
 
 
 def entry_key(index: dcp_metadata.MetadataIndex) -> str:
@@ -134,11 +152,19 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
     # -- AsyncStager: no copy, only the references, taken before async_save returns
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Resolve every item this rank may write (DCP's default plan before it is deduplicated across ranks), as
-        references; the fence then waits for the snapshot ``write_data`` sends from DCP's thread."""
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state_dict, None, True)  # objects too: whichever rank coordinates writes them
-        self._staged = {entry_key(item.index): _value(planner, item) for item in planner.create_local_plan().items}
+        """Take a reference to every item this rank may write (a DTensor's local shard, a tensor) and pickle the few
+        objects, as DCP's default planner would resolve them, without its plan (21 of 29 ms for 159 DTensors on the
+        training thread); the fence then waits for the snapshot ``write_data`` sends from DCP's thread."""
+        self._staged = {}
+        for fqn, obj in flatten_state_dict(state_dict)[0].items():
+            if isinstance(obj, DTensor):
+                self._staged[fqn] = obj.to_local().detach()
+            elif isinstance(obj, torch.Tensor):
+                self._staged[fqn] = obj.detach()
+            else:
+                pickled = io.BytesIO()
+                torch.save(obj, pickled)
+                self._staged[fqn] = pickled.getvalue()
         self._expected = self.client.expect()
         return state_dict
 
@@ -177,14 +203,8 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         try:
             entries: dict[str, Any] = {}
             for item in plan.items:
-                key = entry_key(item.index)
-                if self._staged is None:
-                    entries[key] = _value(planner, item)
-                elif key in self._staged:
-                    entries[key] = self._staged[key]
-                else:
-                    raise InvalidRequestError(f"DCP's plan asks this rank to write {key!r}, which stage() did not "
-                                              "resolve: DatastatesStorageWriter supports DCP's default save planner")
+                entries[entry_key(item.index)] = self._staged_item(item) if self._staged is not None else \
+                    _value(planner, item)
             self.client.snapshot(entries, os.path.join(self.folder, name), tag=self.tag)
         finally:
             self._release()
@@ -196,11 +216,21 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
                                     storage_data=ShardAt(name, entry_key(item.index))) for item in plan.items])
         return fut
 
+    def _staged_item(self, item: WriteItem) -> Any:
+        """What ``stage`` took for ``item``: its fqn's local shard, which must be the item's whole chunk."""
+        value = self._staged.get(item.index.fqn) if self._staged is not None else None
+        chunk = item.tensor_data.chunk.sizes if item.tensor_data is not None else None
+        if value is None or (chunk is not None and (not isinstance(value, torch.Tensor) or value.shape != chunk)):
+            raise InvalidRequestError(f"DCP's plan asks this rank to write {entry_key(item.index)!r}, which is not "
+                                      "what stage() took for it (one local shard per tensor, DCP's default planner): "
+                                      "not supported by DatastatesStorageWriter")
+        return value
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator's metadata joins its own file in the tag, which it then commits for every rank; returns
         once committed (CommitError: a rank's part failed, so the checkpoint is not visible)."""
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        self.client.snapshot({"metadata": metadata}, os.path.join(self.folder, METADATA), tag=self.tag)
+        self.client.snapshot({"metadata": pickle.dumps(metadata)}, os.path.join(self.folder, METADATA), tag=self.tag)
         self.client.commit(self.tag).result()
 
     @classmethod
@@ -234,9 +264,7 @@ class DatastatesStorageReader(StorageReader):
                               f"naming its {METADATA}): " + ("it is DCP's own layout; read it with FileSystemReader"
                                                             if dcp_own else "an interrupted save, or another folder"),
                               tag=tag)
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            metadata: Metadata = load(os.path.join(self.folder, METADATA))["metadata"]
-        return metadata
+        return _MetadataUnpickler(io.BytesIO(load(os.path.join(self.folder, METADATA))["metadata"])).load()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data

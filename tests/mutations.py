@@ -850,6 +850,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("integrations/dcp.py", "        self._expected = self.client.expect()\n", "        pass  # MUTATION\n"),),
         ("tests/integrations/test_dcp.py::test_a_load_into_any_number_of_ranks_equals_dcps_own_round_trip",),
     ),
+    Mutation(
+        "dcp-metadata-unpickled-freely",
+        "the DCP reader unpickles any class a checkpoint's metadata names: a crafted file runs code",
+        (Edit("integrations/dcp.py", "        raise UnsupportedFormatError(f\"the checkpoint's {METADATA} names",
+              "        return super().find_class(module, name)  # MUTATION\n"
+              "        raise UnsupportedFormatError(f\"the checkpoint's {METADATA} names"),),
+        ("tests/integrations/test_dcp.py::test_a_crafted_metadata_file_is_refused_and_runs_nothing",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

@@ -9,8 +9,10 @@ through before the daemon copied the shards would show here as a load unequal to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import datastates
 from datastates.client import Client
 from datastates.integrations.dcp import METADATA, DatastatesStorageReader, DatastatesStorageWriter, rank_file, to_filesystem
-from datastates.protocol.errors import CommitError
+from datastates.protocol.errors import CommitError, UnsupportedFormatError
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker
 
@@ -207,3 +209,30 @@ def test_a_resave_replaces_the_checkpoint_whole_and_a_daemon_killed_mid_save_lea
     assert_state_equal(state(2), loaded())
     start_daemon()  # the next daemon's recovery removes what the killed one left
     assert_state_equal(state(2), loaded())
+
+
+@dataclasses.dataclass
+class Boom:
+    """What a crafted metadata file names: unpickling it would run a command, which makes ``proof``."""
+
+    proof: Path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.proof}",))
+
+
+def test_a_crafted_metadata_file_is_refused_and_runs_nothing(start_daemon: Callable[..., DaemonProc],
+                                                             tmp_path: Path) -> None:
+    """A committed folder whose metadata names a callable DCP's metadata never holds: the reader refuses it, naming
+    it, and runs nothing."""
+    d = start_daemon()
+    folder = d.root / "run" / "crafted"
+    with Client(d.endpoint, timeout=60) as client:
+        client.snapshot({"metadata": pickle.dumps(Boom(tmp_path / "ran"))}, folder / METADATA)
+        client.snapshot({"w@0": torch.ones(3)}, folder / rank_file(0))
+        client.commit("crafted").result(timeout=120)
+    reader = DatastatesStorageReader()
+    reader.reset(folder)
+    with pytest.raises(UnsupportedFormatError, match="posix.system|os.system"):
+        reader.read_metadata()
+    assert not (tmp_path / "ran").exists()
