@@ -1,6 +1,6 @@
 """I1-I5 under seeded fault schedules: stalls, kills, a full or read-only disk, re-saves, clock steps.
 
-``DATASTATES_SCHEDULES`` sets how many schedules run (10 by default, which keeps ``make test``
+``DATASTATES_SCHEDULES`` sets how many schedules run (6 by default, which keeps ``make test``
 within 15 minutes, and 200 with ``--long``; .ci/run sets 200; the closing figures come from 2,000 or more, run as
 ``bench/fault_schedules.sh`` in chunks on two cores), ``DATASTATES_SEED`` the first seed, so a
 failure printed with its seed replays with ``DATASTATES_SEED=<seed> DATASTATES_SCHEDULES=1``.
@@ -19,7 +19,7 @@ from schedules import Node, Schedule, Violation, shortest
 SCHEDULES_SET = os.environ.get("DATASTATES_SCHEDULES", "")
 LONG_SCHEDULES = 200
 """With ``--long`` (and in CI, through ``DATASTATES_SCHEDULES``); a plain ``make test`` runs SHORT_SCHEDULES."""
-SHORT_SCHEDULES = 10
+SHORT_SCHEDULES = 6
 FIRST_SEED = int(os.environ.get("DATASTATES_SEED", "1"))
 
 
