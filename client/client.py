@@ -293,12 +293,13 @@ class Client:
         """
         with self._commits_lock:
             expected, self._expected = self._expected, []
+        limit = timeout if timeout is not None else self.timeout  # a save thread that failed never sends it
         for i, event in enumerate(expected):
-            if not event.wait(timeout):
+            if not event.wait(limit):
                 with self._commits_lock:
-                    self._expected[:0] = expected[i:]
+                    self._expected[:0] = expected[i + 1:]
                 raise WaitTimeout(f"a snapshot expected from another thread (DCP's async_save) was not sent within "
-                                  f"{timeout} s")
+                                  f"{limit} s: that save failed or hangs (its future says which)")
         if not self._uncopied:
             return
         pending = list(self._uncopied)
@@ -426,7 +427,8 @@ class Client:
     def expect(self) -> threading.Event:
         """Say that another thread is about to snapshot tensors this one may change next (DCP's ``async_save``
         returns before its own thread plans the save and sends the snapshot): ``wait()``, and so the fence, first
-        waits until the returned event is set. Set it once that snapshot is sent, or will never be."""
+        waits until the returned event is set, at most ``timeout`` (or this client's ``timeout``) seconds: then it
+        raises WaitTimeout once, and the event is forgotten. Set it once that snapshot is sent, or will never be."""
         event = threading.Event()
         with self._commits_lock:
             self._expected.append(event)

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import datastates
 from datastates.client import Client
 from datastates.integrations.dcp import METADATA, DatastatesStorageReader, DatastatesStorageWriter, rank_file, to_filesystem
-from datastates.protocol.errors import CommitError, UnsupportedFormatError
+from datastates.protocol.errors import CommitError, UnsupportedFormatError, WaitTimeout
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker
 
@@ -236,3 +236,14 @@ def test_a_crafted_metadata_file_is_refused_and_runs_nothing(start_daemon: Calla
     with pytest.raises(UnsupportedFormatError, match="posix.system|os.system"):
         reader.read_metadata()
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_snapshot_expected_but_never_sent_fails_the_fence_once_instead_of_hanging(client: Client) -> None:
+    """``async_save`` whose save thread fails before it sends its snapshot never sets the event ``stage()`` took:
+    the fence raises WaitTimeout once (at the client's timeout, or ``wait``'s), and the next ``wait()`` goes on."""
+    sent = client.expect()
+    client.expect()  # never set: its save thread failed
+    sent.set()
+    with pytest.raises(WaitTimeout, match="was not sent within 0.5 s"):
+        client.wait(timeout=0.5)
+    client.wait(timeout=0.5)
