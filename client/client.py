@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import os
@@ -12,7 +13,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -99,6 +100,42 @@ def _done(value: Any) -> Future:
     return fut
 
 
+class Expected:
+    """A snapshot another thread is about to send (``Client.expect``), which the fence waits for.
+
+    The sender sends it inside ``sending()``; the fence either sees it sent (and then waits
+    for its copy) or gives up first, after which ``sending()`` raises: a snapshot of tensors
+    the trainer was let go to change is never taken. ``close()``: it will never be sent.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._given_up = False
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        with self._lock:
+            if self._given_up:
+                raise WaitTimeout("the fence gave up waiting for this snapshot and let the trainer change its "
+                                  "tensors: it is not taken")
+            try:
+                yield
+            finally:
+                self._done.set()
+
+    def close(self) -> None:
+        self._done.set()
+
+    def wait_or_give_up(self, timeout: float) -> bool:
+        """Whether it was sent (or will never be) within ``timeout`` s; if not, it may no longer be."""
+        if self._done.wait(timeout):
+            return True
+        with self._lock:  # a send under way finishes first
+            self._given_up = not self._done.is_set()
+            return not self._given_up
+
+
 class Client:
     """A connection from one training rank to its node's datastatesd.
 
@@ -161,7 +198,7 @@ class Client:
         """COMMITs the daemon has not answered: (tag, the caller's future, the daemon's reply). With the local
         fallback, a tag whose snapshots ``wait()`` saves again locally is committed locally instead."""
         self._commits_lock = threading.Lock()
-        self._expected: list[threading.Event] = []
+        self._expected: list[Expected] = []
         """Snapshots another thread is about to send (``expect``): ``wait()`` waits for each to be set first."""
         self._waiting = False
         """Whether ``wait()`` runs: a COMMIT the lost daemon fails meanwhile may be one it commits locally."""
@@ -294,12 +331,12 @@ class Client:
         with self._commits_lock:
             expected, self._expected = self._expected, []
         limit = timeout if timeout is not None else self.timeout  # a save thread that failed never sends it
-        for i, event in enumerate(expected):
-            if not event.wait(limit):
+        for i, coming in enumerate(expected):
+            if not coming.wait_or_give_up(limit):
                 with self._commits_lock:
                     self._expected[:0] = expected[i + 1:]
                 raise WaitTimeout(f"a snapshot expected from another thread (DCP's async_save) was not sent within "
-                                  f"{limit} s: that save failed or hangs (its future says which)")
+                                  f"{limit} s: that save failed or hangs, and now fails if it tries to send it")
         if not self._uncopied:
             return
         pending = list(self._uncopied)
@@ -424,15 +461,15 @@ class Client:
         if refused is not None:
             raise refused
 
-    def expect(self) -> threading.Event:
+    def expect(self) -> Expected:
         """Say that another thread is about to snapshot tensors this one may change next (DCP's ``async_save``
         returns before its own thread plans the save and sends the snapshot): ``wait()``, and so the fence, first
-        waits until the returned event is set, at most ``timeout`` (or this client's ``timeout``) seconds: then it
-        raises WaitTimeout once, and the event is forgotten. Set it once that snapshot is sent, or will never be."""
-        event = threading.Event()
+        waits until that thread has sent it (``Expected.sending``), at most ``timeout`` (or this client's
+        ``timeout``) seconds; then it raises WaitTimeout once, and the snapshot may no longer be sent."""
+        coming = Expected()
         with self._commits_lock:
-            self._expected.append(event)
-        return event
+            self._expected.append(coming)
+        return coming
 
     def protect(self, optimizer: torch.optim.Optimizer) -> Any:
         """Fence every ``optimizer.step()`` with ``wait()``, so a loop needs this one line.

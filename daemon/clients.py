@@ -307,6 +307,11 @@ class ClientRegistry:
     def connected(self) -> int:
         return len(self._by_identity)
 
+    def has_rank(self, ranks: Ranks) -> bool:
+        """Whether a registered client is that rank of that job (a process may hold several clients)."""
+        return any((c.ranks.job, c.ranks.world_size, c.ranks.rank) == (ranks.job, ranks.world_size, ranks.rank)
+                   for c in list(self._by_identity.values()))
+
     def release_all(self) -> None:
         """Drop every client's regions (the daemon is stopping)."""
         for record in list(self._by_identity.values()):

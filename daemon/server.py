@@ -321,10 +321,11 @@ class Daemon:
 
     def _depart(self, record: ClientRecord) -> None:
         """A client gone, with BYE or without: its open tags go, and the rounds its rank still owed a commit fail now
-        for the ranks waiting in them (a rank that left never commits them), not at commit_timeout."""
+        for the ranks waiting in them (a rank that left never commits them), not at commit_timeout; unless another
+        client of that rank is still here (a process may hold several), which may yet commit them."""
         self.ledger.forget(record.id)
         self._left_behind(record)
-        if record.ranks.world_size > 1:
+        if record.ranks.world_size > 1 and not self.clients.has_rank(record.ranks):
             self.ledger.rank_lost(record.ranks)
 
     def _left_behind(self, record: ClientRecord) -> None:

@@ -38,11 +38,11 @@ writes DCP's own ``FileSystemWriter`` layout of a committed checkpoint.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import io
 import os
 import pickle
-import threading
 from typing import Any
 
 import torch
@@ -67,9 +67,16 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from datastates.client.client import Client
+from datastates.client.client import Client, Expected
 from datastates.client.reader import load
-from datastates.protocol.errors import CommitError, InvalidRequestError, StateMismatchError, UnsupportedFormatError
+from datastates.protocol.errors import (
+    CommitError,
+    CorruptCheckpointError,
+    InvalidRequestError,
+    StateMismatchError,
+    UnsupportedFormatError,
+    WeightsOnlyError,
+)
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import trusted_marker
 
@@ -143,9 +150,10 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         self.tag = ""
         self.is_coordinator = False
         self._staged: dict[str, Any] | None = None
-        self._expected: threading.Event | None = None
+        self._coming: Expected | None = None
 
     def __reduce__(self) -> Any:
+        self._release()  # the process executor pickles it after stage(): the fence must not wait for it
         raise TypeError("DatastatesStorageWriter holds this rank's connection to its daemon and cannot be sent to "
                         "another process: use async_save's default thread executor")
 
@@ -155,17 +163,20 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         """Take a reference to every item this rank may write (a DTensor's local shard, a tensor) and pickle the few
         objects, as DCP's default planner would resolve them, without its plan (21 of 29 ms for 159 DTensors on the
         training thread); the fence then waits for the snapshot ``write_data`` sends from DCP's thread."""
-        self._staged = {}
+        if self._staged is not None or self._coming is not None:
+            raise InvalidRequestError("this DatastatesStorageWriter's previous save is still under way: make one "
+                                      "writer per save")
+        staged: dict[str, Any] = {}
         for fqn, obj in flatten_state_dict(state_dict)[0].items():
             if isinstance(obj, DTensor):
-                self._staged[fqn] = obj.to_local().detach()
+                staged[fqn] = obj.to_local().detach()
             elif isinstance(obj, torch.Tensor):
-                self._staged[fqn] = obj.detach()
+                staged[fqn] = obj.detach()
             else:
                 pickled = io.BytesIO()
                 torch.save(obj, pickled)
-                self._staged[fqn] = pickled.getvalue()
-        self._expected = self.client.expect()
+                staged[fqn] = pickled.getvalue()
+        self._staged, self._coming = staged, self.client.expect()
         return state_dict
 
     def synchronize_staging(self) -> None:
@@ -175,9 +186,11 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         self._release()
 
     def _release(self) -> None:
-        if self._expected is not None:
-            self._expected.set()
-            self._expected = None
+        """This save's snapshot will not be sent (any more): the fence stops waiting for it."""
+        if self._coming is not None:
+            self._coming.close()
+            self._coming = None
+        self._staged = None
 
     # -- StorageWriter
 
@@ -203,12 +216,15 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         try:
             entries: dict[str, Any] = {}
             for item in plan.items:
-                entries[entry_key(item.index)] = self._staged_item(item) if self._staged is not None else \
-                    _value(planner, item)
-            self.client.snapshot(entries, os.path.join(self.folder, name), tag=self.tag)
+                key = entry_key(item.index)
+                if key in entries:
+                    raise InvalidRequestError(f"two items of this rank's plan are both stored as {key!r} (a key "
+                                              "that names a tensor's chunk as well): rename one")
+                entries[key] = self._staged_item(item) if self._staged is not None else _value(planner, item)
+            with self._coming.sending() if self._coming is not None else contextlib.nullcontext():
+                self.client.snapshot(entries, os.path.join(self.folder, name), tag=self.tag)
         finally:
             self._release()
-            self._staged = None
         if not self.is_coordinator:  # the coordinator commits in finish(), with the metadata
             self.client.commit(self.tag)
         fut: Future[list[WriteResult]] = Future()  # torch's: DCP waits on it
@@ -229,6 +245,10 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator's metadata joins its own file in the tag, which it then commits for every rank; returns
         once committed (CommitError: a rank's part failed, so the checkpoint is not visible)."""
+        if len(results) != self.client.ranks.world_size:
+            raise InvalidRequestError(f"this save has {len(results)} rank(s), the job {self.client.ranks.world_size}: "
+                                      "a tag commits once every rank of the job commits it, so save on every rank "
+                                      "(DCP's default process group), not a subgroup or no_dist")
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         self.client.snapshot({"metadata": pickle.dumps(metadata)}, os.path.join(self.folder, METADATA), tag=self.tag)
         self.client.commit(self.tag).result()
@@ -242,9 +262,15 @@ class DatastatesStorageReader(StorageReader):
     """DCP's storage layer for loading a committed datastates checkpoint, into any layout (see the module's
     docstring). ``client``: read a file the node's daemon still holds in memory from there."""
 
-    def __init__(self, client: Client | None = None) -> None:
+    def __init__(self, client: Client | None = None, *, weights_only: bool = True) -> None:
+        """``weights_only``: each object DCP pickled (``torch.save``, loaded by its planner with
+        ``weights_only=False``) must first load with torch's safe unpickler, or the load raises WeightsOnlyError
+        naming it; False only for checkpoints you trust."""
         super().__init__()
         self.client = client
+        self.weights_only = weights_only
+        self.files: set[str] = set()
+        """The files the checkpoint's commit marker lists: the only ones its metadata may name."""
         self.folder = ""
         self.storage_data: dict[dcp_metadata.MetadataIndex, ShardAt] = {}
         self._chunks: dict[dcp_metadata.MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
@@ -258,7 +284,8 @@ class DatastatesStorageReader(StorageReader):
         """DCP's metadata of a committed checkpoint; CommitError for a folder that is not one."""
         tag = os.path.basename(self.folder)
         marker = trusted_marker(os.path.join(self.folder, marker_name(tag))) if self.folder else None
-        if marker is None or METADATA not in {f.path for f in marker.files}:
+        self.files = {f.path for f in marker.files} if marker is not None else set()
+        if METADATA not in self.files:
             dcp_own = os.path.exists(os.path.join(self.folder, ".metadata"))
             raise CommitError(f"{self.folder!r} is not a committed datastates DCP checkpoint (no valid commit marker "
                               f"naming its {METADATA}): " + ("it is DCP's own layout; read it with FileSystemReader"
@@ -267,6 +294,11 @@ class DatastatesStorageReader(StorageReader):
         return _MetadataUnpickler(io.BytesIO(load(os.path.join(self.folder, METADATA))["metadata"])).load()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        strays = sorted({at.file if isinstance(at, ShardAt) else repr(at) for at in metadata.storage_data.values()}
+                        - (self.files - {METADATA}))
+        if strays:
+            raise CorruptCheckpointError(f"{self.folder}: its metadata names {strays[:4]}, which are not files of its "
+                                         "committed tag: refused", path=self.folder)
         self.storage_data = metadata.storage_data
         self._chunks = {dcp_metadata.MetadataIndex(fqn, chunk.offsets): (chunk.sizes, md.properties.dtype)
                         for fqn, md in metadata.state_dict_metadata.items()
@@ -290,11 +322,14 @@ class DatastatesStorageReader(StorageReader):
             into = self._into(items, planner, keys[name])
             state = self._read(name, into)
             for item in items:
-                value = state[self.storage_data[item.storage_index].key]
+                key = self.storage_data[item.storage_index].key
+                value = state[key]
                 if item.type == LoadItemType.BYTE_IO:
+                    if self.weights_only:
+                        _safe(value, name, item.storage_index.fqn)
                     planner.load_bytes(item, io.BytesIO(value))
                     continue
-                target = planner.resolve_tensor(item).detach()
+                target = into[key] if into is not None else planner.resolve_tensor(item).detach()
                 if into is None:
                     source = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
                     if target.size() != source.size():
@@ -313,12 +348,14 @@ class DatastatesStorageReader(StorageReader):
         into: dict[str, Any] = {}
         for item in items:
             key = self.storage_data[item.storage_index].key
+            if key in into:
+                return None
             if item.type == LoadItemType.BYTE_IO:
                 into[key] = None
                 continue
             shape, dtype = self._chunks.get(item.storage_index, (None, None))
             target = planner.resolve_tensor(item).detach()
-            if (key in into or shape is None or any(item.storage_offsets) or tuple(item.lengths) != tuple(shape)
+            if (shape is None or any(item.storage_offsets) or tuple(item.lengths) != tuple(shape)
                     or target.size() != shape or target.dtype != dtype):
                 return None
             into[key] = target
@@ -338,6 +375,16 @@ class DatastatesStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _safe(pickled: bytes, name: str, fqn: str) -> None:
+    """Refuse an object DCP pickled that torch's safe unpickler will not build (WeightsOnlyError naming it)."""
+    try:
+        torch.load(io.BytesIO(pickled), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise WeightsOnlyError(f"{name}: {fqn} holds an object torch's safe unpickler refuses ({exc}); load with "
+                               "DatastatesStorageReader(weights_only=False) only a checkpoint you trust",
+                               path=name) from None
 
 
 def to_filesystem(folder: str | os.PathLike, out: str | os.PathLike) -> str:

@@ -847,7 +847,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "dcp-async-save-unfenced",
         "DCP's async_save stages references without making the fence wait for the snapshot its save thread sends: "
         "the optimizer step right after it changes shards before the daemon copies them",
-        (Edit("integrations/dcp.py", "        self._expected = self.client.expect()\n", "        pass  # MUTATION\n"),),
+        (Edit("integrations/dcp.py", "        self._staged, self._coming = staged, self.client.expect()\n",
+              "        self._staged, self._coming = staged, None  # MUTATION\n"),),
         ("tests/integrations/test_dcp.py::test_a_load_into_any_number_of_ranks_equals_dcps_own_round_trip",),
     ),
     Mutation(
@@ -857,6 +858,13 @@ MUTATIONS: tuple[Mutation, ...] = (
               "        return super().find_class(module, name)  # MUTATION\n"
               "        raise UnsupportedFormatError(f\"the checkpoint's {METADATA} names"),),
         ("tests/integrations/test_dcp.py::test_a_crafted_metadata_file_is_refused_and_runs_nothing",),
+    ),
+    Mutation(
+        "dcp-late-snapshot-taken",
+        "a snapshot the fence gave up waiting for is still taken when its save thread sends it: tensors the trainer "
+        "was let go to change are checkpointed",
+        (Edit("client/client.py", "            if self._given_up:\n", "            if False:  # MUTATION\n"),),
+        ("tests/integrations/test_dcp.py::test_a_snapshot_expected_but_never_sent_fails_the_fence_once_instead_of_hanging",),
     ),
 )
 def working_tree_files() -> list[str]:

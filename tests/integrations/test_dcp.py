@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import datastates
 from datastates.client import Client
 from datastates.integrations.dcp import METADATA, DatastatesStorageReader, DatastatesStorageWriter, rank_file, to_filesystem
-from datastates.protocol.errors import CommitError, UnsupportedFormatError, WaitTimeout
+from datastates.protocol.errors import CommitError, CorruptCheckpointError, UnsupportedFormatError, WaitTimeout
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker
 
@@ -239,11 +239,42 @@ def test_a_crafted_metadata_file_is_refused_and_runs_nothing(start_daemon: Calla
 
 
 def test_a_snapshot_expected_but_never_sent_fails_the_fence_once_instead_of_hanging(client: Client) -> None:
-    """``async_save`` whose save thread fails before it sends its snapshot never sets the event ``stage()`` took:
-    the fence raises WaitTimeout once (at the client's timeout, or ``wait``'s), and the next ``wait()`` goes on."""
+    """``async_save`` whose save thread fails before it sends its snapshot: the fence raises WaitTimeout once (at the
+    client's timeout, or ``wait``'s), the next ``wait()`` goes on, and that snapshot, should its thread try to send
+    it after all, is refused: the trainer was let go to change those tensors."""
     sent = client.expect()
-    client.expect()  # never set: its save thread failed
-    sent.set()
+    late = client.expect()
+    with sent.sending():
+        pass
     with pytest.raises(WaitTimeout, match="was not sent within 0.5 s"):
         client.wait(timeout=0.5)
     client.wait(timeout=0.5)
+    with pytest.raises(WaitTimeout, match="not taken"):
+        with late.sending():
+            client.snapshot({"w": torch.ones(3)}, client.roots[0] + "/late/rank0.pt")
+    assert client.status()["snapshots"] == []
+
+
+def test_crafted_and_colliding_items_are_refused(start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
+    """A state whose object key collides with a tensor chunk's stored key is refused at save; a committed checkpoint
+    whose object runs code on unpickling is refused at load (torch's safe unpickler first), running nothing; one
+    whose metadata names a file outside its tag is refused."""
+    d = start_daemon()
+    with Client(d.endpoint, timeout=60) as client:
+        with pytest.raises(CheckpointException, match="both stored as 'w@0'"):
+            dcp.save({"w": torch.arange(4.0), "w@0": "hello"}, checkpoint_id=str(d.root / "run" / "collide"),
+                     storage_writer=DatastatesStorageWriter(client), no_dist=True)
+        crafted = d.root / "run" / "crafted"
+        dcp.save({"w": torch.arange(4.0), "obj": Boom(tmp_path / "ran")}, checkpoint_id=str(crafted),
+                 storage_writer=DatastatesStorageWriter(client), no_dist=True)
+    got = {"w": torch.zeros(4), "obj": None}
+    with pytest.raises(CheckpointException, match="WeightsOnlyError|safe unpickler refuses"):
+        dcp.load(got, checkpoint_id=str(crafted), storage_reader=DatastatesStorageReader(), no_dist=True)
+    assert not (tmp_path / "ran").exists()
+    reader = DatastatesStorageReader()
+    reader.reset(crafted)
+    metadata = reader.read_metadata()
+    index = next(i for i in metadata.storage_data if i.fqn == "w")
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], file="../collide/rank0.pt")
+    with pytest.raises(CorruptCheckpointError, match="not files of its committed tag"):
+        reader.set_up_storage_reader(metadata, True)
