@@ -312,20 +312,21 @@ class Daemon:
     async def _bye(self, identity: bytes, body: m.Bye) -> m.ByeAck:
         record = self.clients.remove(identity)  # its region cache goes; jobs in flight keep their own maps
         if record is not None:
-            self._depart(record)
+            self._depart(record, said_bye=True)
         return m.ByeAck()
 
     async def _heartbeat(self, identity: bytes, body: m.Heartbeat) -> m.HeartbeatAck:
         self.clients.get(identity)  # a client from before a restart must hear it is unknown, not that all is well
         return m.HeartbeatAck()
 
-    def _depart(self, record: ClientRecord) -> None:
+    def _depart(self, record: ClientRecord, said_bye: bool) -> None:
         """A client gone, with BYE or without: its open tags go, and the rounds its rank still owed a commit fail now
-        for the ranks waiting in them (a rank that left never commits them), not at commit_timeout; unless another
-        client of that rank is still here (a process may hold several), which may yet commit them."""
+        for the ranks waiting in them (a rank that left never commits them), not at commit_timeout. Unless it said
+        BYE while another client of that rank is still here (a process may hold several), which may yet commit them;
+        a killed rank's restart saves anew, in the next round."""
         self.ledger.forget(record.id)
         self._left_behind(record)
-        if record.ranks.world_size > 1 and not self.clients.has_rank(record.ranks):
+        if record.ranks.world_size > 1 and not (said_bye and self.clients.has_rank(record.ranks)):
             self.ledger.rank_lost(record.ranks)
 
     def _left_behind(self, record: ClientRecord) -> None:
@@ -341,7 +342,7 @@ class Daemon:
     def _gone(self, record: ClientRecord, how: str) -> dict[str, Any]:
         """A client gone without BYE: its open tags go, its snapshots of its own memory not yet copied fail, the rest
         finish."""
-        self._depart(record)
+        self._depart(record, said_bye=False)
         mine = self.jobs.of_client(record.id)
         why = ("its trainer abandoned it (it gave this daemon up: stalled past liveness, or gone)" if how == "left"
                else f"its trainer {how}")
