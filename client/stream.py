@@ -111,7 +111,6 @@ at 1.42 and 1.58 GB/s, 4 x 8 MiB at 1.31 and 1.31, 4 x 64 MiB at 1.24 and 1.41).
 has the kernel's read-ahead in flight and is bound by its copies: READ_THREADS."""
 
 
-
 @dataclass
 class Piece:
     """One of the format's pieces of the data region (or several): read, checked and copied out by one thread."""

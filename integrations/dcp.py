@@ -213,14 +213,17 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Snapshot this rank's items as one file; the results say where each is, before a byte is copied."""
         name = rank_file(self.client.ranks.rank)
+        entries: dict[str, Any] = {}
+        results: list[WriteResult] = []
         try:
-            entries: dict[str, Any] = {}
             for item in plan.items:
                 key = entry_key(item.index)
                 if key in entries:
                     raise InvalidRequestError(f"two items of this rank's plan are both stored as {key!r} (a key "
                                               "that names a tensor's chunk as well): rename one")
                 entries[key] = self._staged_item(item) if self._staged is not None else _value(planner, item)
+                results.append(WriteResult(index=item.index, size_in_bytes=_nbytes(entries[key]),
+                                           storage_data=ShardAt(name, key)))
             with self._coming.sending() if self._coming is not None else contextlib.nullcontext():
                 self.client.snapshot(entries, os.path.join(self.folder, name), tag=self.tag)
         finally:
@@ -228,8 +231,7 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         if not self.is_coordinator:  # the coordinator commits in finish(), with the metadata
             self.client.commit(self.tag)
         fut: Future[list[WriteResult]] = Future()  # torch's: DCP waits on it
-        fut.set_result([WriteResult(index=item.index, size_in_bytes=_nbytes(entries[entry_key(item.index)]),
-                                    storage_data=ShardAt(name, entry_key(item.index))) for item in plan.items])
+        fut.set_result(results)
         return fut
 
     def _staged_item(self, item: WriteItem) -> Any:

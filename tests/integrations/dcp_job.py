@@ -33,11 +33,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from datastates.client import Client
 from datastates.integrations.dcp import DatastatesStorageReader, DatastatesStorageWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the DCP bench's shard helpers
+from dcp_fsdp_model import local_tensors  # noqa: E402
+from dcp_fsdp_model import unequal as every_unequal  # noqa: E402
 
 
 class MLP(torch.nn.Module):
@@ -92,24 +95,9 @@ def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, An
     return {"model": msd, "optim": osd}
 
 
-def local_tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of ``state`` by its path, a DTensor as this rank's shard."""
-    if isinstance(state, DTensor):
-        return {prefix: state.to_local()}
-    if isinstance(state, torch.Tensor):
-        return {prefix: state}
-    if isinstance(state, dict):
-        out: dict[str, torch.Tensor] = {}
-        for k, v in state.items():
-            out.update(local_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {}
-
-
 def unequal(a: Any, b: Any) -> list[str]:
     """The paths whose tensors differ (or that one side lacks), the first 20: names, never a tensor's values."""
-    ta, tb = local_tensors(a), local_tensors(b)
-    return sorted(k for k in set(ta) | set(tb) if k not in ta or k not in tb or not torch.equal(ta[k], tb[k]))[:20]
+    return every_unequal(a, b)[:20]
 
 
 def say(result: dict[str, Any]) -> None:
