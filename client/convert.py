@@ -63,8 +63,8 @@ def convert_tag(folder: str, to: str, out: str, weights_only: bool = True) -> li
 
 def _write_torch(src: str, path: str, weights_only: bool) -> list[str]:
     with open(src, "rb") as f:
-        version, _ = index_at(f.read(INDEX_AT), src)
-    if version >= 2:  # torch.load reads it as it is: its checksums checked, it is copied
+        container, _ = index_at(f.read(INDEX_AT), src)
+    if container >= 2:  # a zip: torch.load reads it as it is: its checksums checked, it is copied
         verify(src)
         shutil.copyfile(src, path)
     else:

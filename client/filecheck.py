@@ -139,8 +139,8 @@ def read_header(path: str) -> tuple[FileHeader, int, int, ZipLayout | None]:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        version, at = index_at(os.pread(fd, INDEX_AT, 0), path)
-        header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, at), path, version)
+        container, at = index_at(os.pread(fd, INDEX_AT, 0), path)
+        version, header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, at), path, container)
         if at + PREAMBLE_SIZE + header_len > size:
             raise CorruptCheckpointError(f"{path}: file is truncated inside its header ({size} bytes)", path=path)
         header = parse_header(os.pread(fd, header_len, at + PREAMBLE_SIZE), header_hash, path)
@@ -150,7 +150,7 @@ def read_header(path: str) -> tuple[FileHeader, int, int, ZipLayout | None]:
     if version == 1:
         base, expected = data_offset(header_len), header.file_size(data_offset(header_len))
     else:
-        layout = zip_layout(header, PREAMBLE_SIZE + header_len)
+        layout = zip_layout(header, PREAMBLE_SIZE + header_len, version)
         if [s.offset for s in header.storages] != [r.data_offset for r in layout.storages]:
             raise CorruptCheckpointError(f"{path}: header places storages where its zip layout does not", path=path)
         base, expected = layout.data_offset, layout.file_size

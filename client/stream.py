@@ -11,10 +11,16 @@ come from and go:
   storage a slice of that buffer afterwards: no second copy;
 - a fresh load of a replica on tmpfs: its pages mapped copy-on-write by the caller (they are
   memory already), and only hashed here;
-- an in-place load (``Stream.run()``, with targets) into CPU tensors: through the page cache
-  (``open_sequential``: the kernel reads ahead while the threads copy; a tmpfs replica is read,
-  not mapped), each step's bytes straight into its CPU targets in one preadv, the rest (zip
-  headers, GPU targets' bytes) into a small bounce buffer per thread;
+- an in-place load (``Stream.run()``, with targets) into CPU tensors laid out in memory as in the
+  file (a format-3 file's large storages start where torch's large CPU tensors do, 64 bytes past
+  a page: format.DIRECT_PHASE): with O_DIRECT, each step's whole blocks of those tensors straight
+  into them in one preadv, as a raw read into a reused buffer, the rest (zip headers, the first
+  and last bytes of each tensor, GPU targets' and other tensors' bytes) into a small bounce
+  buffer per thread and copied out of it;
+- an in-place load into CPU tensors that mostly are not so aligned (a format-2 file, another
+  allocator; a tmpfs replica): through the page cache (``open_sequential``: the kernel reads
+  ahead while the threads copy; a tmpfs replica is read, not mapped), each step's bytes straight
+  into its CPU targets in one preadv, the rest into the bounce buffer;
 - an in-place load whose bytes go mostly to GPUs: with O_DIRECT into each thread's page-locked
   bounce buffer, and from there over the thread's stream to the GPU: no pageable copy on the
   way (a replica on tmpfs is its pages already). Reading a replica costs no page tables, and no
@@ -39,7 +45,7 @@ import torch
 
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.fileio import MADV_POPULATE_WRITE, forget_cached, on_tmpfs, open_for_reading, open_sequential
-from datastates.protocol.format import FileHeader, ZipLayout, checksummer
+from datastates.protocol.format import DATA_ALIGN, FileHeader, ZipLayout, align_up, checksummer
 
 from .filecheck import READ_PIECE, READ_THREADS, advise, check_bounds, check_local_headers, storage_error
 
@@ -105,10 +111,22 @@ against 0.70 with 8 MiB reads)."""
 
 
 STEP_THREADS = 8
-"""Threads of an in-place load read with O_DIRECT (into GPUs): each has one STEP read in flight at a time, and the
+"""Threads of an in-place load read with O_DIRECT: each has one STEP read in flight at a time, and the
 disk wants about 64 MiB in flight (raw O_DIRECT reads of a 1.5 GB file here, one quiet run and one loaded: 8 x 8 MiB
 at 1.42 and 1.58 GB/s, 4 x 8 MiB at 1.31 and 1.31, 4 x 64 MiB at 1.24 and 1.41). A load read through the page cache
 has the kernel's read-ahead in flight and is bound by its copies: READ_THREADS."""
+
+
+@dataclass(frozen=True)
+class Straight:
+    """A storage's bytes ``lo..hi`` of the data region, read straight into its target in one step."""
+
+    start: int
+    """Where the storage starts in the data region."""
+    view: memoryview
+    """The target's bytes."""
+    lo: int
+    hi: int
 
 
 @dataclass
@@ -153,13 +171,18 @@ class Stream:
                 piece.targets.append((index, rec.offset, rec.offset + rec.nbytes, target))
         for piece in self.pieces:
             piece.targets.sort(key=lambda t: t[1])
-        self.scatter = False
-        """Read a step straight into its CPU targets (one preadv): where the file is read through the page cache
-        (O_DIRECT would need aligned targets). Set by ``run``."""
-        on_gpu = sum(header.storages[i].nbytes for i, t in (targets or {}).items() if t and t.on_gpu)
-        self.direct = on_gpu * 2 > sum(header.storages[i].nbytes for i in (targets or {}))
-        """An in-place load whose bytes go mostly to GPUs reads with O_DIRECT: into the page-locked bounce buffers,
-        where the page cache would put a pageable copy on their way."""
+        self.scatter = self.aligned = False
+        """Read a step straight into its CPU targets (one preadv; an in-place load), and whether the reads are
+        O_DIRECT (then only the ``matched`` targets' whole blocks are read straight). Set by ``run``."""
+        self.matched = {i for i, t in (targets or {}).items()
+                        if t and t.view is not None and (t.address - header.storages[i].offset) % DATA_ALIGN == 0}
+        """The CPU targets whose memory is aligned as their bytes are in the file: O_DIRECT reads into them."""
+        nbytes = {i: header.storages[i].nbytes for i in targets or {}}
+        on_gpu = sum(nbytes[i] for i, t in (targets or {}).items() if t and t.on_gpu)
+        self.direct = (on_gpu + sum(nbytes[i] for i in self.matched)) * 2 > sum(nbytes.values())
+        """An in-place load whose bytes go mostly to GPUs or to matched targets reads with O_DIRECT: into the
+        page-locked bounce buffers, where the page cache would put a pageable copy on the GPUs' way, and straight
+        into the matched targets, where it would put a copy on theirs."""
         self.ready = {d: torch.cuda.current_stream(d).record_event()
                       for d in {t.tensor.device for t in (targets or {}).values() if t.on_gpu}}
         """Where the job's queued work on the targets ends (``_Bounce``)."""
@@ -179,7 +202,7 @@ class Stream:
         cached = region is None and not self.direct
         fd = open_sequential(self.path) if cached else open_for_reading(self.path)
         try:
-            self.scatter = region is None and not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+            self.scatter, self.aligned = region is None, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
             self._threads(fd, region, fill=region is not None)
         finally:
             if cached and not tmpfs:
@@ -214,7 +237,7 @@ class Stream:
                     except BaseException as exc:  # noqa: BLE001
                         failed.append(exc)
 
-        count = STEP_THREADS if source is None and not self.scatter else READ_THREADS
+        count = STEP_THREADS if source is None and self.aligned else READ_THREADS
         threads = [threading.Thread(target=work, name=f"ds-read-{i}", daemon=True)
                    for i in range(min(count, len(self.pieces)))]
         for t in threads:
@@ -244,28 +267,33 @@ class Stream:
                 if straight is None:
                     self._read(fd, [bounce.view[:stop - at]], self.base + at)
                 data, address = bounce.view[:stop - at], bounce.address
+            straight = straight or {}
+            self._copy(piece, at, stop, address, bounce, straight)  # first: a straight target's ends come from here
             for h, (index, start, length, _) in zip(hashes, piece.segments):
                 lo, hi = max(start, at), min(start + length, stop)
+                done = straight.get(index)
                 if lo < hi:
-                    h.update(straight[index][1][lo - straight[index][0]:hi - straight[index][0]]
-                             if straight and index in straight else data[lo - at:hi - at])
+                    h.update(data[lo - at:hi - at] if done is None else done.view[lo - done.start:hi - done.start])
             check_local_headers(self.path, piece.headers, data, at)
-            self._copy(piece, at, stop, address, bounce, straight or {})
         for h, (index, start, length, want) in zip(hashes, piece.segments):
             if h.digest() != want:
                 raise storage_error(self.path, self.header, index, f"checksum mismatch in bytes "
                                     f"{start - self.header.storages[index].offset}..+{length} (the data is corrupt)")
 
-    def _scatter(self, fd: int, piece: Piece, at: int, stop: int, bounce: _Bounce
-                 ) -> dict[int, tuple[int, memoryview]] | None:
-        """Bytes ``at..stop`` read in one preadv: each CPU target's part straight into it, the rest (zip headers,
-        GPU targets' bytes) into the bounce buffer at its place. The storages read straight, each with where its
-        bytes start and their view; None where storages overlap (a crafted file), read the plain way instead."""
+    def _scatter(self, fd: int, piece: Piece, at: int, stop: int, bounce: _Bounce) -> dict[int, Straight] | None:
+        """Bytes ``at..stop`` read in one preadv: each CPU target's part straight into it (with O_DIRECT, a
+        ``matched`` target's whole blocks), the rest (zip headers, GPU targets' bytes, a target's ends) into the
+        bounce buffer at its place. The storages read straight; None where storages overlap (a crafted file),
+        read the plain way instead."""
         buffers: list[memoryview] = []
-        straight: dict[int, tuple[int, memoryview]] = {}
+        straight: dict[int, Straight] = {}
         pos = at
         for index, start, end, target in piece.targets:
             lo, hi = max(start, at), min(end, stop)
+            if self.aligned:  # both sides of an O_DIRECT read on DATA_ALIGN: the step's ends are, the target's not
+                if index not in self.matched:
+                    continue
+                lo, hi = align_up(lo, DATA_ALIGN), hi // DATA_ALIGN * DATA_ALIGN
             if lo >= hi or target.view is None:
                 continue
             if lo < pos:
@@ -273,7 +301,7 @@ class Stream:
             if lo > pos:
                 buffers.append(bounce.view[pos - at:lo - at])
             buffers.append(target.view[lo - start:hi - start])
-            straight[index] = (start, target.view)
+            straight[index] = Straight(start, target.view, lo, hi)
             pos = hi
         if pos < stop:
             buffers.append(bounce.view[pos - at:stop - at])
@@ -281,20 +309,22 @@ class Stream:
         return straight
 
     def _copy(self, piece: Piece, at: int, stop: int, address: int, bounce: _Bounce | None,
-              straight: dict[int, tuple[int, memoryview]]) -> None:
+              straight: dict[int, Straight]) -> None:
         """Bytes ``at..stop`` of the data region, at ``address`` (the bounce buffer), into the targets they belong to
-        (but those read ``straight`` into already)."""
+        (but the bytes read ``straight`` into them already)."""
         for index, start, end, target in piece.targets:
             lo, hi = max(start, at), min(end, stop)
-            if lo >= hi or index in straight:
-                continue
-            if not target.on_gpu:
-                ctypes.memmove(target.address + lo - start, address + lo - at, hi - lo)
-                continue
-            assert bounce is not None
-            stream, _ = bounce.streams[target.tensor.device]
-            with torch.no_grad(), torch.cuda.stream(stream):
-                target.flat[lo - start:hi - start].copy_(bounce.tensor[lo - at:hi - at], non_blocking=True)
+            done = straight.get(index)
+            for lo, hi in ((lo, hi),) if done is None else ((lo, done.lo), (done.hi, hi)):
+                if lo >= hi:
+                    continue
+                if not target.on_gpu:
+                    ctypes.memmove(target.address + lo - start, address + lo - at, hi - lo)
+                    continue
+                assert bounce is not None
+                stream, _ = bounce.streams[target.tensor.device]
+                with torch.no_grad(), torch.cuda.stream(stream):
+                    target.flat[lo - start:hi - start].copy_(bounce.tensor[lo - at:hi - at], non_blocking=True)
         if bounce is not None:
             for stream, event in bounce.streams.values():
                 event.record(stream)

@@ -1,6 +1,7 @@
 """The on-disk structures, defined once: the checkpoint file and the commit marker.
 
-A checkpoint file (one per ``snapshot()`` call) of format 2 is a zip ``torch.load`` reads
+A checkpoint file (one per ``snapshot()`` call) of format 3 (or 2: the same but for where large storages
+start, DIRECT_PHASE) is a zip ``torch.load`` reads
 (``ZipLayout``): the index below (preamble and header) as its first record at
 ``INDEX_AT``, then ``data.pkl`` and torch's small records, zeros to DATA_ALIGN, the data
 region, whose storages are zip records each preceded by its local header, and the
@@ -43,6 +44,13 @@ PREAMBLE = struct.Struct("<8sIIQQ")
 PREAMBLE_SIZE = PREAMBLE.size
 DATA_ALIGN = 4096
 STORAGE_ALIGN = 64
+DIRECT_MIN = 1 << 20
+DIRECT_PHASE = 64
+"""Format 3: a storage of at least DIRECT_MIN bytes starts DIRECT_PHASE bytes past a DATA_ALIGN boundary of the
+file, where torch's CPU tensors of that size start in memory (glibc's ``posix_memalign(64)`` maps them, at 64 bytes
+past a page). So an in-place load reads such a storage straight into the tensor with O_DIRECT, file and memory
+aligned alike (client/stream.py), as fast as a raw read into a reused buffer, and copies no byte out of a bounce
+buffer or the page cache. Smaller storages keep STORAGE_ALIGN, as in format 2."""
 CHECKSUM_BYTES = 8
 
 TEMP_SUFFIX = ".dstmp"
@@ -185,9 +193,10 @@ def segments(offset: int, nbytes: int, piece_size: int) -> list[tuple[int, int]]
     return out
 
 
-def parse_preamble(raw: bytes, path: str, version: int = 1) -> tuple[int, int]:
-    """(header length, header xxh64) from the PREAMBLE_SIZE bytes of ``path``'s index, which must be of
-    format ``version`` (``index_at`` tells which the file's first bytes say)."""
+def parse_preamble(raw: bytes, path: str, container: int = 1) -> tuple[int, int, int]:
+    """(format version, header length, header xxh64) from the PREAMBLE_SIZE bytes of ``path``'s index, which must
+    be of a format of ``container`` (``index_at`` tells which the file's first bytes say: 1, or 2 for a zip of
+    format 2 or later)."""
     if len(raw) < PREAMBLE_SIZE:
         raise CorruptCheckpointError(f"{path}: file is truncated ({len(raw)} bytes, no full preamble)", path=path)
     magic, found, _flags, header_len, header_hash = PREAMBLE.unpack(raw[:PREAMBLE_SIZE])
@@ -197,10 +206,10 @@ def parse_preamble(raw: bytes, path: str, version: int = 1) -> tuple[int, int]:
         raise UnsupportedFormatError(
             f"{path}: format version {found} is not supported (this reader knows {', '.join(map(str, READABLE_FORMATS))})",
             path=path)
-    if found != version:
-        raise CorruptCheckpointError(f"{path}: an index of format {found} in a file laid out as format {version}",
+    if (found == 1) != (container == 1):
+        raise CorruptCheckpointError(f"{path}: an index of format {found} in a file laid out as format {container}",
                                      path=path)
-    return header_len, header_hash
+    return found, header_len, header_hash
 
 
 ARCHIVE = "archive"
@@ -216,7 +225,8 @@ ZIP_MAGIC = b"PK\x03\x04"
 
 
 def index_at(first: bytes, path: str) -> tuple[int, int]:
-    """(format, offset of the index) from the first INDEX_AT bytes of ``path``."""
+    """(container, offset of the index) from the first INDEX_AT bytes of ``path``: container 1 is format 1, 2 a zip
+    (format 2 or later: its preamble says which)."""
     if first[:len(MAGIC)] == MAGIC:
         return 1, 0
     if len(first) < INDEX_AT and (MAGIC.startswith(first) or first.startswith(ZIP_MAGIC) or ZIP_MAGIC.startswith(first)):
@@ -229,10 +239,13 @@ def index_at(first: bytes, path: str) -> tuple[int, int]:
     return 2, INDEX_AT
 
 
-def storage_records(sizes: list[int]) -> tuple[list[Record], int]:
-    """Format 2: each storage's record, offsets relative to the data region, and the region's length. The
+def storage_records(sizes: list[int], version: int = FORMAT_VERSION) -> tuple[list[Record], int]:
+    """Formats 2 and 3: each storage's record, offsets relative to the data region, and the region's length. The
     region starts on DATA_ALIGN, which every alignment divides, so they do not depend on what comes before."""
-    return plan_zip([(f"{ARCHIVE}/data/{k}", n, STORAGE_ALIGN) for k, n in enumerate(sizes)])
+    def place(n: int) -> tuple[int, int]:
+        return (DATA_ALIGN, DIRECT_PHASE) if version >= 3 and n >= DIRECT_MIN else (STORAGE_ALIGN, 0)
+
+    return plan_zip([(f"{ARCHIVE}/data/{k}", n, *place(n)) for k, n in enumerate(sizes)])
 
 
 @dataclass(frozen=True)
@@ -265,11 +278,13 @@ class ZipLayout:
         return out + bytes(self.data_offset - len(out))
 
 
-def zip_layout(header: FileHeader, index_len: int) -> ZipLayout:
-    """The format-2 layout of a file whose index is ``index_len`` bytes (preamble included)."""
-    head, end = plan_zip([(INDEX_RECORD, index_len, 1)] + [(PICKLE_RECORD, header.torch_pkl, 1)] * bool(header.torch_pkl)
-                         + [(f"{ARCHIVE}/{name}", len(value), 1) for name, value in TORCH_RECORDS])
-    storages, _ = storage_records([s.nbytes for s in header.storages])
+def zip_layout(header: FileHeader, index_len: int, version: int = FORMAT_VERSION) -> ZipLayout:
+    """The layout of a file of format ``version`` (2 or later) whose index is ``index_len`` bytes (preamble
+    included)."""
+    head, end = plan_zip([(INDEX_RECORD, index_len, 1, 0)]
+                         + [(PICKLE_RECORD, header.torch_pkl, 1, 0)] * bool(header.torch_pkl)
+                         + [(f"{ARCHIVE}/{name}", len(value), 1, 0) for name, value in TORCH_RECORDS])
+    storages, _ = storage_records([s.nbytes for s in header.storages], version)
     base = align_up(end, DATA_ALIGN)
     tail_at = base + align_up(header.data_len, DATA_ALIGN)
     placed = [Record(r.name, r.size, r.header_offset + base, r.data_offset + base) for r in storages]

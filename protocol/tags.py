@@ -96,8 +96,8 @@ def file_snapshot(name: str, folder_fd: int) -> str:
     "" for a file that is not a whole checkpoint, which no marker lists as a snapshot."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=folder_fd)
     try:
-        version, at = index_at(os.pread(fd, INDEX_AT, 0), name)
-        header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, at), name, version)
+        container, at = index_at(os.pread(fd, INDEX_AT, 0), name)
+        _, header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, at), name, container)
         return parse_header(os.pread(fd, header_len, at + PREAMBLE_SIZE), header_hash, name).snapshot
     except DatastatesError:
         return ""

@@ -1,4 +1,4 @@
-"""The zip container ``torch.save`` writes, laid out for O_DIRECT streaming: the container of checkpoint format 2.
+"""The zip container ``torch.save`` writes, laid out for O_DIRECT streaming: the container of checkpoint formats 2 and 3.
 
 ``torch.load`` reads an uncompressed zip: ``<archive>/data.pkl`` (the skeleton, pickled with
 persistent ids that name storage records), one ``<archive>/data/<key>`` record per
@@ -65,17 +65,18 @@ def local_header_size(name: str) -> int:
     return _header_len(name.encode(), 0)
 
 
-def plan_zip(records: list[tuple[str, int, int]], start: int = 0) -> tuple[list[Record], int]:
-    """Place ``records`` (name, size, alignment of its data) one after the other from ``start``; the records
-    and where the central directory starts. Each local header ends exactly where its data begins: the gap
-    before it is filled by a padding extra field of at least 4 bytes."""
+def plan_zip(records: list[tuple[str, int, int, int]], start: int = 0) -> tuple[list[Record], int]:
+    """Place ``records`` (name, size, alignment of its data, phase: the data starts ``phase`` bytes past a
+    multiple of the alignment) one after the other from ``start``; the records and where the central directory
+    starts. Each local header ends exactly where its data begins: the gap before it is filled by a padding
+    extra field of at least 4 bytes."""
     out, at = [], start
-    for name, size, align in records:
+    for name, size, align, phase in records:
         raw = name.encode()
         if len(raw) > _U16:
             raise ValueError(f"zip record name of {len(raw)} bytes")
         bare = at + _header_len(raw, size)
-        data = -(-bare // align) * align
+        data = bare + (phase - bare) % align
         if 0 < data - bare < _EXTRA.size:  # a padding field cannot be shorter than its own header
             data += align
         out.append(Record(name, size, at, data))

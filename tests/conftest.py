@@ -619,10 +619,10 @@ def file_index(raw: bytes) -> tuple[Any, int, int, int]:
     from datastates.protocol.format import (INDEX_AT, PREAMBLE_SIZE, data_offset, index_at, parse_header,
                                             parse_preamble, zip_layout)
 
-    version, at = index_at(raw[:INDEX_AT], "file")
-    header_len, header_hash = parse_preamble(raw[at:at + PREAMBLE_SIZE], "file", version)
+    container, at = index_at(raw[:INDEX_AT], "file")
+    version, header_len, header_hash = parse_preamble(raw[at:at + PREAMBLE_SIZE], "file", container)
     header = parse_header(raw[at + PREAMBLE_SIZE:at + PREAMBLE_SIZE + header_len], header_hash, "file")
-    base = data_offset(header_len) if version == 1 else zip_layout(header, PREAMBLE_SIZE + header_len).data_offset
+    base = data_offset(header_len) if version == 1 else zip_layout(header, PREAMBLE_SIZE + header_len, version).data_offset
     return header, at, header_len, base
 
 

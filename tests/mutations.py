@@ -841,7 +841,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "in-place-load-keeps-page-cache",
         "an in-place load from disk leaves the whole file in the page cache: a second copy of the checkpoint in memory",
         (Edit("client/stream.py", "                forget_cached(fd)\n", "                os.close(fd)  # MUTATION\n"),),
-        ("tests/test_load_into.py::test_an_in_place_load_from_disk_leaves_the_file_out_of_the_page_cache",),
+        ("tests/test_load_into.py::test_an_in_place_load_from_disk_leaves_the_file_out_of_the_page_cache"
+         "[not aligned as the file]",),
+    ),
+    Mutation(
+        "in-place-direct-drops-ends",
+        "an in-place O_DIRECT load reads each aligned tensor's whole blocks straight into it but never copies its "
+        "first and last bytes out of the bounce buffer",
+        (Edit("client/stream.py", "((lo, hi),) if done is None else ((lo, done.lo), (done.hi, hi))",
+              "((lo, hi),) if done is None else ()"),),
+        ("tests/test_load_into.py::test_a_state_over_many_read_pieces[storage]",),
     ),
     Mutation(
         "dcp-async-save-unfenced",

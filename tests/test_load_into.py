@@ -40,7 +40,7 @@ import datastates.client.stream as stream_module
 from datastates.client import Client
 from datastates.protocol import errors
 from datastates.protocol.errors import CorruptCheckpointError, StateMismatchError
-from datastates.protocol.format import PREAMBLE_SIZE, zip_layout
+from datastates.protocol.format import DIRECT_PHASE, PREAMBLE_SIZE, zip_layout
 
 from conftest import (DaemonFactory, DaemonProc, assert_state_equal, assert_tensor_bitwise, file_index, same_storage,
                       save)
@@ -115,6 +115,18 @@ def zeros_like(state: Any) -> Any:
     if isinstance(state, list):
         return [zeros_like(v) for v in state]
     return state
+
+
+def zeros_at(state: dict[str, torch.Tensor], phase: int) -> dict[str, torch.Tensor]:
+    """``state``'s flat dict of contiguous tensors, zeroed, each starting ``phase`` bytes past a page: an ``into``
+    laid out in memory as a format-3 file lays out its large storages (phase 64, as glibc maps torch's large tensors),
+    or not, whatever the allocator's state in this process."""
+    out = {}
+    for key, t in state.items():
+        buf = torch.zeros(t.nbytes + mmap.PAGESIZE, dtype=torch.uint8)
+        at = (phase - buf.data_ptr()) % mmap.PAGESIZE
+        out[key] = buf[at:at + t.nbytes].view(t.dtype).view(t.shape)
+    return out
 
 
 def tensors(state: Any, path: str = "") -> dict[str, torch.Tensor]:
@@ -319,6 +331,18 @@ def test_a_flipped_byte_in_a_tensor_raises(trainer: Client, run: Path) -> None:
     supersede(trainer, run)  # from storage through Client.restore: raises too
     with pytest.raises(CorruptCheckpointError):
         trainer.restore(run, "rank0.pt", tag="step1", into=zeros_like(state))
+
+
+@pytest.mark.parametrize("where", ["inside", "in its first bytes"])
+def test_a_flipped_byte_in_a_tensor_read_straight_with_o_direct_raises(where: str, trainer: Client, run: Path) -> None:
+    """A tensor aligned as its storage is in the file takes its whole blocks by O_DIRECT, hashed where they land, and
+    its first bytes through the bounce buffer: a flipped byte in either raises, naming the tensor."""
+    state = straddling(5)
+    path = committed(trainer, state, run)
+    at, nbytes = storage_at(path, "t5")
+    flip_byte(path, at + (nbytes // 2 if where == "inside" else 10))
+    with pytest.raises(CorruptCheckpointError, match="'t5'.*checksum mismatch"):
+        datastates.load(path, into=zeros_at(state, DIRECT_PHASE))
 
 
 def test_a_corrupt_memory_replica_gives_way_to_storage(trainer: Client, run: Path) -> None:
@@ -654,7 +678,7 @@ def test_a_state_over_many_read_pieces(how: str, trainer: Client, run: Path, mon
         replica_of(trainer, path)
     monkeypatch.setattr(stream_module, "READ_PIECE", 1 << 20)
     assert straddles(path, 1 << 20) >= 3  # the case under test
-    into = zeros_like(state)
+    into = zeros_at(state, DIRECT_PHASE)  # from disk, the large ones read with O_DIRECT straight into them
     ptrs = identities(into)
     restored = trainer.restore(run, "rank0.pt", tag="step1", into=into)
     assert restored is not None and restored.source == how
@@ -690,10 +714,14 @@ def cached_pages(path: Path) -> int:
 LIBC = ctypes.CDLL(None, use_errno=True)
 
 
-def test_an_in_place_load_from_disk_leaves_the_file_out_of_the_page_cache(trainer: Client, run: Path) -> None:
-    """An in-place load reads through the page cache, for the kernel's read-ahead, and then drops the file's pages
-    (on a thread of its own, after it returned): a node restoring hundreds of GB is left as an O_DIRECT read leaves
-    it, not holding a second copy of the checkpoint beside the model's."""
+@pytest.mark.parametrize("memory", ["aligned as the file", "not aligned as the file"])
+def test_an_in_place_load_from_disk_leaves_the_file_out_of_the_page_cache(memory: str, trainer: Client,
+                                                                          run: Path) -> None:
+    """An in-place load into tensors that start where the file's storages do (64 bytes past a page, as torch
+    allocates large tensors) reads them with O_DIRECT; into other tensors (here views 128 bytes into a buffer), it
+    reads through the page cache, for the kernel's read-ahead, and then drops the file's pages (on a thread of its
+    own, after it returned). Either way a node restoring hundreds of GB is left as an O_DIRECT read leaves it, not
+    holding a second copy of the checkpoint beside the model's."""
     state = {"w": torch.randn(12_000_000), "b": torch.randn(1000)}
     path = committed(trainer, state, run)
     supersede(trainer, run)  # step1's replica dropped: the restore below reads storage
@@ -701,7 +729,7 @@ def test_an_in_place_load_from_disk_leaves_the_file_out_of_the_page_cache(traine
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
     assert cached_pages(path) < 16  # the case under test: cold (the tail's few pages may stay)
-    into = zeros_like(state)
+    into = zeros_at(state, DIRECT_PHASE if memory == "aligned as the file" else DIRECT_PHASE + 128)
     got = trainer.restore(run, "rank0.pt", tag="step1", into=into)
     assert got is not None and got.source == "storage", got
     for k, t in state.items():

@@ -8,6 +8,7 @@ central directory last.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zipfile
 from pathlib import Path
@@ -21,13 +22,15 @@ import torch
 
 import datastates
 from datastates.client.capture import capture
-from datastates.protocol.format import DATA_ALIGN, INDEX_RECORD, MAGIC, PREAMBLE, align_up, data_offset
+from datastates.protocol.format import (DATA_ALIGN, DIRECT_MIN, DIRECT_PHASE, INDEX_RECORD, MAGIC, PREAMBLE,
+                                        PREAMBLE_SIZE, StorageRecord, align_up, checksum, data_offset, segments,
+                                        storage_records, zip_layout)
 from datastates.protocol.schema import plain
 from datastates.protocol.torchzip import central_directory, data_pkl, local_header, plan_zip
 
 from datastates.protocol.providers.tensor import DTYPES
 
-from conftest import assert_state_equal, file_index, save
+from conftest import assert_state_equal, file_index, load_both, save
 from test_dtypes import random_tensor
 
 ALIGN = 4096
@@ -67,7 +70,7 @@ def write_torch_zip(path: str, state: Any) -> list:
     """``state`` as a torch-compatible zip laid out by protocol/torchzip.py; its records."""
     contents, _cap = torch_records(state)
     size = [len(c) if isinstance(c, bytes) else c.nbytes() if c is not None else 0 for _, c in contents]
-    records, end = plan_zip([(f"archive/{n}", n_bytes, ALIGN if n.startswith("data/") else 1)
+    records, end = plan_zip([(f"archive/{n}", n_bytes, ALIGN if n.startswith("data/") else 1, 0)
                              for (n, _), n_bytes in zip(contents, size)])
     with open(path, "wb") as f:
         for rec, (_, data) in zip(records, contents):
@@ -115,8 +118,8 @@ def test_a_record_over_4_gib_takes_zip64_and_still_loads(tmp_path) -> None:
     path = str(tmp_path / "big.pt")
     contents, _cap = torch_records(state)
     pkl = dict(contents)["data.pkl"]
-    plan = [("big/data.pkl", len(pkl), 1), ("big/version", 2, 1), ("big/data/0", big.numel(), ALIGN),
-            ("big/data/1", state["small"].nbytes, ALIGN)]
+    plan = [("big/data.pkl", len(pkl), 1, 0), ("big/version", 2, 1, 0), ("big/data/0", big.numel(), ALIGN, 0),
+            ("big/data/1", state["small"].nbytes, ALIGN, 0)]
     records, end = plan_zip(plan)
     assert records[2].zip64() and records[3].zip64()  # its size, and the next one's offset
     with open(path, "wb") as f:
@@ -167,3 +170,44 @@ def test_a_format_1_file_still_loads_and_converts(shared_client, shared_daemon, 
     out = shared_daemon.ctl("convert", folder, "--to", "torch", "--out", str(tmp_path / "copied"))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "copied" / "rank0.pt").read_bytes() == path.read_bytes()
+
+
+def as_format_2(raw: bytes) -> bytes:
+    """A format-3 file's bytes laid out as format 2 wrote them: every storage on STORAGE_ALIGN (large ones too),
+    its checksums, zip headers and central directory to match."""
+    header, _, header_len, base = file_index(raw)
+    pkl_record = zip_layout(header, PREAMBLE_SIZE + header_len).head[1]
+    records, data_len = storage_records([s.nbytes for s in header.storages], 2)
+    data = bytearray(align_up(data_len, DATA_ALIGN))
+    storages = []
+    for old, rec in zip(header.storages, records):
+        data[rec.data_offset:rec.data_offset + rec.size] = raw[base + old.offset:base + old.offset + old.nbytes]
+        storages.append(StorageRecord(rec.data_offset, rec.size, [
+            checksum(bytes(data[at:at + n])) for at, n in segments(rec.data_offset, rec.size, header.piece_size)]))
+    old_style = dataclasses.replace(header, data_len=data_len, storages=storages)
+    index = old_style.encode(2)
+    layout = zip_layout(old_style, len(index), 2)
+    for at, local in layout.storage_headers():
+        data[at:at + len(local)] = local
+    pkl = raw[pkl_record.data_offset:pkl_record.data_offset + pkl_record.size]
+    return layout.head_bytes(index, pkl) + bytes(data) + layout.tail
+
+
+def test_a_format_2_file_still_loads_fresh_and_in_place(shared_client, shared_daemon, tmp_path) -> None:
+    """Files written before format 3 (large storages on 64-byte boundaries, not DIRECT_PHASE past a page) load
+    through ``datastates.load``, fresh and into a model's tensors, and through plain ``torch.load``."""
+    state = {"big": torch.randn(300_000), "odd": torch.randn(1_000_003), "small": torch.arange(7), "step": 9}
+    committed = save(shared_client, state, shared_daemon.root / "v2" / "rank0.pt")
+    path = Path(committed.files[0])
+    header, _, _, _ = file_index(path.read_bytes())
+    assert any(s.nbytes >= DIRECT_MIN and s.offset % DATA_ALIGN == DIRECT_PHASE for s in header.storages)
+    path.write_bytes(as_format_2(path.read_bytes()))
+    header, _, _, _ = file_index(path.read_bytes())
+    assert not all(s.offset % DATA_ALIGN == DIRECT_PHASE for s in header.storages if s.nbytes >= DIRECT_MIN)
+    marker = json.loads(Path(committed.marker).read_text())  # as the older daemon committed it: the file's size
+    marker["files"][0]["size"] = path.stat().st_size
+    Path(committed.marker).write_text(json.dumps(marker))
+    assert_state_equal(state, load_both(path))
+    into = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    assert datastates.load(path, into=into) is into
+    assert_state_equal(state, into)
