@@ -86,8 +86,8 @@ def region_buffer(path: str, start: int, end: int) -> mmap.mmap:
 
 
 FRESH_HUGEPAGES = False
-"""Ask for transparent huge pages for a fresh load's buffer: measured here (bench/restore.py) slower than 4 KiB pages
-mapped a piece at a time (MADV_POPULATE_WRITE), the kernel compacting memory to find 2 MiB pages."""
+"""Ask for transparent huge pages for a fresh load's buffer: measured here (bench/restore.py) slower than 4 KiB pages,
+the kernel compacting memory to find 2 MiB pages."""
 
 
 def _map_private(path: str, start: int, end: int) -> mmap.mmap:

@@ -7,7 +7,8 @@ compared, then (an in-place load) copied out to the tensors it belongs to. Where
 come from and go:
 
 - a fresh load from disk (``Stream.run(region)``): straight into one fresh buffer for the
-  whole region with O_DIRECT, each piece's pages mapped in one call first, and every
+  whole region with O_DIRECT (the read faults its pages in; mapping each piece's pages in one
+  call first was slower: 1.044 s against 0.930 s at 1.5 GB, 5 of 5 runs), and every
   storage a slice of that buffer afterwards: no second copy;
 - a fresh load of a replica on tmpfs: its pages mapped copy-on-write by the caller (they are
   memory already), and only hashed here;
@@ -44,10 +45,10 @@ import numpy as np
 import torch
 
 from datastates.protocol.errors import CorruptCheckpointError
-from datastates.protocol.fileio import MADV_POPULATE_WRITE, forget_cached, on_tmpfs, open_for_reading, open_sequential
+from datastates.protocol.fileio import forget_cached, on_tmpfs, open_for_reading, open_sequential
 from datastates.protocol.format import DATA_ALIGN, FileHeader, ZipLayout, align_up, checksummer
 
-from .filecheck import READ_PIECE, READ_THREADS, advise, check_bounds, check_local_headers, storage_error
+from .filecheck import READ_PIECE, READ_THREADS, check_bounds, check_local_headers, storage_error
 
 
 class Target:
@@ -250,8 +251,6 @@ class Stream:
     def _piece(self, piece: Piece, fd: int, source: np.ndarray | None, fill: bool, bounce: _Bounce | None) -> None:
         """Piece ``piece`` in STEP reads (or found in ``source``), each hashed and copied out."""
         hashes = [checksummer() for _ in piece.segments]
-        if fill:  # fresh pages for the whole piece in one call, not one fault per page inside each read
-            advise(source.ctypes.data + piece.start, piece.stop - piece.start, MADV_POPULATE_WRITE)
         step = READ_PIECE if fill else STEP  # a fresh load copies nothing out: large reads serve the disk better
         for at in range(piece.start, piece.stop, step):
             stop = min(piece.stop, at + step)
