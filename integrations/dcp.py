@@ -9,7 +9,7 @@ chunks a rank of another layout needs); this module is only its storage layer::
 **Saving.** Each rank hands its daemon one snapshot, ``<checkpoint_id>/rank<R>.pt``, of the
 items DCP's plan gives it: references to its local shards (a DTensor's local tensor, a
 plain tensor), copied by the daemon lazily, and the few objects DCP pickles itself. The
-coordinator adds ``metadata.pt`` (DCP's ``Metadata`` pickled, each item's file and key in it)
+coordinator adds ``metadata.pt`` (DCP's ``Metadata`` as JSON, ``dcp_meta``, each item's file and key in it)
 once every rank's results are in, and the checkpoint folder's name is the tag: it is
 committed once, with every rank's file and the metadata durable, and ``dcp.save`` returns
 (``async_save``'s future resolves) only then. ``async_save`` stages nothing: ``stage()``
@@ -37,9 +37,7 @@ writes DCP's own ``FileSystemWriter`` layout of a committed checkpoint.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import io
 import os
 import pickle
@@ -80,42 +78,14 @@ from datastates.protocol.errors import (
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import trusted_marker
 
+from .dcp_meta import ShardAt, decode, encode
+
 METADATA = "metadata.pt"
 """The checkpoint's DCP ``Metadata``, written by the coordinator into the same tag as the ranks' files."""
 
 
 def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardAt:
-    """Where one DCP item is stored (the ``storage_data`` of its ``MetadataIndex``): a file of the checkpoint folder
-    and the key of the item in that file's dict."""
-
-    file: str
-    key: str
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``Metadata`` back from the metadata file's bytes, building nothing but DCP's metadata classes, ShardAt,
-    ``torch.Size`` and torch's dtypes, layouts and memory formats: a crafted file runs no code. (The C unpickler:
-    torch's weights-only one took 0.35 s for a 0.5 GB FSDP2 state's metadata, DCP's own reader 0.01 s.)"""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
-            return getattr(dcp_metadata, name)
-        if (module, name) == (__name__, ShardAt.__name__):
-            return ShardAt
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                                (torch.dtype, torch.layout, torch.memory_format))):
-            return getattr(torch, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):  # how a layout pickles: by its name
-            return torch.serialization._get_layout
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        raise UnsupportedFormatError(f"the checkpoint's {METADATA} names {module}.{name}, which DCP's metadata never "
-                                     "holds: refused")
 
 
 def entry_key(index: dcp_metadata.MetadataIndex) -> str:
@@ -252,7 +222,7 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
                                       "a tag commits once every rank of the job commits it, so save on every rank "
                                       "(DCP's default process group), not a subgroup or no_dist")
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        self.client.snapshot({"metadata": pickle.dumps(metadata)}, os.path.join(self.folder, METADATA), tag=self.tag)
+        self.client.snapshot({"dcp": encode(metadata)}, os.path.join(self.folder, METADATA), tag=self.tag)
         self.client.commit(self.tag).result()
 
     @classmethod
@@ -293,7 +263,12 @@ class DatastatesStorageReader(StorageReader):
                               f"naming its {METADATA}): " + ("it is DCP's own layout; read it with FileSystemReader"
                                                             if dcp_own else "an interrupted save, or another folder"),
                               tag=tag)
-        return _MetadataUnpickler(io.BytesIO(load(os.path.join(self.folder, METADATA))["metadata"])).load()
+        path = os.path.join(self.folder, METADATA)
+        raw = load(path)
+        if not isinstance(raw, dict) or not isinstance(raw.get("dcp"), bytes):
+            raise UnsupportedFormatError(f"{path}: not DCP metadata of this datastates (a dict with 'dcp', its JSON)",
+                                         path=path)
+        return decode(raw["dcp"], path)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         strays = sorted({at.file if isinstance(at, ShardAt) else repr(at) for at in metadata.storage_data.values()}

@@ -861,12 +861,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integrations/test_dcp.py::test_a_load_into_any_number_of_ranks_equals_dcps_own_round_trip",),
     ),
     Mutation(
-        "dcp-metadata-unpickled-freely",
-        "the DCP reader unpickles any class a checkpoint's metadata names: a crafted file runs code",
-        (Edit("integrations/dcp.py", "        raise UnsupportedFormatError(f\"the checkpoint's {METADATA} names",
-              "        return super().find_class(module, name)  # MUTATION\n"
-              "        raise UnsupportedFormatError(f\"the checkpoint's {METADATA} names"),),
-        ("tests/integrations/test_dcp.py::test_a_crafted_metadata_file_is_refused_and_runs_nothing",),
+        "dcp-metadata-names-any-torch-attribute",
+        "the DCP reader takes any attribute of torch a checkpoint's metadata names for a dtype: DCP's planner then "
+        "calls what a crafted file chose",
+        (Edit("integrations/dcp_meta.py", "    if not isinstance(value, kind):\n", "    if value is None:  # MUTATION\n"),),
+        ("tests/integrations/test_dcp.py::test_a_crafted_metadata_file_is_refused_and_runs_nothing"
+         "[a torch function for a dtype]",),
     ),
     Mutation(
         "dcp-late-snapshot-taken",

@@ -23,10 +23,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
 
 import datastates
 from datastates.client import Client
 from datastates.integrations.dcp import METADATA, DatastatesStorageReader, DatastatesStorageWriter, rank_file, to_filesystem
+from datastates.integrations.dcp_meta import ShardAt, encode
 from datastates.protocol.errors import CommitError, CorruptCheckpointError, UnsupportedFormatError, WaitTimeout
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker
@@ -221,19 +224,39 @@ class Boom:
         return (os.system, (f"touch {self.proof}",))
 
 
-def test_a_crafted_metadata_file_is_refused_and_runs_nothing(start_daemon: Callable[..., DaemonProc],
+def crafted_metadata(how: str, proof: Path) -> dict[str, Any]:
+    """A metadata file's dict as a crafter writes it."""
+    if how == "pickled":  # as pickle.loads would run: the layout of no datastates
+        return {"metadata": pickle.dumps(Boom(proof))}
+    if how == "pickle where its JSON belongs":
+        return {"dcp": pickle.dumps(Boom(proof))}
+    index = MetadataIndex("w", torch.Size([0]))
+    md = Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3]),
+                                              [ChunkStorageMetadata(torch.Size([0]), torch.Size([3]))])},
+                  storage_data={index: ShardAt(rank_file(0), "w@0")})
+    doc = json.loads(encode(md))
+    doc["items"]["w"]["dtype"] = "load"  # torch.load: an attribute of torch, but no dtype
+    return {"dcp": json.dumps(doc).encode()}
+
+
+@pytest.mark.parametrize("how", ["pickled", "pickle where its JSON belongs", "a torch function for a dtype"])
+def test_a_crafted_metadata_file_is_refused_and_runs_nothing(how: str, start_daemon: Callable[..., DaemonProc],
                                                              tmp_path: Path) -> None:
-    """A committed folder whose metadata names a callable DCP's metadata never holds: the reader refuses it, naming
-    it, and runs nothing."""
+    """A committed folder whose metadata is pickled (which would run a command), is not JSON, or names a torch
+    attribute that is no dtype: the reader refuses it, saying what, and runs nothing. The metadata is JSON, so no
+    file can name a class or set an attribute."""
     d = start_daemon()
     folder = d.root / "run" / "crafted"
     with Client(d.endpoint, timeout=60) as client:
-        client.snapshot({"metadata": pickle.dumps(Boom(tmp_path / "ran"))}, folder / METADATA)
+        client.snapshot(crafted_metadata(how, tmp_path / "ran"), folder / METADATA)
         client.snapshot({"w@0": torch.ones(3)}, folder / rank_file(0))
         client.commit("crafted").result(timeout=120)
     reader = DatastatesStorageReader()
     reader.reset(folder)
-    with pytest.raises(UnsupportedFormatError, match="posix.system|os.system"):
+    error, message = {"pickled": (UnsupportedFormatError, "not DCP metadata"),
+                      "pickle where its JSON belongs": (CorruptCheckpointError, "not JSON"),
+                      "a torch function for a dtype": (CorruptCheckpointError, "'load', not a torch dtype")}[how]
+    with pytest.raises(error, match=message):
         reader.read_metadata()
     assert not (tmp_path / "ran").exists()
 
