@@ -572,11 +572,18 @@ class Client:
         A tag deleted while it is read (another job's prune) gives way to the newest committed
         one. ``weights_only`` as in ``datastates.load``: safe by default.
         """
-        root = os.path.abspath(os.fspath(root))
-        tag = check_tag(tag) if tag is not None else None
         def read(path: str) -> Any:
             return load(path, map_location, into=into, strict=strict, weights_only=weights_only)
 
+        return self.restore_with(root, name, read, tag)
+
+    def restore_with(self, root: str | os.PathLike, name: str, read: Callable[[str], Any],
+                     tag: str | None = None) -> Restored | None:
+        """``restore`` through the caller's own ``read(path)`` of the file (say, of a few slices of it): given the
+        path of the daemon's replica where it holds one of that very tag, else of the file in storage.
+        ``Restored.state`` is what ``read`` returned."""
+        root = os.path.abspath(os.fspath(root))
+        tag = check_tag(tag) if tag is not None else None
         return again_if_deleted(lambda: self._restore(root, name, tag, read), root)
 
     def _restore(self, root: str, name: str, tag: str | None, read: Callable[[str], Any]) -> Restored | None:

@@ -271,3 +271,81 @@ def load_into(path: str, into: Any, device: torch.device | None, *, new_key: New
                 Target(torch.empty(nbytes, dtype=torch.uint8), False)
         Stream(path, header, layout, (base, end), targets, verify).run()
         return _merge(into, _Fill(plan, match.into, targets, device).entry(header.root))
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Elements ``offsets .. offsets + lengths`` of the tensor at a top-level key of a checkpoint, to be read into
+    ``into`` (a tensor of shape ``lengths``; of another dtype, converted): a part of one stored shard, as a
+    resharded or partial load of ``torch.distributed.checkpoint`` asks for it."""
+
+    key: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    into: torch.Tensor
+
+
+def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_only: bool = True) -> dict[str, Any]:
+    """Fill each slice's ``into`` from the checkpoint at ``path``, reading only the file's pieces that hold them; the
+    file's top-level dict, every tensor in it a meta tensor (not read) and its other values as stored.
+
+    A slice that is one contiguous run of its stored tensor's bytes, into a contiguous tensor of the stored dtype,
+    is read straight into it (client/stream.py, as an in-place load); any other through a buffer of the bytes it
+    spans. Every piece read is checked against its checksum (so a slice is checked with the whole pieces of the
+    format around it). A slice that does not fit (a key the file lacks, out of bounds, another shape) raises
+    StateMismatchError naming it before anything is written. A storage two slices share is read once.
+    """
+    header, base, end, _ = read_header(path)
+    check_identity(path, header)
+    if verify:
+        check_views(path, header)
+    plan = _Plan(path, header, end - base, weights_only)
+    root = plan.entry(header.root)
+    spans: dict[int, list[tuple[Slice, int, int, dict, torch.dtype]]] = {}
+    for piece in slices:
+        meta, dtype = _slice_meta(path, plan, root, piece)
+        if piece.into.numel():
+            es = dtype.itemsize
+            first = meta["storage_offset"] + sum(o * s for o, s in zip(piece.offsets, meta["stride"]))
+            last = first + sum((n - 1) * s for n, s in zip(piece.lengths, meta["stride"]))
+            spans.setdefault(meta["storage"], []).append((piece, first * es, (last + 1) * es, meta, dtype))
+    targets: dict[int, Target] = {}
+    parts: dict[int, tuple[int, int]] = {}
+    with torch.no_grad():
+        for storage, wanted in spans.items():
+            lo, hi = min(w[1] for w in wanted), max(w[2] for w in wanted)
+            piece, _, _, meta, dtype = wanted[0]
+            runs = torch.empty(0, device="meta").as_strided(piece.lengths, meta["stride"]).is_contiguous()
+            straight = len(wanted) == 1 and runs and piece.into.is_contiguous() and piece.into.dtype == dtype
+            targets[storage] = Target(piece.into if straight else torch.empty(hi - lo, dtype=torch.uint8), straight)
+            parts[storage] = (lo, hi)
+        Stream(path, header, None, (base, end), targets, verify, parts).run()
+        for storage, wanted in spans.items():
+            lo = parts[storage][0]
+            for piece, first, last, meta, dtype in wanted if not targets[storage].direct else ():
+                raw = targets[storage].tensor[first - lo:last - lo]
+                if (first - lo) % dtype.itemsize:  # one storage viewed as dtypes of several sizes
+                    raw = raw.clone()
+                typed = raw.view(dtype)
+                piece.into.copy_(typed.as_strided(piece.lengths, meta["stride"], typed.storage_offset()))
+    return root
+
+
+def _slice_meta(path: str, plan: _Plan, root: Any, piece: Slice) -> tuple[dict, torch.dtype]:
+    """The stored tensor entry's meta (storage, stride, offset) and dtype of a slice that fits it; else
+    StateMismatchError."""
+    def misfit(why: str) -> StateMismatchError:
+        return StateMismatchError(f"{path}: cannot read a slice of {piece.key!r}: {why}; nothing was written",
+                                  path=path, key=piece.key)
+
+    stored = root.get(piece.key) if isinstance(root, Mapping) else None
+    index = plan.tensor_entries.get(id(stored)) if isinstance(stored, torch.Tensor) else None
+    if index is None:
+        raise misfit("the checkpoint holds no tensor at that key")
+    if len(piece.offsets) != stored.dim() or len(piece.lengths) != stored.dim() or any(
+            o < 0 or n < 0 or o + n > size for o, n, size in zip(piece.offsets, piece.lengths, stored.shape)):
+        raise misfit(f"elements {list(piece.offsets)} + {list(piece.lengths)} lie outside its shape "
+                     f"{list(stored.shape)}")
+    if tuple(piece.into.shape) != tuple(piece.lengths):
+        raise misfit(f"the slice has shape {list(piece.lengths)}, the tensor to read it into {list(piece.into.shape)}")
+    return plan.header.entries[index].meta, stored.dtype

@@ -153,9 +153,12 @@ class Stream:
     """
 
     def __init__(self, path: str, header: FileHeader, layout: ZipLayout | None, span: tuple[int, int],
-                 targets: dict[int, Target] | None, verify: bool) -> None:
+                 targets: dict[int, Target] | None, verify: bool, parts: dict[int, tuple[int, int]] | None = None
+                 ) -> None:
         """``targets``: each storage's Target (an in-place load); None for a fresh load, which checks every
-        storage and copies none out."""
+        storage and copies none out. ``parts``: the bytes ``lo..hi`` of its storage each target holds, where not all
+        (a slice of a stored tensor): then only the file's pieces of the format that hold them are read and checked,
+        and no others."""
         self.path, self.header, (self.base, self.end) = path, header, span
         size = header.piece_size * max(1, READ_PIECE // header.piece_size)
         """Whole pieces of the format: each checksummed segment lies inside one, read by one thread."""
@@ -163,22 +166,31 @@ class Stream:
         for at, expected in layout.storage_headers() if layout is not None and verify else ():
             for piece in self.pieces[at // size:(at + len(expected) - 1) // size + 1]:
                 piece.headers.append((at, expected))
+        self.first: dict[int, int] = {}
+        """Where each target's first byte lies in the data region."""
         for index, target in (targets if targets is not None else dict.fromkeys(range(len(header.storages)))).items():
             rec = header.storages[index]
             segs = check_bounds(path, header, index, self.end - self.base)
+            lo, hi = (parts or {}).get(index, (0, rec.nbytes))
+            first, last = rec.offset + lo, rec.offset + hi
+            self.first[index] = first
             for (start, length), want in zip(segs, rec.checksums) if verify else ():
-                self.pieces[start // size].segments.append((index, start, length, want))
-            for piece in self.pieces[rec.offset // size:(rec.offset + rec.nbytes - 1) // size + 1] if target else ():
-                piece.targets.append((index, rec.offset, rec.offset + rec.nbytes, target))
+                if start < last and start + length > first:
+                    self.pieces[start // size].segments.append((index, start, length, want))
+            for piece in self.pieces[first // size:(last - 1) // size + 1] if target and last > first else ():
+                piece.targets.append((index, first, last, target))
         for piece in self.pieces:
             piece.targets.sort(key=lambda t: t[1])
+        self.partial = parts is not None
+        if self.partial:
+            self.pieces = [p for p in self.pieces if p.segments or p.targets]
         self.scatter = self.aligned = False
         """Read a step straight into its CPU targets (one preadv; an in-place load), and whether the reads are
         O_DIRECT (then only the ``matched`` targets' whole blocks are read straight). Set by ``run``."""
         self.matched = {i for i, t in (targets or {}).items()
-                        if t and t.view is not None and (t.address - header.storages[i].offset) % DATA_ALIGN == 0}
+                        if t and t.view is not None and (t.address - self.first[i]) % DATA_ALIGN == 0}
         """The CPU targets whose memory is aligned as their bytes are in the file: O_DIRECT reads into them."""
-        nbytes = {i: header.storages[i].nbytes for i in targets or {}}
+        nbytes = {i: t.flat.numel() for i, t in (targets or {}).items() if t}
         on_gpu = sum(nbytes[i] for i, t in (targets or {}).items() if t and t.on_gpu)
         self.direct = (on_gpu + sum(nbytes[i] for i in self.matched)) * 2 > sum(nbytes.values())
         """An in-place load whose bytes go mostly to GPUs or to matched targets reads with O_DIRECT: into the
@@ -252,8 +264,13 @@ class Stream:
         """Piece ``piece`` in STEP reads (or found in ``source``), each hashed and copied out."""
         hashes = [checksummer() for _ in piece.segments]
         step = READ_PIECE if fill else STEP  # a fresh load copies nothing out: large reads serve the disk better
-        for at in range(piece.start, piece.stop, step):
-            stop = min(piece.stop, at + step)
+        first, last = piece.start, piece.stop
+        if self.partial:  # the blocks that hold its segments (which hold its targets' bytes), no more
+            spans = [(at, at + n) for _, at, n, _ in piece.segments] + [(lo, hi) for _, lo, hi, _ in piece.targets]
+            first = max(first, min(lo for lo, _ in spans) // DATA_ALIGN * DATA_ALIGN)
+            last = min(last, align_up(max(hi for _, hi in spans), DATA_ALIGN))
+        for at in range(first, last, step):
+            stop = min(last, at + step)
             straight = None
             if source is not None:
                 data, address = memoryview(source[at:stop]), source.ctypes.data + at
@@ -271,8 +288,18 @@ class Stream:
             for h, (index, start, length, _) in zip(hashes, piece.segments):
                 lo, hi = max(start, at), min(start + length, stop)
                 done = straight.get(index)
-                if lo < hi:
-                    h.update(data[lo - at:hi - at] if done is None else done.view[lo - done.start:hi - done.start])
+                if lo >= hi:
+                    continue
+                if done is None:
+                    h.update(data[lo - at:hi - at])
+                    continue
+                # its target's bytes are in the target (read straight, or copied there first); a segment's bytes
+                # beside a slice of its storage (a partial load) are in the bounce buffer
+                mid_lo = min(max(lo, done.start), hi)
+                mid_hi = max(min(hi, done.start + len(done.view)), mid_lo)
+                h.update(data[lo - at:mid_lo - at])
+                h.update(done.view[mid_lo - done.start:mid_hi - done.start])
+                h.update(data[mid_hi - at:hi - at])
             check_local_headers(self.path, piece.headers, data, at)
         for h, (index, start, length, want) in zip(hashes, piece.segments):
             if h.digest() != want:

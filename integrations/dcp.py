@@ -25,9 +25,10 @@ on every rank, then ``finish`` on the coordinator.
 save, DCP's own layout, any other folder). Each rank reads the files its plan names: where
 its requests cover a file's every item whole, into tensors of the stored shape and dtype
 (the same layout as the save), straight into them (``datastates.load(path, into=...)``,
-checksums checked); otherwise the file is read fresh and each request's slice copied into
-its tensor (resharding). With a ``client``, a file the node's daemon still holds in memory
-is read from there.
+checksums checked); otherwise (resharding, a partial load) only the pieces of the file
+that hold the requested slices are read, each slice straight into its tensor where it is
+one run of the stored bytes, else through a buffer (``client.into.load_slices``). With a
+``client``, a file the node's daemon still holds in memory is read from there.
 
 Each rank's file is a zip plain ``torch.load`` reads (a dict: ``"<fqn>@<offsets>"`` →
 that rank's shard); stock ``dcp.load`` cannot read the folder (DCP's own files hold one
@@ -41,10 +42,9 @@ import contextlib
 import io
 import os
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemWriter, Metadata
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -66,12 +66,12 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from datastates.client.client import Client, Expected
+from datastates.client.into import Slice, load_slices
 from datastates.client.reader import load
 from datastates.protocol.errors import (
     CommitError,
     CorruptCheckpointError,
     InvalidRequestError,
-    StateMismatchError,
     UnsupportedFormatError,
     WeightsOnlyError,
 )
@@ -297,24 +297,20 @@ class DatastatesStorageReader(StorageReader):
             keys.setdefault(at.file, set()).add(at.key)
         for name, items in per_file.items():
             into = self._into(items, planner, keys[name])
-            state = self._read(name, into)
+            slices = {} if into is not None else {
+                id(item): Slice(self.storage_data[item.storage_index].key, tuple(item.storage_offsets),
+                                tuple(item.lengths), planner.resolve_tensor(item).detach())
+                for item in items if item.type != LoadItemType.BYTE_IO}
+            state = self._read(name, lambda path: load(path, into=into) if into is not None else
+                               load_slices(path, list(slices.values())))
             for item in items:
                 key = self.storage_data[item.storage_index].key
-                value = state[key]
                 if item.type == LoadItemType.BYTE_IO:
                     if self.weights_only:
-                        _safe(value, name, item.storage_index.fqn)
-                    planner.load_bytes(item, io.BytesIO(value))
+                        _safe(state[key], name, item.storage_index.fqn)
+                    planner.load_bytes(item, io.BytesIO(state[key]))
                     continue
-                target = into[key] if into is not None else planner.resolve_tensor(item).detach()
-                if into is None:
-                    source = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
-                    if target.size() != source.size():
-                        raise StateMismatchError(f"{name}: {item.storage_index.fqn} has a stored slice of shape "
-                                                 f"{tuple(source.size())} where the state's is "
-                                                 f"{tuple(target.size())}", path=name, key=item.storage_index.fqn)
-                    target.copy_(source)
-                planner.commit_tensor(item, target)
+                planner.commit_tensor(item, into[key] if into is not None else slices[id(item)].into)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -338,16 +334,15 @@ class DatastatesStorageReader(StorageReader):
             into[key] = target
         return into if set(into) == file_keys else None
 
-    def _read(self, name: str, into: dict[str, Any] | None) -> dict[str, Any]:
-        """One file of the checkpoint: from the daemon's memory where a client is given and it holds it, else from
-        storage."""
+    def _read(self, name: str, read: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        """``read`` of one file of the checkpoint: from the daemon's memory where a client is given and it holds it,
+        else from storage."""
         if self.client is not None:
             root, tag = os.path.split(self.folder)
-            restored = self.client.restore(root, name, tag=tag, into=into)
+            restored = self.client.restore_with(root, name, read, tag=tag)
             if restored is not None:
                 return restored.state
-        path = os.path.join(self.folder, name)
-        return load(path, into=into) if into is not None else load(path)
+        return read(os.path.join(self.folder, name))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

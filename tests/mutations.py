@@ -845,6 +845,19 @@ MUTATIONS: tuple[Mutation, ...] = (
          "[not aligned as the file]",),
     ),
     Mutation(
+        "slice-reads-every-piece",
+        "a resharded or partial load reads every piece of each file it needs a slice of, not only those holding it",
+        (Edit("client/stream.py", "        self.partial = parts is not None\n", "        self.partial = False\n"),),
+        ("tests/test_slices.py::test_a_slice_reads_only_the_pieces_that_hold_it",),
+    ),
+    Mutation(
+        "slice-hash-skips-bytes-beside-it",
+        "a slice read straight into its tensor hashes only its own bytes, not the rest of the pieces around it: "
+        "every checksum fails",
+        (Edit("client/stream.py", "                h.update(data[lo - at:mid_lo - at])\n", ""),),
+        ("tests/test_slices.py::test_a_slice_equals_the_stored_tensor_narrowed",),
+    ),
+    Mutation(
         "in-place-direct-drops-ends",
         "an in-place O_DIRECT load reads each aligned tensor's whole blocks straight into it but never copies its "
         "first and last bytes out of the bounce buffer",
