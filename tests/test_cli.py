@@ -31,7 +31,7 @@ def big_state(mib: int, seed: int = 0) -> dict[str, Any]:
 def close_orphaned(client: Client) -> None:
     """Close a client whose daemon has exited, without waiting the full BYE timeout for an answer that cannot come."""
     client.timeout = 0.5
-    client.close()
+    client.close(timeout=0.5)
 
 
 def test_status_shows_clients_snapshots_and_commits(client: Client, daemon: DaemonProc) -> None:
