@@ -419,7 +419,7 @@ def load_phase(args: dict[str, Any]) -> None:
     ref4 = torch.load(os.path.join(root, "ref4.pt"))
     sources: list[str] = []
     with Client(timeout=300) as client:
-        restore = client.restore
+        restore = client.restore_with
 
         def restore_noted(*a: Any, **kw: Any) -> Any:
             out = restore(*a, **kw)
@@ -427,7 +427,7 @@ def load_phase(args: dict[str, Any]) -> None:
                            else f"{out.source} ({out.why_not_memory})")
             return out
 
-        client.restore = restore_noted  # type: ignore[method-assign]  # which source the memory load took
+        client.restore_with = restore_noted  # type: ignore[method-assign]  # which source the memory load took
         state = src.state()
         # one untimed save each first: the stager's buffers, DCP's checkpoint process, the daemon's first regions
         dcp.async_save(state, checkpoint_id=os.path.join(root, "ds2", "warmup"), storage_writer=DatastatesStorageWriter(client),
