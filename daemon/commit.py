@@ -253,16 +253,23 @@ class CommitLedger:
     def skipped(self, client_id: str, tag: str) -> str:
         return self._skipped.get((client_id, tag), "")
 
-    def forget(self, client_id: str) -> None:
-        """A client that leaves without committing leaves no tag half-open behind: its new versions' staging goes too."""
+    def forget(self, client_id: str) -> set[str]:
+        """A client that leaves without committing leaves no tag half-open behind: its new versions' staging goes too.
+        Returns the tags it had snapshotted and not committed."""
+        opened = {tag for owner, tag in self._open if owner == client_id}
         for table in (self._open, self._failed, self._skipped, self._refused):
             for key in [k for k in table if k[0] == client_id]:
                 jobs = table.pop(key)
                 if table is self._open or table is self._failed:  # by identity: an emptied table equals another
                     self._versions.abandon([j.path for j in jobs])
+        return opened
 
-    def rank_lost(self, ranks: Ranks) -> None:
-        """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout."""
+    def rank_lost(self, ranks: Ranks, opened: set[str]) -> None:
+        """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout:
+        the rounds under way, and those of the tags it had snapshotted (``opened``) that no rank asked to commit yet."""
+        for tag in opened:
+            if (ranks.job, ranks.world_size, tag) not in self._groups:
+                self._start((ranks.job, ranks.world_size, tag), ranks, time.time_ns())
         for key, group in list(self._groups.items()):
             if key[:2] == (ranks.job, ranks.world_size) and ranks.rank not in group.committed:
                 group.fail(CommitError(f"tag {key[2]!r} not committed: rank {ranks.rank} is gone without committing it",

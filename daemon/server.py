@@ -324,10 +324,10 @@ class Daemon:
         for the ranks waiting in them (a rank that left never commits them), not at commit_timeout. Unless it said
         BYE while another client of that rank is still here (a process may hold several), which may yet commit them;
         a killed rank's restart saves anew, in the next round."""
-        self.ledger.forget(record.id)
+        opened = self.ledger.forget(record.id)
         self._left_behind(record)
         if record.ranks.world_size > 1 and not (said_bye and self.clients.has_rank(record.ranks)):
-            self.ledger.rank_lost(record.ranks)
+            self.ledger.rank_lost(record.ranks, opened)
 
     def _left_behind(self, record: ClientRecord) -> None:
         if record.decisions:

@@ -229,31 +229,49 @@ def test_torchrun_two_nodes_two_ranks_each(start_daemons: Callable[..., list[Dae
         assert_state_equal(loaded[0]["model"], state["model"])  # data-parallel replicas agree bitwise
 
 
-def test_a_rank_killed_before_committing_fails_the_tag_at_once(start_daemon: Callable[..., DaemonProc]) -> None:
-    """The other ranks' commits fail when the daemon sees the rank gone, not after commit_timeout."""
+@pytest.mark.parametrize("when", ["while the others wait in the round", "after its snapshot, before any commit"])
+def test_a_rank_killed_before_committing_fails_the_tag_at_once(when: str,
+                                                              start_daemon: Callable[..., DaemonProc]) -> None:
+    """The other ranks' commits fail when the daemon sees the rank gone, not after commit_timeout: those waiting in
+    the round, and those that ask to commit a tag the killed rank had snapshotted only afterwards."""
     d = start_daemon(client_timeout=1.5)  # commit_timeout stays 600 s: a pass shows it was not waited for
     rank1 = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
+        "import sys, time, torch\n"
         "from datastates.client import Client\n"
         "from datastates.protocol.descriptors import Ranks\n"
         "c = Client(sys.argv[1], ranks=Ranks(rank=1, local_rank=1, world_size=2, local_world_size=2, job='j1'))\n"
+        "if sys.argv[2]:\n"
+        "    c.snapshot({'w': torch.ones(3)}, sys.argv[2])\n"
+        "    c.wait()\n"
         "print('READY', flush=True)\n"
-        "time.sleep(600)\n"), d.endpoint], stdout=subprocess.PIPE, text=True)
+        "time.sleep(600)\n"), d.endpoint,
+        str(d.root / "global_step1" / "rank1.pt") if when == "after its snapshot, before any commit" else ""],
+        stdout=subprocess.PIPE, text=True)
     assert rank1.stdout is not None and rank1.stdout.readline().strip() == "READY"
     with rank_client(d, 0, 2, 2, 1) as c0:
         c0.snapshot({"w": torch.ones(3)}, d.root / "global_step1" / "rank0.pt")
         c0.wait()
-        fut = c0.commit("global_step1")
+        if when == "while the others wait in the round":
+            fut = c0.commit("global_step1")
         rank1.send_signal(signal.SIGKILL)
         rank1.wait(30)
+        if when == "after its snapshot, before any commit":
+            for _ in range(600):  # a hang guard: the daemon has seen rank 1 go (its liveness, 1.5 s)
+                if not any(c["rank"] == 1 for c in daemon_status(d.endpoint)["clients"]):
+                    break
+                time.sleep(0.05)
+            fut = c0.commit("global_step1")
         with pytest.raises(CommitError, match="rank 1 is gone"):
             fut.result(timeout=120)
     assert datastates.latest(d.root) is None
 
 
-def test_a_rank_that_says_bye_without_committing_fails_the_tag_at_once(start_daemon: Callable[..., DaemonProc]) -> None:
-    """A rank that closes its client without committing a tag (its save raised, as DCP's coordinator does when another
-    rank died) never will: the ranks waiting in that round hear so at once, not after commit_timeout (600 s)."""
+@pytest.mark.parametrize("when", ["while the others wait in the round", "before any rank asked to commit"])
+def test_a_rank_that_says_bye_without_committing_fails_the_tag_at_once(when: str,
+                                                                      start_daemon: Callable[..., DaemonProc]) -> None:
+    """A rank that closes its client without committing a tag it snapshotted (its save raised, as DCP's coordinator
+    does when another rank died) never will: the other ranks' commits of it fail at once, not after commit_timeout
+    (600 s), whether they were waiting in the round already or ask to commit it only afterwards."""
     d = start_daemon()
     with rank_client(d, 0, 2, 2, 1) as c0:
         with rank_client(d, 1, 2, 2, 1) as c1:
@@ -261,11 +279,14 @@ def test_a_rank_that_says_bye_without_committing_fails_the_tag_at_once(start_dae
             c1.wait()
             c0.snapshot({"w": torch.ones(3)}, d.root / "global_step1" / "rank0.pt")
             c0.wait()
+            if when == "while the others wait in the round":
+                fut = c0.commit("global_step1")
+                for _ in range(1200):  # a hang guard: rank 0's round has begun
+                    if gathering_tags(d):
+                        break
+                    time.sleep(0.05)
+        if when == "before any rank asked to commit":
             fut = c0.commit("global_step1")
-            for _ in range(1200):  # a hang guard: rank 0's round has begun (a BYE before it would find none to fail)
-                if gathering_tags(d):
-                    break
-                time.sleep(0.05)
         with pytest.raises(CommitError, match="rank 1 is gone"):
             fut.result(timeout=120)
     assert datastates.latest(d.root) is None
