@@ -93,14 +93,9 @@ class _Match:
             if theirs.shape != ours.shape or theirs.dtype != ours.dtype:
                 raise self.misfit(path, f"the checkpoint holds a {ours.dtype} tensor of shape {tuple(ours.shape)}, "
                                         f"`into` a {theirs.dtype} one of shape {tuple(theirs.shape)}")
-            if theirs.device.type not in ("cpu", "cuda"):
-                raise self.misfit(path, f"`into`'s tensor is on {theirs.device}, which a restore cannot write to")
-            if any(n > 1 and s == 0 for n, s in zip(theirs.shape, theirs.stride())):
-                raise self.misfit(path, "`into`'s tensor is expanded (a stride of 0): its elements share memory, so "
-                                        "it cannot hold the checkpoint's values")
-            if _overlaps_itself(theirs):
-                raise self.misfit(path, "`into`'s tensor overlaps itself (its strides make some elements share "
-                                        "memory): it cannot hold the checkpoint's values")
+            unwritable = _unwritable(theirs)
+            if unwritable:
+                raise self.misfit(path, f"`into`'s tensor {unwritable}")
             self.into.setdefault(index, []).append(theirs)
             self.keys.setdefault(id(theirs), path)
         elif isinstance(theirs, torch.Tensor):
@@ -153,6 +148,18 @@ class _Match:
     def misfit(self, path: KeyPath, why: str) -> StateMismatchError:
         return StateMismatchError(f"{self.plan.path} does not fit `into` at {key_name(path)}: {why}; nothing was "
                                   "written", path=self.plan.path, key=key_name(path))
+
+
+def _unwritable(t: torch.Tensor) -> str:
+    """Why a load cannot write ``t`` (its device, or elements that share memory), or ""."""
+    if t.device.type not in ("cpu", "cuda"):
+        return f"is on {t.device}, which a restore cannot write to"
+    if any(n > 1 and s == 0 for n, s in zip(t.shape, t.stride())):
+        return "is expanded (a stride of 0): its elements share memory, so it cannot hold the checkpoint's values"
+    if _overlaps_itself(t):
+        return ("overlaps itself (its strides make some elements share memory): it cannot hold the checkpoint's "
+                "values")
+    return ""
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
@@ -283,6 +290,8 @@ class Slice:
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     into: torch.Tensor
+    shape: tuple[int, ...] | None = None
+    """The stored tensor's shape, where the caller knows it (DCP's metadata does): checked against the file's."""
 
 
 def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_only: bool = True) -> dict[str, Any]:
@@ -346,6 +355,11 @@ def _slice_meta(path: str, plan: _Plan, root: Any, piece: Slice) -> tuple[dict, 
             o < 0 or n < 0 or o + n > size for o, n, size in zip(piece.offsets, piece.lengths, stored.shape)):
         raise misfit(f"elements {list(piece.offsets)} + {list(piece.lengths)} lie outside its shape "
                      f"{list(stored.shape)}")
+    if piece.shape is not None and tuple(piece.shape) != tuple(stored.shape):
+        raise misfit(f"the file's tensor has shape {list(stored.shape)}, not {list(piece.shape)} as expected")
     if tuple(piece.into.shape) != tuple(piece.lengths):
         raise misfit(f"the slice has shape {list(piece.lengths)}, the tensor to read it into {list(piece.into.shape)}")
+    unwritable = _unwritable(piece.into)
+    if unwritable:
+        raise misfit(f"the tensor to read it into {unwritable}")
     return plan.header.entries[index].meta, stored.dtype

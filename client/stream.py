@@ -309,21 +309,22 @@ class Stream:
     def _scatter(self, fd: int, piece: Piece, at: int, stop: int, bounce: _Bounce) -> dict[int, Straight] | None:
         """Bytes ``at..stop`` read in one preadv: each CPU target's part straight into it (with O_DIRECT, a
         ``matched`` target's whole blocks), the rest (zip headers, GPU targets' bytes, a target's ends) into the
-        bounce buffer at its place. The storages read straight; None where storages overlap (a crafted file),
-        read the plain way instead."""
+        bounce buffer at its place. The storages read straight; None where any two targets' bytes overlap (a
+        crafted file of format 1), read the plain way instead: every target's bytes from the bounce buffer."""
         buffers: list[memoryview] = []
         straight: dict[int, Straight] = {}
-        pos = at
+        pos = reach = at
         for index, start, end, target in piece.targets:
             lo, hi = max(start, at), min(end, stop)
+            if lo < reach and lo < hi:
+                return None
+            reach = max(reach, hi)
             if self.aligned:  # both sides of an O_DIRECT read on DATA_ALIGN: the step's ends are, the target's not
                 if index not in self.matched:
                     continue
                 lo, hi = align_up(lo, DATA_ALIGN), hi // DATA_ALIGN * DATA_ALIGN
             if lo >= hi or target.view is None:
                 continue
-            if lo < pos:
-                return None
             if lo > pos:
                 buffers.append(bounce.view[pos - at:lo - at])
             buffers.append(target.view[lo - start:hi - start])

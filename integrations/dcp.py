@@ -288,7 +288,8 @@ class DatastatesStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Each file this rank's plan names, read once: into its tensors where it fits them whole, else fresh."""
+        """Each file this rank's plan names, read once: into its tensors where it fits them whole, else the slices
+        of it the plan asks for, and only the pieces that hold them."""
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
@@ -299,7 +300,8 @@ class DatastatesStorageReader(StorageReader):
             into = self._into(items, planner, keys[name])
             slices = {} if into is not None else {
                 id(item): Slice(self.storage_data[item.storage_index].key, tuple(item.storage_offsets),
-                                tuple(item.lengths), planner.resolve_tensor(item).detach())
+                                tuple(item.lengths), planner.resolve_tensor(item).detach(),
+                                shape=tuple(self._chunks[item.storage_index][0]))
                 for item in items if item.type != LoadItemType.BYTE_IO}
             state = self._read(name, lambda path: load(path, into=into) if into is not None else
                                load_slices(path, list(slices.values())))

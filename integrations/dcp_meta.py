@@ -23,6 +23,8 @@ from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestErr
 
 FORMAT = 1
 """Bumped on any incompatible change to the JSON below; a reader refuses every other."""
+MAX_INDEX = 1 << 24
+"""The largest list index a ``planner_data`` key path may hold: DCP's loader fills a list up to it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +71,8 @@ def decode(raw: bytes, path: str) -> Metadata:
 
     try:
         doc = json.loads(raw)
-    except (ValueError, TypeError) as exc:
-        raise bad(f"is not JSON ({exc})") from None
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise bad(f"is not JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise bad(f"is not of format {FORMAT} (it says {doc.get('format') if isinstance(doc, dict) else doc!r})")
     items = _check(doc.get("items"), dict, "items", bad)
@@ -80,21 +82,29 @@ def decode(raw: bytes, path: str) -> Metadata:
         if item == {"bytes": True}:
             state[fqn] = BytesStorageMetadata()
             continue
+        size = _size(item.get("size"), fqn, bad)
         chunks = []
         for c in _check(item.get("chunks"), list, f"{fqn!r} chunks", bad):
             if not (isinstance(c, list) and len(c) == 2):
                 raise bad(f"item {fqn!r} has a chunk that is not [offsets, sizes]")
-            chunks.append(ChunkStorageMetadata(_size(c[0], fqn, bad), _size(c[1], fqn, bad)))
+            chunk = ChunkStorageMetadata(_size(c[0], fqn, bad), _size(c[1], fqn, bad))
+            if not len(chunk.offsets) == len(chunk.sizes) == len(size) or any(
+                    o + n > whole for o, n, whole in zip(chunk.offsets, chunk.sizes, size)):
+                raise bad(f"item {fqn!r} has a chunk {list(chunk.offsets)} + {list(chunk.sizes)} outside its size "
+                          f"{list(size)}")
+            chunks.append(chunk)
         props = TensorProperties(dtype=_torch(item.get("dtype"), torch.dtype, fqn, bad),
                                  layout=_torch(item.get("layout"), torch.layout, fqn, bad),
                                  requires_grad=_check(item.get("requires_grad"), bool, f"{fqn!r} requires_grad", bad),
                                  memory_format=_torch(item.get("memory_format"), torch.memory_format, fqn, bad),
                                  pin_memory=_check(item.get("pin_memory"), bool, f"{fqn!r} pin_memory", bad))
-        state[fqn] = TensorStorageMetadata(props, _size(item.get("size"), fqn, bad), chunks)
+        state[fqn] = TensorStorageMetadata(props, size, chunks)
     planner = {k: tuple(_check(v, list, f"planner path of {k!r}", bad))
                for k, v in _check(doc.get("planner_data"), dict, "planner_data", bad).items()}
-    if not all(isinstance(x, (str, int)) and not isinstance(x, bool) for v in planner.values() for x in v):
-        raise bad("planner_data holds a key path of something other than names and indexes")
+    if not all(v and isinstance(v[0], str) and all(isinstance(x, str) or (type(x) is int and 0 <= x < MAX_INDEX)
+                                                   for x in v) for v in planner.values()):
+        raise bad(f"planner_data holds a key path that is not a name followed by names and indexes (below "
+                  f"{MAX_INDEX})")
     storage: dict[MetadataIndex, ShardAt] = {}
     for row in _check(doc.get("storage"), list, "storage", bad):
         if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and all(isinstance(x, str)
@@ -102,7 +112,17 @@ def decode(raw: bytes, path: str) -> Metadata:
                 and (row[2] is None or type(row[2]) is int)):
             raise bad(f"storage row {str(row)[:80]} is not [fqn, offsets, index, file, key]")
         offset = None if row[1] is None else _size(row[1], row[0], bad)
-        storage[MetadataIndex(row[0], offset, row[2])] = ShardAt(row[3], row[4])
+        index = MetadataIndex(row[0], offset, row[2])
+        if index in storage:
+            raise bad(f"storage lists {row[0]!r} at {row[1]} twice")
+        storage[index] = ShardAt(row[3], row[4])
+    stored = {MetadataIndex(fqn, c.offsets) for fqn, item in state.items() if isinstance(item, TensorStorageMetadata)
+              for c in item.chunks} | {MetadataIndex(fqn) for fqn, item in state.items()
+                                       if isinstance(item, BytesStorageMetadata)}
+    if set(storage) != stored or len(stored) != sum(len(i.chunks) if isinstance(i, TensorStorageMetadata) else 1
+                                                    for i in state.values()):
+        unlisted = sorted(i.fqn for i in stored ^ set(storage))[:3]
+        raise bad(f"items and where they are stored do not match one to one (e.g. {unlisted})")
     meta = doc.get("storage_meta")
     if meta is not None:
         _check(meta, dict, "storage_meta", bad)
@@ -127,8 +147,8 @@ def _check(value: Any, kind: type, what: str, bad: Callable[[str], CorruptCheckp
 
 
 def _size(value: Any, fqn: str, bad: Callable[[str], CorruptCheckpointError]) -> torch.Size:
-    if not isinstance(value, list) or not all(type(x) is int and x >= 0 for x in value):
-        raise bad(f"item {fqn!r} has a size or offset that is not a list of non-negative integers")
+    if not isinstance(value, list) or not all(type(x) is int and 0 <= x < 1 << 63 for x in value):
+        raise bad(f"item {fqn!r} has a size or offset that is not a list of integers from 0 to 2^63")
     return torch.Size(value)
 
 

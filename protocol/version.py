@@ -1,7 +1,8 @@
 """The one place that defines the versions of the wire protocol and of the file format."""
 
-PROTOCOL_VERSION = 4
-"""Bumped on any incompatible change to a message; a daemon refuses every other version."""
+PROTOCOL_VERSION = 5
+"""Bumped on any incompatible change to a message, or to the file format the daemon writes (5: format 3, which an
+older client cannot read back); a daemon refuses every other version."""
 
 FORMAT_VERSION = 3
 """Bumped on any incompatible change to the checkpoint file layout. 2: a zip ``torch.load`` reads (issue 17).

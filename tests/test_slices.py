@@ -127,3 +127,26 @@ def test_a_flipped_byte_in_a_piece_a_slice_reads_raises(shared_client: Any, shar
     assert torch.equal(into, state["w"][:100])
     with pytest.raises(CorruptCheckpointError, match="'w'.*checksum mismatch"):
         load_slices(str(path), [Slice("w", (3900, 0), (100, 1000), torch.zeros(100, 1000))])
+
+
+def test_a_slice_into_a_tensor_no_load_can_write_raises_before_anything_is_written(
+        stored: tuple[Path, dict[str, Any]]) -> None:
+    """Into a tensor on a device a load does not write to (here ``meta``), an expanded one, or one whose strides make
+    its elements overlap: StateMismatchError naming the key, before the other slices are written."""
+    path, _ = stored
+    for bad, message in ((torch.empty(4, 1000, device="meta"), "meta"), (torch.zeros(1000).expand(4, 1000), "expanded"),
+                         (torch.zeros(2002).as_strided((4, 1000), (1, 2)), "overlaps itself")):
+        fine = torch.zeros(10, 1000)
+        with pytest.raises(StateMismatchError, match=message):
+            load_slices(str(path), [Slice("rows", (0, 0), (10, 1000), fine), Slice("rows", (10, 0), (4, 1000), bad)])
+        assert not fine.any()
+
+
+def test_a_slice_of_a_tensor_stored_in_another_shape_than_expected_raises(stored: tuple[Path, dict[str, Any]]) -> None:
+    """The caller's metadata (DCP's) says what shape the stored tensor has: a file that holds another raises, naming
+    it, instead of reading the wrong elements."""
+    path, _ = stored
+    into = torch.zeros(10, 1000)
+    with pytest.raises(StateMismatchError, match=r"shape \[4000, 1000\], not \[2000, 1000\]"):
+        load_slices(str(path), [Slice("rows", (0, 0), (10, 1000), into, shape=(2000, 1000))])
+    assert not into.any()

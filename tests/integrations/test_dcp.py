@@ -23,13 +23,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
 
 import datastates
 from datastates.client import Client
 from datastates.integrations.dcp import METADATA, DatastatesStorageReader, DatastatesStorageWriter, rank_file, to_filesystem
-from datastates.integrations.dcp_meta import ShardAt, encode
+from datastates.integrations.dcp_meta import ShardAt, decode, encode
 from datastates.protocol.errors import CommitError, CorruptCheckpointError, UnsupportedFormatError, WaitTimeout
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker
@@ -301,3 +301,41 @@ def test_crafted_and_colliding_items_are_refused(start_daemon: Callable[..., Dae
     metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], file="../collide/rank0.pt")
     with pytest.raises(CorruptCheckpointError, match="not files of its committed tag"):
         reader.set_up_storage_reader(metadata, True)
+
+
+def metadata_doc() -> dict[str, Any]:
+    """The JSON of a small DCP metadata: a tensor of two chunks, an object, where each is stored."""
+    chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([2])), ChunkStorageMetadata(torch.Size([2]), torch.Size([2]))]
+    md = Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]), chunks),
+                   "b": BytesStorageMetadata()},
+                  planner_data={"w": ("w",), "b": ("b",)},
+                  storage_data={MetadataIndex("w", torch.Size([0])): ShardAt(rank_file(0), "w@0"),
+                                MetadataIndex("w", torch.Size([2])): ShardAt(rank_file(1), "w@2"),
+                                MetadataIndex("b"): ShardAt(rank_file(0), "b")})
+    return json.loads(encode(md))
+
+
+CRAFTED = {
+    "nested a million deep": (lambda d: "[" * 1_000_000, "not JSON"),
+    "a size past 2^63": (lambda d: d["items"]["w"].update(size=[2**70]), "from 0 to 2"),
+    "a chunk outside its size": (lambda d: d["items"]["w"]["chunks"][1].__setitem__(1, [3]), "outside its size"),
+    "a chunk of other dimensions": (lambda d: d["items"]["w"]["chunks"][1].__setitem__(0, [2, 0]), "outside its size"),
+    "a chunk stored nowhere": (lambda d: d["storage"].pop(1), "one to one"),
+    "a storage row of no chunk": (lambda d: d["storage"].append(["w", [3], None, "rank1.pt", "w@3"]), "one to one"),
+    "a chunk stored twice": (lambda d: d["storage"].append(list(d["storage"][0])), "twice"),
+    "an empty planner path": (lambda d: d["planner_data"].update(w=[]), "planner_data"),
+    "a negative index": (lambda d: d["planner_data"].update(w=["w", -3]), "planner_data"),
+    "an index of 10^12": (lambda d: d["planner_data"].update(w=["w", 10**12]), "planner_data"),
+}
+
+
+@pytest.mark.parametrize("case", CRAFTED)
+def test_crafted_metadata_values_that_do_not_fit_together_are_refused(case: str) -> None:
+    """Each value of the metadata is checked against the others before DCP's planner sees it: what would make it
+    raise a KeyError or IndexError, recurse, or fill a list of 10^12 items is CorruptCheckpointError naming it."""
+    doc = metadata_doc()
+    assert decode(json.dumps(doc).encode(), "m").storage_data  # the uncrafted one decodes
+    craft, message = CRAFTED[case]
+    raw = craft(doc)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        decode((raw if isinstance(raw, str) else json.dumps(doc)).encode(), "m")
