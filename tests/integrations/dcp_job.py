@@ -183,3 +183,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Every result is written and every group destroyed: skip the interpreter's teardown, in which gloo's threads
+    # once aborted a rank after its loads had passed ("terminate called without an active exception", 1 run in ~8)
+    os._exit(0)
