@@ -66,7 +66,8 @@ def test_a_daemon_on_another_endpoint_removes_a_killed_daemons_leftovers_and_spa
 
     doomed = start_daemon(**SLOW)
     assert replica_folder(doomed) in replica_folders()
-    with Client(doomed.endpoint, timeout=60) as c:
+    c = Client(doomed.endpoint, timeout=60)
+    try:
         save(c, {"w": torch.zeros(1000)}, doomed.root / "run" / "step1" / "m.pt")  # its replica now holds a file
         c.snapshot({"w": torch.randn(32 << 20)}, doomed.root / "run" / "step2" / "m.pt")  # 128 MiB through 2 MiB
         for _ in range(600):
@@ -76,6 +77,8 @@ def test_a_daemon_on_another_endpoint_removes_a_killed_daemons_leftovers_and_spa
             time.sleep(0.01)
         doomed.proc.send_signal(signal.SIGKILL)
         doomed.proc.wait(30)
+    finally:
+        c.close(timeout=0.5)  # its daemon is gone: no need to wait for its liveness to say so
     left = {str(p) for p in temps(doomed.root)} | (replica_folders() & {replica_folder(doomed)})
     # its replica folder too, unless a daemon of another session beside this one started meanwhile and removed it
     # first, as every daemon of the node does at start (this test's point, seen from the other side)
