@@ -1,4 +1,5 @@
-"""Restoring a checkpoint into the tensors a job already has: ``load(path, into=state)``.
+"""Restoring a checkpoint into the tensors a job already has: ``load(path, into=state)``; and slices of its stored
+tensors into tensors given for them, reading only the pieces that hold them (``load_slices``: resharded DCP loads).
 
 Why: a job that resumes has built its model and optimizer. Reading the file into fresh
 memory and then copying that into them crosses memory twice, and a fresh allocation of the
