@@ -40,7 +40,7 @@ import torch
 
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import StateMismatchError
-from datastates.protocol.format import FileHeader
+from datastates.protocol.format import FileHeader, ZipLayout
 
 from .entries import Entries
 from .filecheck import check_bounds, check_identity, check_views, check_zip, read_header
@@ -254,16 +254,21 @@ def _merge(theirs: Any, ours: Any) -> Any:
     return ours
 
 
-def load_into(path: str, into: Any, device: torch.device | None, *, new_key: NewKey, verify: bool,
-              weights_only: bool) -> Any:
-    """``into``, its tensors holding the checkpoint at ``path`` (``datastates.load(path, into=...)``)."""
+def _opened(path: str, verify: bool, weights_only: bool) -> tuple[FileHeader, int, int, ZipLayout | None, _Plan]:
+    """The checked header of ``path``, its data region's span, its zip layout, and its plan (no data read)."""
     header, base, end, layout = read_header(path)
     check_identity(path, header)
     if verify:
         check_views(path, header)
-        if layout is not None:
-            check_zip(path, header, layout, None)  # the data region's zip headers: as it streams (check_local_headers)
-    plan = _Plan(path, header, end - base, weights_only)
+    return header, base, end, layout, _Plan(path, header, end - base, weights_only)
+
+
+def load_into(path: str, into: Any, device: torch.device | None, *, new_key: NewKey, verify: bool,
+              weights_only: bool) -> Any:
+    """``into``, its tensors holding the checkpoint at ``path`` (``datastates.load(path, into=...)``)."""
+    header, base, end, layout, plan = _opened(path, verify, weights_only)
+    if verify and layout is not None:
+        check_zip(path, header, layout, None)  # the data region's zip headers: as it streams (check_local_headers)
     match = _Match(plan, new_key)
     match.walk(plan.entry(header.root), into, ())
     match.check_shared()
@@ -305,11 +310,7 @@ def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_
     format around it). A slice that does not fit (a key the file lacks, out of bounds, another shape) raises
     StateMismatchError naming it before anything is written. A storage two slices share is read once.
     """
-    header, base, end, _ = read_header(path)
-    check_identity(path, header)
-    if verify:
-        check_views(path, header)
-    plan = _Plan(path, header, end - base, weights_only)
+    header, base, end, _, plan = _opened(path, verify, weights_only)
     root = plan.entry(header.root)
     spans: dict[int, list[tuple[Slice, int, int, dict, torch.dtype]]] = {}
     for piece in slices:

@@ -166,14 +166,14 @@ class Stream:
         for at, expected in layout.storage_headers() if layout is not None and verify else ():
             for piece in self.pieces[at // size:(at + len(expected) - 1) // size + 1]:
                 piece.headers.append((at, expected))
-        self.first: dict[int, int] = {}
+        starts: dict[int, int] = {}
         """Where each target's first byte lies in the data region."""
         for index, target in (targets if targets is not None else dict.fromkeys(range(len(header.storages)))).items():
             rec = header.storages[index]
             segs = check_bounds(path, header, index, self.end - self.base)
             lo, hi = (parts or {}).get(index, (0, rec.nbytes))
             first, last = rec.offset + lo, rec.offset + hi
-            self.first[index] = first
+            starts[index] = first
             for (start, length), want in zip(segs, rec.checksums) if verify else ():
                 if start < last and start + length > first:
                     self.pieces[start // size].segments.append((index, start, length, want))
@@ -188,7 +188,7 @@ class Stream:
         """Read a step straight into its CPU targets (one preadv; an in-place load), and whether the reads are
         O_DIRECT (then only the ``matched`` targets' whole blocks are read straight). Set by ``run``."""
         self.matched = {i for i, t in (targets or {}).items()
-                        if t and t.view is not None and (t.address - self.first[i]) % DATA_ALIGN == 0}
+                        if t and t.view is not None and (t.address - starts[i]) % DATA_ALIGN == 0}
         """The CPU targets whose memory is aligned as their bytes are in the file: O_DIRECT reads into them."""
         nbytes = {i: t.flat.numel() for i, t in (targets or {}).items() if t}
         on_gpu = sum(nbytes[i] for i, t in (targets or {}).items() if t and t.on_gpu)
