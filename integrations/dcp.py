@@ -271,7 +271,7 @@ class DatastatesStorageReader(StorageReader):
         return decode(raw["dcp"], path)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        strays = sorted({at.file if isinstance(at, ShardAt) else repr(at) for at in metadata.storage_data.values()}
+        strays = sorted({at.file for at in metadata.storage_data.values()}
                         - (self.files - {METADATA}))
         if strays:
             raise CorruptCheckpointError(f"{self.folder}: its metadata names {strays[:4]}, which are not files of its "
