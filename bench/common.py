@@ -169,3 +169,20 @@ def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
     return time.perf_counter() - t0, out
+
+
+READER_ENV = "DS_BENCH_READER"
+"""``threads,step_mib``: the reader's threads and read size in bench/load_once.py's process, where a bench changed
+them in its own (bench/restore.py's --read-threads and --step-mib)."""
+
+
+def in_fresh_process(kind: str, path: str, device: str = "cpu", cold: str | None = None) -> float:
+    """Seconds of one fresh load of ``path`` (bench/load_once.py's KINDS) in a process of its own, as a resuming
+    job loads; the page cache of ``cold`` dropped first."""
+    if cold:
+        drop_caches(cold)
+    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "load_once.py"),
+                          kind, path, device], capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"load_once.py {kind} {path} failed ({out.returncode}): {out.stderr[-2000:]}")
+    return float(out.stdout.split()[-1])

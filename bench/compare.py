@@ -4,7 +4,8 @@ For each contender and run it measures:
 - blocking: how long the training thread is held by the call that starts the checkpoint;
 - safe: until the trainer may change the tensors in place again (the fence);
 - durable: until the data is fsynced and committed;
-- restore: loading the checkpoint back with a cold page cache, every byte read.
+- restore: loading the checkpoint back with a cold page cache, every byte read, in a process of its own as a
+  resuming job does (bench/load_once.py; the raw reads in this one).
 It prints medians over ``--runs`` rounds (contenders interleaved within each round, so
 disk drift hits all alike) and the ratios datastates / peer, and writes a JSON and a PNG.
 Run it as root on an otherwise idle machine: it drops the page cache before restores.
@@ -28,7 +29,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import datastatesd, drop_caches, fsync_tree, gpt_state, median, state_bytes, tensors_of, wait_pool_mapped  # noqa: E402
+from common import (datastatesd, drop_caches, fsync_tree, gpt_state, in_fresh_process, median, state_bytes,  # noqa: E402
+                    tensors_of, wait_pool_mapped)
 
 import datastates  # noqa: E402
 from datastates.client import Client  # noqa: E402
@@ -53,16 +55,6 @@ class Contender:
     samples: list[Sample] = field(default_factory=list)
 
 
-def touch_all(state: Any) -> None:
-    """Touch every page of a loaded state, so a lazy (mmap) load pays its reads here.
-
-    One byte a page: summing every byte costs ~2 s/GB on this CPU and would swamp the I/O.
-    """
-    for t in tensors_of(state):
-        if t.numel():
-            t.reshape(-1).view(torch.uint8)[::4096].sum()
-
-
 # -- contenders ---------------------------------------------------------------------------
 
 
@@ -76,34 +68,11 @@ def torch_save(state: Any) -> Contender:
         dt = time.perf_counter() - t0
         return dt, dt, dt
 
-    def restore(folder: str) -> float:
-        t0 = time.perf_counter()
-        out = torch.load(os.path.join(folder, "model.pt"), map_location="cpu", weights_only=False)
-        touch_all(out)
-        return time.perf_counter() - t0
-
-    return Contender("torch.save", save, restore)
+    return Contender("torch.save", save, lambda folder: in_fresh_process("torch.load", os.path.join(folder, "model.pt")))
 
 
-def _dcp_restore(state: Any) -> Callable[[str], float]:
-    def restore(folder: str) -> float:
-        t0 = time.perf_counter()
-        template = _empty_like(state)  # DCP loads in place: a fresh process allocates this too
-        dcp.load(template, checkpoint_id=folder)
-        touch_all(template)
-        return time.perf_counter() - t0
-
-    return restore
-
-
-def _empty_like(state: Any) -> Any:
-    if isinstance(state, torch.Tensor):
-        return torch.empty_like(state)
-    if isinstance(state, dict):
-        return type(state)((k, _empty_like(v)) for k, v in state.items())
-    if isinstance(state, list):
-        return [_empty_like(v) for v in state]
-    return state
+def _dcp_restore(folder: str) -> float:
+    return in_fresh_process("dcp.load", folder)
 
 
 def dcp_save(state: Any, threads: int) -> Contender:
@@ -113,7 +82,7 @@ def dcp_save(state: Any, threads: int) -> Contender:
         dt = time.perf_counter() - t0
         return dt, dt, dt
 
-    return Contender(f"dcp.save ({threads} threads)", save, _dcp_restore(state))
+    return Contender(f"dcp.save ({threads} threads)", save, _dcp_restore)
 
 
 def dcp_async(state: Any, mode: str, stager: Any | None, label: str) -> Contender:
@@ -135,7 +104,7 @@ def dcp_async(state: Any, mode: str, stager: Any | None, label: str) -> Contende
         upload.result()
         return blocking, safe, time.perf_counter() - t0
 
-    return Contender(f"dcp.async_save {mode}, {label}", save, _dcp_restore(state))
+    return Contender(f"dcp.async_save {mode}, {label}", save, _dcp_restore)
 
 
 def dcp_datastates(state: Any, endpoint: str) -> Contender:
@@ -158,12 +127,7 @@ def dcp_datastates(state: Any, endpoint: str) -> Contender:
         return blocking, safe, time.perf_counter() - t0
 
     def restore(folder: str) -> float:
-        t0 = time.perf_counter()
-        template = _empty_like(state)
-        dcp.load(template, checkpoint_id=os.path.join(folder, datastates.latest(folder)),
-                 storage_reader=DatastatesStorageReader())
-        touch_all(template)
-        return time.perf_counter() - t0
+        return in_fresh_process("dcp.load via datastates", os.path.join(folder, datastates.latest(folder)))
 
     return Contender("dcp.async_save via datastates", save, restore)
 
@@ -211,7 +175,9 @@ def raw_disk(nbytes: int, fresh: bool) -> Contender:
     return Contender(f"raw O_DIRECT ({'fresh' if fresh else 'reused'} buffer)", save, restore)
 
 
-def datastates_contender(state: Any, endpoint: str) -> Contender:
+def datastates_contender(state: Any, endpoint: str, load: str = "datastates.load") -> Contender:
+    """Snapshots through the daemon; loaded back by ``load`` (bench/load_once.py's KINDS): ``datastates.load``, or
+    plain ``torch.load`` of the same file (a zip it reads), the peer a user could pick for it."""
     client = Client(endpoint, timeout=300)
     counter = iter(range(1_000_000))
 
@@ -226,13 +192,9 @@ def datastates_contender(state: Any, endpoint: str) -> Contender:
         return blocking, safe, time.perf_counter() - t0
 
     def restore(folder: str) -> float:
-        tag = datastates.latest(folder)
-        t0 = time.perf_counter()
-        out = datastates.load(os.path.join(folder, tag, "model_states.pt"), map_location="cpu")
-        touch_all(out)
-        return time.perf_counter() - t0
+        return in_fresh_process(load, os.path.join(folder, datastates.latest(folder), "model_states.pt"))
 
-    return Contender("datastates", save, restore)
+    return Contender("datastates" if load == "datastates.load" else f"{load} of the datastates file", save, restore)
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -353,6 +315,7 @@ def main() -> None:
             raw_disk(nbytes, fresh=False),
             raw_disk(nbytes, fresh=True),
             dcp_datastates(state, endpoint),
+            datastates_contender(state, endpoint, load="torch.load"),
             ds,
         ]
         contenders = [c for c in contenders if not any(s in c.name for s in args.skip)]

@@ -10,6 +10,10 @@ then, per run, with the checkpoints' files evicted from the page cache each time
   plain ``torch.load`` reads);
 - DCP: ``torch.distributed.checkpoint.load`` into a preallocated state (in place).
 
+Each fresh load (storage, torch.load, the raw read into a fresh buffer) runs in a process of its own,
+as a resuming job's does (bench/load_once.py: in one process, glibc would hand torch.load the pages
+the previous contender freed).
+
 In-place restores write into a preallocated copy of the state, as a resuming job's model and
 optimizer are; ``--fresh-only`` leaves them, the memory restores and DCP out (for a state too
 large to hold several copies of). Then, run as root: the memory restores again, before and after
@@ -42,8 +46,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (datastatesd, drop_caches, fsync_tree, gpt_state, median, print_medians, state_bytes,  # noqa: E402
-                    tensors_of, timed)
+from common import (READER_ENV, datastatesd, drop_caches, fsync_tree, gpt_state, in_fresh_process, median, print_medians,  # noqa: E402
+                    state_bytes, tensors_of, timed)
 
 import datastates  # noqa: E402
 from datastates.client import Client, reader, stream  # noqa: E402
@@ -178,6 +182,7 @@ def main() -> int:
     parser.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh temp dir)")
     args = parser.parse_args()
     stream.READ_THREADS, stream.STEP = args.read_threads, args.step_mib << 20
+    os.environ[READER_ENV] = f"{args.read_threads},{args.step_mib}"  # for the fresh loads' processes too
     root = args.root or tempfile.mkdtemp(prefix="ds-bench-restore-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     state = gpt_state(layers=args.layers, dim=args.dim)
     nbytes = state_bytes(state)
@@ -192,7 +197,6 @@ def main() -> int:
                 client.commit("step1").result()
                 os.makedirs(os.path.join(root, "ts"))
                 torch.save(state, os.path.join(root, "ts", "rank0.pt"))
-                contenders: dict[str, Callable[[], Any]] = {}
                 memory: dict[str, Callable[[], Any]] = {}
                 if not args.fresh_only:
                     dcp.save({"state": state}, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
@@ -212,26 +216,36 @@ def main() -> int:
                     memory = {"memory": from_memory, "memory, in place": lambda: from_memory(into_memory)}
                 fsync_tree(root)
                 reused = raw_read(ours)  # its pages warm for "raw, reused"
-                contenders = {
-                    "raw O_DIRECT, fresh buffer": lambda: raw_read(ours),
-                    "raw O_DIRECT, reused buffer": lambda: raw_read(ours, reused),
-                    **memory,
-                    "storage": lambda: datastates.load(ours, map_location=args.device),
-                    **({} if args.fresh_only else {"storage, in place": lambda: datastates.load(ours, into=into_storage),
-                                                   "dcp": dcp_load}),
-                    "torch.load": lambda: torch.load(os.path.join(root, "ts", "rank0.pt"), map_location=args.device,
-                                                     weights_only=False),
-                    "torch.load of datastates' file": lambda: torch.load(ours, map_location=args.device,
-                                                                          weights_only=False),
-                }
-                times: dict[str, list[float]] = {n: [] for n in contenders}
-                for r in range(args.runs):
-                    for name, fn in contenders.items():
+                ts = os.path.join(root, "ts", "rank0.pt")
+
+                def here(fn: Callable[[], Any]) -> Callable[[], float]:
+                    """An in-place or memory restore, timed in this process: it reuses memory it holds already."""
+                    def run() -> float:
                         gc.collect()  # the previous contender's state is freed here, not inside the next timing
                         drop_caches(root)
                         seconds, restored = timed(restore_and_touch, fn)
-                        times[name].append(seconds)
                         del restored  # freed outside the timing: unmapping 1.5 GB is no part of a restore
+                        return seconds
+                    return run
+
+                def fresh(kind: str, path: str) -> Callable[[], float]:
+                    """A fresh load, in a process of its own as a resuming job's (bench/load_once.py says why)."""
+                    return lambda: in_fresh_process(kind, path, args.device, cold=root)
+
+                contenders: dict[str, Callable[[], float]] = {
+                    "raw O_DIRECT, fresh buffer": fresh("raw", ours),
+                    "raw O_DIRECT, reused buffer": here(lambda: raw_read(ours, reused)),
+                    **{name: here(fn) for name, fn in memory.items()},
+                    "storage": fresh("datastates.load", ours),
+                    **({} if args.fresh_only else {"storage, in place": here(lambda: datastates.load(ours, into=into_storage)),
+                                                   "dcp": here(dcp_load)}),
+                    "torch.load": fresh("torch.load", ts),
+                    "torch.load of datastates' file": fresh("torch.load", ours),
+                }
+                times: dict[str, list[float]] = {n: [] for n in contenders}
+                for r in range(args.runs):
+                    for name, run in contenders.items():
+                        times[name].append(run())
                     print(f"run {r + 1}/{args.runs}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()),
                           flush=True)
                 profile = {"storage": [phases(ours, root) for _ in range(args.runs)]}
