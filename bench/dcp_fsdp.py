@@ -198,6 +198,15 @@ def summarize(results: list[dict[str, Any]], loads: list[dict[str, Any]]) -> dic
         "cold load datastates / FileSystemReader": median([r["load_ds_s"] / r["load_fs_s"] for r in first]),
         "memory load datastates / FileSystemReader": median([r["load_memory_s"] / r["load_fs_s"] for r in first]),
         "reshard load 4->2 / 2->2": median([r["load_reshard_s"] / r["load_ds_s"] for r in first]),
+        # the storage layer's part alone, DCP's own planning and collectives left out (no targets: what a faster
+        # storage layer can change)
+        "durable after planning datastates / raw O_DIRECT": median(
+            [r["raw_write_s"] / (r["durable_ds_s"] - r["planned_ds_s"]) for r in first]),
+        "durable after planning dcp / raw O_DIRECT": median(
+            [r["raw_write_s"] / (r["durable_dcp_s"] - r["planned_dcp_s"]) for r in first]),
+        "read_data memory / FileSystemReader": median([r["read_memory_s"] / r["read_fs_s"] for r in first]),
+        "read_data cold datastates / FileSystemReader": median([r["read_ds_s"] / r["read_fs_s"] for r in first]),
+        "read_data reshard 4->2 / 2->2": median([r["read_reshard_s"] / r["read_ds_s"] for r in first]),
     }
     return {"train": train, "train_runs": {n: {str(k): v for k, v in p.items()} for n, p in runs.items()},
             "load": load, "ratios": ratios}
@@ -219,9 +228,11 @@ def print_summary(s: dict[str, Any], runs: int) -> None:
                        ("load_ds_s", "dcp.load DatastatesStorageReader(), cold"),
                        ("load_memory_s", "dcp.load DatastatesStorageReader(client), memory"),
                        ("load_reshard_s", "dcp.load 4 -> 2 DatastatesStorageReader(), cold")):
-        meta = ld.get(key.replace("load_", "metadata_")) if key.startswith("load_") else None
+        meta, read = (ld.get(key.replace("load_", f"{part}_")) for part in ("metadata", "read"))
+        planned = ld.get(key.replace("durable_", "planned_"))
         print(f"  {label:<52}{ld[key]:8.3f} s {gb / ld[key]:7.2f} GB/s"
-              + (f"   of which read_metadata {meta:.3f} s" if meta is not None else ""))
+              + (f"   of which read_metadata {meta:.3f} s, read_data {read:.3f} s" if key.startswith("load_") else "")
+              + (f"   of which DCP's planning {planned:.3f} s" if key.startswith("durable_") else ""))
     print(f"  checks: {', '.join(ld['checks'])}")
     print("\nratios (issue 29's target beside each):")
     for name, value in s["ratios"].items():

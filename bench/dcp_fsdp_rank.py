@@ -21,6 +21,7 @@ bench/dcp_fsdp_model.py).
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import shutil
@@ -392,21 +393,31 @@ def cold(*folders: str) -> None:
     dist.barrier()
 
 
-def timed_metadata(reader: Any) -> list[float]:
-    """Time ``reader.read_metadata`` (the coordinator's part of a load: DCP broadcasts what it returns) into the list
-    returned."""
-    spent = [0.0]
-    read = reader.read_metadata
+def timed_method(obj: Any, name: str) -> list[float]:
+    """Time each call of ``obj.name`` into the list returned: [seconds in it, when it was first entered]. For a
+    reader's ``read_metadata`` (the coordinator's part of a load: DCP broadcasts what it returns) and ``read_data``
+    (the storage layer's whole part of a load), and a writer's ``write_data`` (everything of a save from it on is
+    the storage layer's: DCP's planning comes before it)."""
+    spent = [0.0, 0.0]
+    call = getattr(obj, name)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
+        spent[1] = spent[1] or t0
         try:
-            return read(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             spent[0] += time.perf_counter() - t0
 
-    reader.read_metadata = timed
+    setattr(obj, name, timed)
     return spent
+
+
+def max_across(value: float) -> float:
+    """The largest of every rank's ``value``: the slowest rank's."""
+    t = torch.tensor([value])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def load_phase(args: dict[str, Any]) -> None:
@@ -448,17 +459,30 @@ def load_phase(args: dict[str, Any]) -> None:
             ds_folder = os.path.join(root, "ds2", f"load{run}")  # one run folder: each save supersedes the replica
             fs_folder = os.path.join(root, "fs2", f"load{run}")
 
-            def save_ds() -> None:
-                dcp.async_save(state, checkpoint_id=ds_folder, storage_writer=DatastatesStorageWriter(client),
-                               process_group=group).result()
+            planned: dict[str, float] = {}
 
-            def save_fs() -> None:
-                res = dcp.async_save(state, checkpoint_id=fs_folder, storage_writer=dcp.FileSystemWriter(fs_folder),
-                                     process_group=group, async_checkpointer_type=kind, async_stager=stager)
-                (res.upload_completion if isinstance(res, AsyncSaveResponse) else res).result()
+            def save(name: str, folder: str) -> Callable[[], None]:
+                """One durable save; ``planned[name]``: seconds from the call until the writer's ``write_data``,
+                DCP's own planning (its collectives among them), the same for every storage layer."""
+                def run() -> None:
+                    t0 = time.perf_counter()
+                    if name == "ds":
+                        writer = DatastatesStorageWriter(client)
+                        first = timed_method(writer, "write_data")
+                        dcp.async_save(state, checkpoint_id=folder, storage_writer=writer, process_group=group).result()
+                    else:
+                        writer = dcp.FileSystemWriter(folder)
+                        first = timed_method(writer, "write_data") if kind == AsyncCheckpointerType.THREAD else [0.0, 0.0]
+                        res = dcp.async_save(state, checkpoint_id=folder, storage_writer=writer, process_group=group,
+                                             async_checkpointer_type=kind, async_stager=stager)
+                        (res.upload_completion if isinstance(res, AsyncSaveResponse) else res).result()
+                    planned[name] = first[1] - t0 if first[1] else math.nan  # process mode: timed in its process
+                return run
 
-            out["durable_dcp_s"] = timed_across(save_fs)
-            out["durable_ds_s"] = timed_across(save_ds)  # the newest tag: the one the memory load reads
+            out["durable_dcp_s"] = timed_across(save("fs", fs_folder))
+            out["planned_dcp_s"] = max_across(planned["fs"])
+            out["durable_ds_s"] = timed_across(save("ds", ds_folder))  # the newest tag: the one the memory load reads
+            out["planned_ds_s"] = max_across(planned["ds"])
             if dist.get_rank() == 0:
                 fsync_tree(fs_folder)  # DCP's writer fsyncs its files; its folder entries too, to be alike
 
@@ -473,10 +497,11 @@ def load_phase(args: dict[str, Any]) -> None:
                 if name != "memory":
                     cold(folder)
                 sources.clear()
-                spent = timed_metadata(reader)
+                spent, reading = timed_method(reader, "read_metadata"), timed_method(reader, "read_data")
                 out[f"load_{name}_s"] = timed_across(
                     lambda: dcp.load(target, checkpoint_id=folder, storage_reader=reader))  # noqa: B023 - called here
                 out[f"metadata_{name}_s"] = spent[0]
+                out[f"read_{name}_s"] = max_across(reading[0])
                 if name == "memory":
                     out["memory_sources"] = sorted(set(sources))
                 set_state_dict(dst.model, dst.opt, model_state_dict=target["model"], optim_state_dict=target["optim"])

@@ -264,13 +264,8 @@ class Stream:
         """Piece ``piece`` in STEP reads (or found in ``source``), each hashed and copied out."""
         hashes = [checksummer() for _ in piece.segments]
         step = READ_PIECE if fill else STEP  # a fresh load copies nothing out: large reads serve the disk better
-        first, last = piece.start, piece.stop
-        if self.partial:  # the blocks that hold its segments (which hold its targets' bytes), no more
-            spans = [(at, at + n) for _, at, n, _ in piece.segments] + [(lo, hi) for _, lo, hi, _ in piece.targets]
-            first = max(first, min(lo for lo, _ in spans) // DATA_ALIGN * DATA_ALIGN)
-            last = min(last, align_up(max(hi for _, hi in spans), DATA_ALIGN))
-        for at in range(first, last, step):
-            stop = min(last, at + step)
+        for at, stop in ((at, min(last, at + step)) for first, last in self._spans(piece)
+                         for at in range(first, last, step)):
             straight = None
             if source is not None:
                 data, address = memoryview(source[at:stop]), source.ctypes.data + at
@@ -305,6 +300,22 @@ class Stream:
             if h.digest() != want:
                 raise storage_error(self.path, self.header, index, f"checksum mismatch in bytes "
                                     f"{start - self.header.storages[index].offset}..+{length} (the data is corrupt)")
+
+    def _spans(self, piece: Piece) -> list[tuple[int, int]]:
+        """The bytes of ``piece`` to read: all of it; for a partial load, the blocks that hold its segments (which
+        hold its targets' bytes), runs closer than PARTIAL_GAP read as one. A resharded DCP load asks a file for a
+        few scalars scattered through it (each parameter's optimizer step): not the whole piece between them."""
+        if not self.partial:
+            return [(piece.start, piece.stop)]
+        spans: list[tuple[int, int]] = []
+        for lo, hi in sorted([(at, at + n) for _, at, n, _ in piece.segments]
+                             + [(lo, hi) for _, lo, hi, _ in piece.targets]):
+            lo, hi = max(piece.start, lo // DATA_ALIGN * DATA_ALIGN), min(piece.stop, align_up(hi, DATA_ALIGN))
+            if spans and lo <= spans[-1][1] + PARTIAL_GAP:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
+            else:
+                spans.append((lo, hi))
+        return spans
 
     def _scatter(self, fd: int, piece: Piece, at: int, stop: int, bounce: _Bounce) -> dict[int, Straight] | None:
         """Bytes ``at..stop`` read in one preadv: each CPU target's part straight into it (with O_DIRECT, a
@@ -372,3 +383,6 @@ class Stream:
 
 
 IOV_MAX = 1024
+PARTIAL_GAP = 256 << 10
+"""A partial load reads through a gap between two runs it needs rather than read them apart, up to this many bytes:
+about what this disk reads in the time one more request costs."""

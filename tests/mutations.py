@@ -861,6 +861,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_slices.py::test_a_slice_reads_only_the_pieces_that_hold_it",),
     ),
     Mutation(
+        "partial-load-reads-between-scalars",
+        "a partial load reads each piece from its first needed byte to its last, not only the blocks around them",
+        (Edit("client/stream.py", "            if spans and lo <= spans[-1][1] + PARTIAL_GAP:\n",
+              "            if spans:\n"),),
+        ("tests/test_slices.py::test_scalars_scattered_through_a_file_read_only_the_blocks_around_them",),
+    ),
+    Mutation(
         "slice-hash-skips-bytes-beside-it",
         "a slice read straight into its tensor hashes only its own bytes, not the rest of the pieces around it: "
         "every checksum fails",
