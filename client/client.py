@@ -198,6 +198,9 @@ class Client:
         """COMMITs the daemon has not answered: (tag, the caller's future, the daemon's reply). With the local
         fallback, a tag whose snapshots ``wait()`` saves again locally is committed locally instead."""
         self._commits_lock = threading.Lock()
+        self._reconnecting = threading.RLock()
+        """Held while one thread finds the connection lost and makes a new one: a reader's threads restoring files
+        at once (integrations/dcp.py) make one, not one each."""
         self._expected: list[Expected] = []
         """Snapshots another thread is about to send (``expect``): ``wait()`` waits for each to be set first."""
         self._waiting = False
@@ -405,9 +408,10 @@ class Client:
 
     def _daemon(self) -> Connection:
         """The connection to the daemon: after one was lost (and no fallback), a new one, as a new client."""
-        if self.fallback is None and (self._left or self._conn.lost):
-            self._reconnect()
-        return self._conn
+        with self._reconnecting:
+            if self.fallback is None and (self._left or self._conn.lost):
+                self._reconnect()
+            return self._conn
 
     def _reconnect(self) -> None:
         """Connect again to a daemon this client lost (stalled past liveness, restarted), as a new client.

@@ -42,6 +42,7 @@ import contextlib
 import io
 import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -289,28 +290,39 @@ class DatastatesStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Each file this rank's plan names, read once: into its tensors where it fits them whole, else the slices
-        of it the plan asks for, and only the pieces that hold them."""
+        of it the plan asks for, and only the pieces that hold them. The files are read at once, on a thread each
+        (a resharded load reads a few scalars from most files: their latency hides behind the large reads); the
+        planner hears of each item on this thread, after every read succeeded."""
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
         keys: dict[str, set[str]] = {}
         for at in self.storage_data.values():
             keys.setdefault(at.file, set()).add(at.key)
+        reads: dict[str, tuple[dict[str, Any] | None, dict[int, Slice]]] = {}
         for name, items in per_file.items():
             into = self._into(items, planner, keys[name])
-            slices = {} if into is not None else {
+            reads[name] = into, {} if into is not None else {
                 id(item): Slice(self.storage_data[item.storage_index].key, tuple(item.storage_offsets),
                                 tuple(item.lengths), planner.resolve_tensor(item).detach(),
                                 shape=tuple(self._chunks[item.storage_index][0]))
                 for item in items if item.type != LoadItemType.BYTE_IO}
-            state = self._read(name, lambda path: load(path, into=into) if into is not None else
-                               load_slices(path, list(slices.values())))
+
+        def read(name: str) -> dict[str, Any]:
+            into, slices = reads[name]
+            return self._read(name, lambda path: load(path, into=into) if into is not None else
+                              load_slices(path, list(slices.values())))
+
+        with ThreadPoolExecutor(max(1, len(per_file)), thread_name_prefix="ds-dcp-read") as pool:
+            states = dict(zip(per_file, pool.map(read, per_file)))
+        for name, items in per_file.items():
+            into, slices = reads[name]
             for item in items:
                 key = self.storage_data[item.storage_index].key
                 if item.type == LoadItemType.BYTE_IO:
                     if self.weights_only:
-                        _safe(state[key], name, item.storage_index.fqn)
-                    planner.load_bytes(item, io.BytesIO(state[key]))
+                        _safe(states[name][key], name, item.storage_index.fqn)
+                    planner.load_bytes(item, io.BytesIO(states[name][key]))
                     continue
                 planner.commit_tensor(item, into[key] if into is not None else slices[id(item)].into)
         fut: Future[None] = Future()
