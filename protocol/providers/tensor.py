@@ -21,11 +21,25 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_S
 """Every dtype of the format (``DTYPE_SIZES``) this torch has."""
 
 
+class _Sizes(Sequence[int]):
+    """The sources' sizes as ``check_view`` reads them (how many, and one of them): a list of every size for each
+    entry made planning a file or snapshot of n tensors cost n^2 (16 of 70 ms for 447 tensors)."""
+
+    def __init__(self, sources: Sequence[SourceDesc]) -> None:
+        self._sources = sources
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __getitem__(self, index: int) -> int:  # type: ignore[override]  # check_view reads one item, never a slice
+        return self._sources[index].nbytes
+
+
 class TensorProvider(StateProvider):
     name = "tensor"
 
     def plan(self, entry: EntryDesc, sources: Sequence[SourceDesc]) -> EntryDesc:
-        meta = check_view(entry.name, entry.meta, [src.nbytes for src in sources])
+        meta = check_view(entry.name, entry.meta, _Sizes(sources))
         if meta["dtype"] not in DTYPES:
             raise InvalidRequestError(f"tensor {entry.name!r}: dtype {meta['dtype']!r} is not one this torch has")
         return EntryDesc(provider=self.name, name=entry.name, meta=meta)
