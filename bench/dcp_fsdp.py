@@ -32,6 +32,9 @@ training slowdown (mean step time with checkpoints / without) and datastates' ov
 (slowdown - 1) over DCP's; the time the loop is blocked per checkpoint (the save call plus the
 fence, plus any wait for the previous checkpoint) over DCP's; durable throughput over the raw
 write's; the cold load over ``FileSystemReader``'s, the memory load over it, and 4 -> 2 over 2 -> 2.
+Then the storage layer's part alone, with no targets: each idle save from the writer's ``write_data`` on
+(before it, DCP plans: its local and global plans over the process group, the same for any storage layer), and
+each load's ``read_data``, over the raw write and ``FileSystemReader``'s.
 JSON to ``bench/results/dcp_fsdp.json``; the ranks' stderr to ``dcp_fsdp.log`` beside it.
 
     .venv/bin/python bench/dcp_fsdp.py                      # the issue's size, 3 runs: about 11 min here
