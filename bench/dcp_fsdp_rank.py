@@ -12,7 +12,7 @@ bench/dcp_fsdp_model.py).
   last checkpoint is loaded back and compared with the value it had when saved.
 - ``save4``: (4 ranks) the model saved once through datastates, for the reshard load; rank 0
   keeps one full tensor of it (``ref4.pt``) to check the load against.
-- ``load``: per run, a raw O_DIRECT write (rank 0), a datastates and a DCP save (durable
+- ``load``: per run, a raw O_DIRECT write (rank 0), a datastates and a DCP save (in an order that flips each run; durable
   times, nothing else running), then cold loads into another FSDP model and optimizer:
   DCP's ``FileSystemReader``, ``DatastatesStorageReader()``, ``DatastatesStorageReader(client)``
   (the daemon's memory), and the 4-rank checkpoint (4 → 2), every load checked.
@@ -479,10 +479,10 @@ def load_phase(args: dict[str, Any]) -> None:
                     planned[name] = first[1] - t0 if first[1] else math.nan  # process mode: timed in its process
                 return run
 
-            out["durable_dcp_s"] = timed_across(save("fs", fs_folder))
-            out["planned_dcp_s"] = max_across(planned["fs"])
-            out["durable_ds_s"] = timed_across(save("ds", ds_folder))  # the newest tag: the one the memory load reads
-            out["planned_ds_s"] = max_across(planned["ds"])
+            for name in ("fs", "ds") if run % 2 == 0 else ("ds", "fs"):  # the order flips each run, as in training
+                contender = "dcp" if name == "fs" else "ds"
+                out[f"durable_{contender}_s"] = timed_across(save(name, fs_folder if name == "fs" else ds_folder))
+                out[f"planned_{contender}_s"] = max_across(planned[name])
             if dist.get_rank() == 0:
                 fsync_tree(fs_folder)  # DCP's writer fsyncs its files; its folder entries too, to be alike
 
