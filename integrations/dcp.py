@@ -105,6 +105,11 @@ def _nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else len(value)
 
 
+FILES_AT_ONCE = 4
+"""Files a rank's load reads at a time: each read has its own threads and 8 MiB buffers (client/stream.py), so a
+load from a checkpoint of 64 ranks into one must not start 64 of them."""
+
+
 class DatastatesStorageWriter(StorageWriter, AsyncStager):
     """DCP's storage layer as snapshots and one commit through this rank's ``client`` (see the module's docstring).
 
@@ -290,9 +295,9 @@ class DatastatesStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Each file this rank's plan names, read once: into its tensors where it fits them whole, else the slices
-        of it the plan asks for, and only the pieces that hold them. The files are read at once, on a thread each
-        (a resharded load reads a few scalars from most files: their latency hides behind the large reads); the
-        planner hears of each item on this thread, after every read succeeded."""
+        of it the plan asks for, and only the pieces that hold them. FILES_AT_ONCE files are read at a time, on a
+        thread each (a resharded load reads a few scalars from most files: their latency hides behind the large
+        reads); the planner hears of each item on this thread, after every read succeeded."""
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
@@ -313,7 +318,7 @@ class DatastatesStorageReader(StorageReader):
             return self._read(name, lambda path: load(path, into=into) if into is not None else
                               load_slices(path, list(slices.values())))
 
-        with ThreadPoolExecutor(max(1, len(per_file)), thread_name_prefix="ds-dcp-read") as pool:
+        with ThreadPoolExecutor(max(1, min(FILES_AT_ONCE, len(per_file))), thread_name_prefix="ds-dcp-read") as pool:
             states = dict(zip(per_file, pool.map(read, per_file)))
         for name, items in per_file.items():
             into, slices = reads[name]
