@@ -8,7 +8,7 @@ datastates' file took 1.58 s as a process's first load and 0.92 s as its second,
 crash is a fresh process; bench/restore.py and bench/compare.py time every fresh load this way.
 
 Usage: ``python bench/load_once.py KIND PATH [DEVICE]``, KIND one of KINDS; prints the seconds.
-``common.in_fresh_process`` runs it with the page cache of PATH's folder dropped first.
+``common.in_fresh_process`` runs it, with a folder's page cache dropped first where its caller asks.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _dcp_load(path: str, device: str, ours: bool = False) -> Any:
     meta = reader.read_metadata()
     state = {k: torch.empty(m.size, dtype=m.properties.dtype, device=device)
              for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=path, storage_reader=DatastatesStorageReader() if ours else None, no_dist=True)
+    dcp.load(state, checkpoint_id=path, storage_reader=reader, no_dist=True)
     return state
 
 
