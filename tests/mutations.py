@@ -905,6 +905,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("client/client.py", "            if self._given_up:\n", "            if False:  # MUTATION\n"),),
         ("tests/integrations/test_dcp.py::test_a_snapshot_expected_but_never_sent_fails_the_fence_once_instead_of_hanging",),
     ),
+    Mutation(
+        "schema-fast-checker-takes-bool-for-int",
+        "the checker made per class takes true or false where a field wants an integer (a size, an offset, a count), "
+        "which the generic walk refuses",
+        (Edit("protocol/schema.py", "        return lambda v: v if isinstance(v, int) and not isinstance(v, bool) else _misfit()\n",
+              "        return lambda v: v if isinstance(v, int) else _misfit()  # MUTATION\n"),),
+        ("tests/test_schema.py",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
