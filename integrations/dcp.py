@@ -101,6 +101,18 @@ def _value(planner: SavePlanner, item: WriteItem) -> Any:
     return data.getvalue() if isinstance(data, io.BytesIO) else data.detach()
 
 
+def _reference(obj: Any) -> Any:
+    """What ``stage`` keeps of one item: a reference to a tensor's (a DTensor's local shard's) memory, or the bytes an
+    object is pickled into now (the caller may change it once ``async_save`` returns)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    pickled = io.BytesIO()
+    torch.save(obj, pickled)
+    return pickled.getvalue()
+
+
 def _nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else len(value)
 
@@ -143,15 +155,9 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
             raise InvalidRequestError("this DatastatesStorageWriter's previous save is still under way: make one "
                                       "writer per save")
         staged: dict[str, Any] = {}
-        for fqn, obj in flatten_state_dict(state_dict)[0].items():
-            if isinstance(obj, DTensor):
-                staged[fqn] = obj.to_local().detach()
-            elif isinstance(obj, torch.Tensor):
-                staged[fqn] = obj.detach()
-            else:
-                pickled = io.BytesIO()
-                torch.save(obj, pickled)
-                staged[fqn] = pickled.getvalue()
+        with torch.no_grad():  # DTensor.to_local is its local tensor, not an autograd call (7 of 15 ms, 447 DTensors)
+            for fqn, obj in flatten_state_dict(state_dict)[0].items():
+                staged[fqn] = _reference(obj)
         self._staged, self._coming = staged, self.client.expect()
         return state_dict
 
