@@ -6,8 +6,10 @@ thread waits for them all at once. Every copy queued is waited for before this r
 raises, so a chunk goes back to the pool only once no device copy can still land in it
 (the next snapshot's bytes would be overwritten). The bytes between storages are zeroed,
 then the piece's fills (the zip local headers before storages) written into them, so a
-reused chunk never leaks an older snapshot into a new file, and each segment is
-checksummed on the daemon's own copy, the bytes written.
+reused chunk never leaks an older snapshot into a new file.
+
+Each segment is checksummed on the daemon's own copy, the bytes written (``checksums``), on
+the flush side: the trainer's ``wait()`` waits for the copy alone, not for the hash too.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from .sources import Pending, Region
 
 def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
                before: Callable[[Region], None] = lambda region: None,
-               progress: Callable[[int], None] = lambda nbytes: None) -> list[tuple[int, int, bytes]]:
-    """Fill ``chunk`` with ``piece``; returns (storage, slot, checksum) for each segment.
+               progress: Callable[[int], None] = lambda nbytes: None) -> None:
+    """Fill ``chunk`` with ``piece``.
 
     ``before(region)`` runs before each segment is read, and raises to stop the piece (its
     trainer went, and its memory with it). ``progress(nbytes)`` is told the bytes of each
@@ -55,6 +57,10 @@ def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
         _wait_all(pending)
     if in_flight:
         progress(in_flight)
+
+
+def checksums(piece: Piece, chunk: Chunk | Window) -> list[tuple[int, int, bytes]]:
+    """(storage, slot, checksum) of each segment of ``piece``, as ``copy_piece`` left it in ``chunk``."""
     return [(seg.source, seg.slot, checksum(chunk.view[seg.dst:seg.dst + seg.length])) for seg in piece.segments]
 
 

@@ -24,7 +24,7 @@ import torch
 
 from datastates.protocol.errors import DatastatesError, SnapshotFailedError
 
-from .copier import copy_piece
+from .copier import checksums, copy_piece
 from .instances import Gone
 from .job import SnapshotJob
 from .memory import Chunk, HostPool, Window
@@ -100,10 +100,8 @@ class Engine:
                     raise job.abandoned
                 filled_in_place = in_place is not None
                 dst = Window(in_place, pages, at, piece.length) if filled_in_place else chunk
-                copied = await loop.run_in_executor(self._copy, copy_piece, piece, dst, job.regions, job.before_copy,
-                                                    job.add_copied)
-                for storage, slot, digest in copied:
-                    sums[storage][slot] = digest
+                await loop.run_in_executor(self._copy, copy_piece, piece, dst, job.regions, job.before_copy,
+                                           job.add_copied)
                 uncopied -= 1
                 if uncopied == 0:
                     job.mark_copied()
@@ -112,7 +110,7 @@ class Engine:
                     chunk = None
                 else:
                     self.pool.copied(chunk)
-                await self.flush(sink.write, at, dst.view[: piece.length], filled_in_place)
+                await self.flush(_hashed_write, sink, piece, dst, at, filled_in_place, sums)
                 job.flushed_bytes += sum(s.length for s in piece.segments)
             except BaseException as exc:
                 failures.append(exc)
@@ -168,6 +166,15 @@ class Engine:
         self._fence.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)
+
+
+def _hashed_write(sink: FileSink, piece: Piece, dst: Chunk | Window, at: int, in_place: bool,
+                  sums: list[list[bytes]]) -> None:
+    """On a flush thread: the piece's checksums into ``sums`` (off the copy's path, which ``wait()`` waits for),
+    then its bytes to the file."""
+    for storage, slot, digest in checksums(piece, dst):
+        sums[storage][slot] = digest
+    sink.write(at, dst.view[: piece.length], in_place)
 
 
 def _finalize(job: SnapshotJob, sink: FileSink) -> None:

@@ -30,7 +30,7 @@ from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.tags import next_sequence
 
 from .commit import check_listed, make_marker, tag_folder, trackers
-from .copier import copy_piece
+from .copier import checksums, copy_piece
 from .instances import Instance
 from .memory import Chunk
 from .sink import FileSink
@@ -86,7 +86,8 @@ class LocalSaver:
         try:
             sink.create()
             for piece in plan.pieces:
-                for storage, slot, digest in copy_piece(piece, self._chunk, regions):
+                copy_piece(piece, self._chunk, regions)
+                for storage, slot, digest in checksums(piece, self._chunk):
                     sums[storage][slot] = digest
                 sink.write(plan.data_offset + piece.offset, self._chunk.view[: piece.length])
             sink.header(plan.head(sums), plan.data_offset, plan.layout.tail_at, plan.layout.tail)

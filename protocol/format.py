@@ -292,14 +292,38 @@ def zip_layout(header: FileHeader, index_len: int, version: int = FORMAT_VERSION
 
 
 def parse_header(body: bytes, expected_hash: int, path: str) -> FileHeader:
-    if xxhash.xxh64_intdigest(body) != expected_hash:
-        raise CorruptCheckpointError(f"{path}: header checksum mismatch (the header is corrupt)", path=path)
+    _check_header_sum(body, expected_hash, path)
     try:
         header = from_dict(FileHeader, msgpack.unpackb(body, raw=False), "header")
     except Exception as exc:
         raise CorruptCheckpointError(f"{path}: header does not decode: {exc}", path=path) from None
     header.check(path)
     return header
+
+
+def header_snapshot(body: bytes, expected_hash: int, path: str) -> str:
+    """The header's ``snapshot`` alone, every other field skipped undecoded: a commit asks it of every file it
+    lists, and building a header of 100,000 entries took 3 s (decoding its map alone, 0.7 s)."""
+    _check_header_sum(body, expected_hash, path)
+    snapshot: object = ""
+    try:
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(body)
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "snapshot":
+                snapshot = unpacker.unpack()
+            else:
+                unpacker.skip()
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{path}: header does not decode: {exc}", path=path) from None
+    if not isinstance(snapshot, str):
+        raise CorruptCheckpointError(f"{path}: header does not decode: its snapshot is not a string", path=path)
+    return snapshot
+
+
+def _check_header_sum(body: bytes, expected_hash: int, path: str) -> None:
+    if xxhash.xxh64_intdigest(body) != expected_hash:
+        raise CorruptCheckpointError(f"{path}: header checksum mismatch (the header is corrupt)", path=path)
 
 
 def check_tag(tag: str) -> str:

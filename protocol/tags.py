@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 
 from .errors import DatastatesError
 from .format import (INDEX_AT, MARKER_PREFIX, MARKER_SUFFIX, PREAMBLE_SIZE, CommitMarker, MarkerFile, index_at,
-                     marker_name, parse_header, parse_preamble)
+                     header_snapshot, marker_name, parse_preamble)
 from .paths import within
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def file_snapshot(name: str, folder_fd: int) -> str:
     try:
         container, at = index_at(os.pread(fd, INDEX_AT, 0), name)
         _, header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, at), name, container)
-        return parse_header(os.pread(fd, header_len, at + PREAMBLE_SIZE), header_hash, name).snapshot
+        return header_snapshot(os.pread(fd, header_len, at + PREAMBLE_SIZE), header_hash, name)
     except DatastatesError:
         return ""
     finally:

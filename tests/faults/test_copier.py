@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from datastates.daemon.copier import copy_piece
+from datastates.daemon.copier import checksums, copy_piece
 from datastates.daemon.memory import Chunk
 from datastates.daemon.sources import Region
 from datastates.protocol.layout import Piece, Segment
@@ -85,6 +85,7 @@ def test_a_trainer_that_gave_up_mid_piece_stops_it_after_its_queued_copies_lande
 def test_a_piece_that_succeeds_checksums_the_landed_bytes() -> None:
     regions = [DeviceLike(7), DeviceLike(9)]
     chunk = Chunk(2 * SEG)
-    sums = copy_piece(piece_of(2), chunk, regions)
+    copy_piece(piece_of(2), chunk, regions)
+    sums = checksums(piece_of(2), chunk)
     assert [s[:2] for s in sums] == [(0, 0), (1, 0)]
     assert bytes(chunk.view[:SEG]) == b"\x07" * SEG and bytes(chunk.view[SEG:]) == b"\x09" * SEG
