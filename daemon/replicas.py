@@ -21,6 +21,13 @@ most of the daemon's CPU per checkpoint (0.40 of 0.64 CPU-s for a 0.76 GB state,
 writing over kept pages costs half. The spare counts in ``used``: the budget already held
 room for two replicas of a file while the newer one is written.
 
+A rank file's first replica has no spare to be written over, nor has the next one (the first
+is still the newest committed): their fresh pages were allocated while their copies ran, and
+on two cores the first checkpoints' fences took 2-4 x the later ones'. So once a rank file's
+first replica is committed, a spare of its size is allocated in the background
+(``prepare``, on a flush thread, between checkpoints), where the budget has room for it and
+the next replica.
+
 A replica is a plain checkpoint file in shared memory: the restarted trainer maps it with
 ``datastates.load``, which checks every checksum. The tag to restore is chosen from the
 storage's commit markers, the same for every rank; a replica is used only if it is of that
@@ -83,6 +90,8 @@ def rank_file(path: str) -> tuple[str, str]:
 class _Spare:
     file: str
     size: int
+    ahead: bool = False
+    """Allocated ahead (``prepare``), not a superseded replica: dropped first when a replica needs the room."""
 
 
 def _folder_prefix() -> str:
@@ -109,11 +118,32 @@ def remove_gone(gone: Gone) -> list[str]:
     return removed
 
 
+Background = Callable[[Callable[[], None], Callable[[BaseException | None], None]], None]
+"""Runs its first argument off the event loop, then its second on the loop with what the first raised (or None)."""
+
+
+def _allocate(path: str, size: int) -> None:
+    """A new file of ``size`` bytes at ``path``, every page allocated (tmpfs: zeroed now, not at the first store)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except BaseException:
+        _unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
 class ReplicaStore:
-    def __init__(self, policy: str, budget: int, owner: str, on_removed: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, policy: str, budget: int, owner: str, on_removed: Callable[[], None] = lambda: None,
+                 background: Background | None = None) -> None:
         self.policy = policy
         self._on_removed = on_removed
         """Called once files were removed: the storage writer may still map them (their pages are freed then)."""
+        self._background = background
+        """Allocates spares ahead (``prepare``); None: spares come only from superseded replicas."""
+        self._making: dict[tuple[str, str], int] = {}
+        """Rank files whose spare is being allocated, and its size (counted in ``used``)."""
         self.budget = budget
         self.folder = _folder_prefix() + owner
         self._held: dict[int, Replica] = {}
@@ -134,6 +164,12 @@ class ReplicaStore:
         spare = self._spares.pop(rank_file(path), None)
         if spare is not None:
             self.used -= spare.size  # becomes this replica's file, or goes
+        for key in [k for k, sp in self._spares.items() if sp.ahead]:
+            if self.used + size <= self.budget:
+                break
+            dropped = self._spares.pop(key)  # another rank file's, allocated ahead: a replica needs the room more
+            self.used -= dropped.size
+            self._remove(dropped.file)
         if self.used + size > self.budget:
             self._remove(spare.file if spare else "")
             log.info("no replica of %s: %d bytes over memory_restore_budget (%d of %d used)",
@@ -204,6 +240,37 @@ class ReplicaStore:
                         and commit.snapshots.get(r.path) != r.snapshot and r.job_id < newest
                         and (r.committed or (current is not None and os.path.exists(r.file)))]:  # exists: written
                 self._supersede(old)
+            if current is not None:  # after the superseded ones became spares: none did for a first replica
+                self.prepare(current)
+
+    def prepare(self, replica: Replica) -> None:
+        """Allocate a spare for ``replica``'s rank file in the background, if it has none and the budget and /dev/shm
+        have room for it and for the next replica: that one is then written over pages that exist, as in the steady
+        state. Another rank file's replica that needs the room takes it back (``reserve``)."""
+        key = replica.rank_file
+        if self._background is None or key in self._spares or key in self._making:
+            return
+        if self.used + 2 * replica.size > self.budget:  # the spare, and the next replica while it is allocated
+            return
+        st = os.statvfs(self.folder)
+        if st.f_bavail * st.f_frsize < 2 * replica.size + SHM_HEADROOM:
+            return
+        file = os.path.join(self.folder, f"spare-ahead-{replica.job_id}")
+        self.used += replica.size
+        self._making[key] = replica.size
+
+        def made(error: BaseException | None) -> None:
+            self._making.pop(key, None)
+            if error is None and key not in self._spares:
+                self._spares[key] = _Spare(file, replica.size, ahead=True)
+                return
+            self.used -= replica.size  # failed, or a superseded replica became the spare meanwhile
+            if error is None:
+                self._remove(file)
+            else:
+                log.info("no spare allocated ahead for %s: %s", replica.path, error)
+
+        self._background(lambda: _allocate(file, replica.size), made)
 
     def pruned(self, folders: list[str]) -> None:
         """Nothing to do: retention deletes a run's older tags, whose replicas went when newer ones committed."""
@@ -242,7 +309,8 @@ class ReplicaStore:
             "policy": self.policy,
             "budget_bytes": self.budget,
             "used_bytes": self.used,
-            "spare_bytes": sum(sp.size for sp in self._spares.values()),
+            "spare_bytes": sum(sp.size for sp in self._spares.values()) + sum(self._making.values()),
+            "spares_allocating": len(self._making),
             "locked_bytes": self._pins.locked_bytes,
             "lock_refused": self._pins.refused,
             "folder": self.folder,

@@ -73,7 +73,8 @@ class Daemon:
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions)
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
-                                     on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed())
+                                     on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed(),
+                                     background=lambda work, done: self._spawn(self._in_background(work, done)))
         self.ledger.subscribe(self.replicas)
         self._tasks: set[asyncio.Task] = set()
         self._left: dict[str, str] = {}
@@ -121,6 +122,15 @@ class Daemon:
         # the trainers outlive this daemon: release every CUDA block it holds, or they stay parked in them
         self.clients.release_all()
         await asyncio.get_running_loop().run_in_executor(None, flush_releases, 30)
+
+    async def _in_background(self, work: Callable[[], None], done: Callable[[BaseException | None], None]) -> None:
+        """``work`` on a flush thread, then ``done`` here with what it raised (or None)."""
+        try:
+            await self.engine.flush(work)
+        except Exception as exc:
+            done(exc)
+        else:
+            done(None)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

@@ -906,6 +906,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integrations/test_dcp.py::test_a_snapshot_expected_but_never_sent_fails_the_fence_once_instead_of_hanging",),
     ),
     Mutation(
+        "replica-no-spare-ahead",
+        "a rank file's first replica gets no spare allocated ahead: its second replica's fresh pages are allocated "
+        "while its copies run, as the first's were",
+        (Edit("daemon/replicas.py", "                self.prepare(current)\n", "                pass  # MUTATION\n"),),
+        ("tests/test_restore.py::test_a_first_replica_gets_a_spare_ahead_so_the_second_fills_existing_pages",),
+    ),
+    Mutation(
+        "replica-spare-ahead-takes-the-next-replicas-room",
+        "a spare is allocated ahead where the budget has room for it but not also for the next replica, which is "
+        "then not kept",
+        (Edit("daemon/replicas.py", "        if self.used + 2 * replica.size > self.budget:",
+              "        if self.used + replica.size > self.budget:  # MUTATION"),),
+        ("tests/test_restore.py::test_a_first_replica_gets_a_spare_ahead_so_the_second_fills_existing_pages",),
+    ),
+    Mutation(
         "schema-fast-checker-takes-bool-for-int",
         "the checker made per class takes true or false where a field wants an integer (a size, an offset, a count), "
         "which the generic walk refuses",

@@ -421,3 +421,45 @@ def test_a_replica_removed_under_the_daemon_is_unlocked_and_unmapped_by_the_next
     with open(f"/proc/{d.proc.pid}/status") as f:
         locked = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmLck:"))
     assert locked < size, f"the daemon still locks {locked} bytes; the removed replica had {size}"
+
+
+def _settled_replicas(c: Client) -> dict:
+    """The daemon's replica status once no spare is being allocated ahead."""
+    for _ in range(1200):
+        replicas = c.status()["replicas"]
+        if not replicas["spares_allocating"]:
+            return replicas
+        time.sleep(0.05)
+    raise AssertionError(f"a spare was still being allocated after 60 s: {replicas}")
+
+
+@pytest.mark.parametrize("budget", ["8MiB", "2600KiB"], ids=["room-for-a-spare", "room-for-two-replicas-only"])
+def test_a_first_replica_gets_a_spare_ahead_so_the_second_fills_existing_pages(
+        start_daemon: Callable[..., DaemonProc], budget: str) -> None:
+    """Issue 30: a rank file's first two replicas had no spare to be written over, so their fresh /dev/shm pages
+    were allocated while their copies ran. Once the first is committed, a spare is allocated in the background:
+    the second snapshot's copies fill its pages. Never where the budget lacks room for the spare and the next
+    replica: that one must still be kept (2.6 MiB holds two 1 MB replicas, not three)."""
+    d = start_daemon(memory_restore_budget=budget)
+    run = d.root / "run"
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, {"w": torch.full((250_000,), 1.0), "step": 1}, run / "step1" / "rank0.pt")
+        after_first = _settled_replicas(c)
+        save(c, {"w": torch.full((250_000,), 2.0), "step": 2}, run / "step2" / "rank0.pt")
+        after_second = _settled_replicas(c)
+        restored = c.restore(run, "rank0.pt")
+    size = (run / "step1" / "rank0.pt").stat().st_size
+    second = [r for r in after_second["replicas"] if r["tag"] == "step2"]
+    assert restored is not None
+    assert (restored.tag, restored.source) == ("step2", "memory"), (restored.tag, restored.source,
+                                                                     restored.why_not_memory)
+    assert restored.state["step"] == 2 and torch.equal(restored.state["w"], torch.full((250_000,), 2.0))
+    assert len(second) == 1 and second[0]["committed"], after_second["replicas"]
+    if budget == "8MiB":
+        assert after_first["spare_bytes"] == size, after_first
+        assert second[0]["in_place"], "the second replica was not written over the spare allocated ahead"
+    else:
+        assert after_first["spare_bytes"] == 0, after_first
+    for replicas in (after_first, after_second):
+        assert replicas["used_bytes"] == replicas["spare_bytes"] + sum(r["size"] for r in replicas["replicas"])
+        assert replicas["used_bytes"] <= 2 * size, replicas
