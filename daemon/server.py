@@ -74,7 +74,8 @@ class Daemon:
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
                                      on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed(),
-                                     background=lambda work, done: self._spawn(self._in_background(work, done)))
+                                     background=lambda work, done: self._spawn(self._in_background(work, done)),
+                                     ready=lambda path, size: self.engine.writer(path).ready_pages(path, size))
         self.ledger.subscribe(self.replicas)
         self._tasks: set[asyncio.Task] = set()
         self._left: dict[str, str] = {}

@@ -61,6 +61,11 @@ class StorageWriter(ABC):
         ``finalize`` or ``abort`` unmaps them once the caller's views of them are gone."""
         return None
 
+    def ready_pages(self, path: str, size: int) -> None:
+        """Allocate the first ``size`` bytes of ``path`` (made if missing) and map them now, so that a later
+        ``create`` taking the file over (``reuse``) gets ``pages`` of that size with no allocation or mapping on its
+        own path; OSError where they cannot be. Nothing where a file's pages are not memory, as here."""
+
     def release_removed(self) -> None:
         """Let go of what the writer still holds of files removed since (``pages``' mappings); nothing here."""
 

@@ -286,6 +286,32 @@ class PosixWriter(StorageWriter):
             handle.end = max(handle.end, size)
         return memoryview(handle.mapped.map)
 
+    def ready_pages(self, path: str, size: int) -> None:
+        if not on_tmpfs(os.path.dirname(path)):
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            st = os.fstat(fd)
+            with self._kept_lock:
+                kept = self._kept.get((st.st_dev, st.st_ino))
+            if kept is not None and len(kept.map) == size:  # written in place last time: mapped already
+                os.close(fd)
+                return
+            os.posix_fallocate(fd, 0, size)
+            mapped = _Mapped(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._keep(mapped)
+
+    def _keep(self, mapped: _Mapped) -> None:
+        """``mapped`` kept for the next ``create`` that takes its file over; an older mapping of the file goes."""
+        with self._kept_lock:
+            old = self._kept.pop(mapped.key, None)
+            self._kept[mapped.key] = mapped
+        if old is not None:
+            old.close()
+
     def release_removed(self) -> None:
         """Unmap the kept files removed since: their pages are freed only then."""
         with self._kept_lock:
@@ -312,11 +338,7 @@ class PosixWriter(StorageWriter):
             raise storage_error("cannot make durable", handle.path, exc) from None
         handle.release()
         if mapped is not None:
-            with self._kept_lock:
-                old = self._kept.pop(mapped.key, None)
-                self._kept[mapped.key] = mapped
-            if old is not None:
-                old.close()
+            self._keep(mapped)
 
     def abort(self, handle: _Handle) -> None:
         if handle.folder < 0:
