@@ -255,6 +255,11 @@ class ReplicaStore:
         if st.f_bavail * st.f_frsize < 2 * replica.size + SHM_HEADROOM:
             return
         file = os.path.join(self.folder, f"spare-ahead-{replica.job_id}")
+        try:
+            os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
+        except OSError as exc:
+            log.info("no spare allocated ahead for %s: %s", replica.path, exc)
+            return
         self.used += replica.size
         self._making[key] = replica.size
 

@@ -62,7 +62,7 @@ class StorageWriter(ABC):
         return None
 
     def ready_pages(self, path: str, size: int) -> None:
-        """Allocate the first ``size`` bytes of ``path`` (made if missing) and map them now, so that a later
+        """Allocate the first ``size`` bytes of the file ``path`` and map them now, so that a later
         ``create`` taking the file over (``reuse``) gets ``pages`` of that size with no allocation or mapping on its
         own path; OSError where they cannot be. Nothing where a file's pages are not memory, as here."""
 

@@ -289,7 +289,7 @@ class PosixWriter(StorageWriter):
     def ready_pages(self, path: str, size: int) -> None:
         if not on_tmpfs(os.path.dirname(path)):
             return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)  # never made here: taken over meanwhile, it is gone
         try:
             st = os.fstat(fd)
             with self._kept_lock:
