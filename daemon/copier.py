@@ -8,7 +8,7 @@ raises, so a chunk goes back to the pool only once no device copy can still land
 then the piece's fills (the zip local headers before storages) written into them, so a
 reused chunk never leaks an older snapshot into a new file.
 
-Each segment is checksummed on the daemon's own copy, the bytes written (``checksums``), on
+Each segment is checksummed on the daemon's own copy, the bytes written (``write_hashed``), on
 the flush side: the trainer's ``wait()`` waits for the copy alone, not for the hash too.
 """
 
@@ -20,6 +20,7 @@ from datastates.protocol.format import checksum
 from datastates.protocol.layout import Piece
 
 from .memory import Chunk, Window
+from .sink import FileSink
 from .sources import Pending, Region
 
 
@@ -57,6 +58,15 @@ def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
         _wait_all(pending)
     if in_flight:
         progress(in_flight)
+
+
+def write_hashed(sink: FileSink, piece: Piece, chunk: Chunk | Window, at: int, in_place: bool,
+                 sums: list[list[bytes]]) -> None:
+    """On the flush side: ``piece``'s ``checksums`` into ``sums`` (by storage and slot), then its bytes in ``chunk``
+    to the file at ``at``."""
+    for storage, slot, digest in checksums(piece, chunk):
+        sums[storage][slot] = digest
+    sink.write(at, chunk.view[: piece.length], in_place)
 
 
 def checksums(piece: Piece, chunk: Chunk | Window) -> list[tuple[int, int, bytes]]:

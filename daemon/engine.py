@@ -24,7 +24,7 @@ import torch
 
 from datastates.protocol.errors import DatastatesError, SnapshotFailedError
 
-from .copier import checksums, copy_piece
+from .copier import copy_piece, write_hashed
 from .instances import Gone
 from .job import SnapshotJob
 from .memory import Chunk, HostPool, Window
@@ -110,7 +110,7 @@ class Engine:
                     chunk = None
                 else:
                     self.pool.copied(chunk)
-                await self.flush(_hashed_write, sink, piece, dst, at, filled_in_place, sums)
+                await self.flush(write_hashed, sink, piece, dst, at, filled_in_place, sums)
                 job.flushed_bytes += sum(s.length for s in piece.segments)
             except BaseException as exc:
                 failures.append(exc)
@@ -166,15 +166,6 @@ class Engine:
         self._fence.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)
-
-
-def _hashed_write(sink: FileSink, piece: Piece, dst: Chunk | Window, at: int, in_place: bool,
-                  sums: list[list[bytes]]) -> None:
-    """On a flush thread: the piece's checksums into ``sums`` (off the copy's path, which ``wait()`` waits for),
-    then its bytes to the file."""
-    for storage, slot, digest in checksums(piece, dst):
-        sums[storage][slot] = digest
-    sink.write(at, dst.view[: piece.length], in_place)
 
 
 def _finalize(job: SnapshotJob, sink: FileSink) -> None:

@@ -30,7 +30,7 @@ from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.tags import next_sequence
 
 from .commit import check_listed, make_marker, tag_folder, trackers
-from .copier import checksums, copy_piece
+from .copier import copy_piece, write_hashed
 from .instances import Instance
 from .memory import Chunk
 from .sink import FileSink
@@ -87,9 +87,7 @@ class LocalSaver:
             sink.create()
             for piece in plan.pieces:
                 copy_piece(piece, self._chunk, regions)
-                for storage, slot, digest in checksums(piece, self._chunk):
-                    sums[storage][slot] = digest
-                sink.write(plan.data_offset + piece.offset, self._chunk.view[: piece.length])
+                write_hashed(sink, piece, self._chunk, plan.data_offset + piece.offset, False, sums)
             sink.header(plan.head(sums), plan.data_offset, plan.layout.tail_at, plan.layout.tail)
             sink.finalize()
         except BaseException:

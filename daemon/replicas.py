@@ -120,20 +120,20 @@ def remove_gone(gone: Gone) -> list[str]:
     return removed
 
 
-Background = Callable[[Callable[[], None], Callable[[BaseException | None], None]], None]
-"""Runs its first argument off the event loop, then its second on the loop with what the first raised (or None)."""
+ReadyAhead = Callable[[str, int, Callable[[BaseException | None], None]], None]
+"""Makes the first bytes of a spare file ready (allocated and mapped: the writer's ``ready_pages``) off the event loop,
+then calls its last argument on the loop with what that raised (or None)."""
 
 
 class ReplicaStore:
     def __init__(self, policy: str, budget: int, owner: str, on_removed: Callable[[], None] = lambda: None,
-                 background: Background | None = None, ready: Callable[[str, int], None] | None = None) -> None:
+                 ready_ahead: ReadyAhead | None = None) -> None:
         self.policy = policy
         self._on_removed = on_removed
         """Called once files were removed: the storage writer may still map them (their pages are freed then)."""
-        self._background = background
-        self._ready = ready
-        """With ``background``: makes a spare's pages ready (allocated and mapped: the writer's ``ready_pages``) off
-        the fence's path, a spare allocated ahead (``prepare``) and a superseded replica's alike. None: neither."""
+        self._ready_ahead = ready_ahead
+        """Readies a spare's pages off the fence's path, a spare allocated ahead (``prepare``) and a superseded
+        replica's alike; None: neither."""
         self._making: dict[tuple[str, str], int] = {}
         """Rank files whose spare is being allocated, and its size (counted in ``used``)."""
         self.budget = budget
@@ -208,13 +208,13 @@ class ReplicaStore:
             return
         self._remove(replica.spare)
         self._spares[replica.rank_file] = _Spare(spare, replica.size)
-        if self._background is not None and self._ready is not None:  # a replica written, not filled: not mapped
-            ready = self._ready
+        if self._ready_ahead is not None:  # a replica written, not filled in place: its pages are not mapped
+
             def mapped(error: BaseException | None) -> None:
                 if error is not None:  # its next replica maps it itself
                     log.info("spare %s not mapped ahead: %s", spare, error)
 
-            self._background(lambda: ready(spare, replica.size), mapped)
+            self._ready_ahead(spare, replica.size, mapped)
 
     def _remove(self, *paths: str) -> None:
         for path in paths:
@@ -247,7 +247,7 @@ class ReplicaStore:
         have room for it and for the next replica: that one is then written over pages that exist, as in the steady
         state. Another rank file's replica that needs the room takes it back (``reserve``)."""
         key = replica.rank_file
-        if self._background is None or self._ready is None or key in self._spares or key in self._making:
+        if self._ready_ahead is None or key in self._spares or key in self._making:
             return
         if self.used + 2 * replica.size > self.budget:  # the spare, and the next replica while it is allocated
             return
@@ -273,8 +273,7 @@ class ReplicaStore:
             if error is not None:
                 log.info("no spare allocated ahead for %s: %s", replica.path, error)
 
-        ready = self._ready
-        self._background(lambda: ready(file, replica.size), made)
+        self._ready_ahead(file, replica.size, made)
 
     def pruned(self, folders: list[str]) -> None:
         """Nothing to do: retention deletes a run's older tags, whose replicas went when newer ones committed."""

@@ -74,8 +74,7 @@ class Daemon:
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
                                      on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed(),
-                                     background=lambda work, done: self._spawn(self._in_background(work, done)),
-                                     ready=lambda path, size: self.engine.writer(path).ready_pages(path, size))
+                                     ready_ahead=lambda path, size, done: self._spawn(self._ready_ahead(path, size, done)))
         self.ledger.subscribe(self.replicas)
         self._tasks: set[asyncio.Task] = set()
         self._left: dict[str, str] = {}
@@ -124,10 +123,10 @@ class Daemon:
         self.clients.release_all()
         await asyncio.get_running_loop().run_in_executor(None, flush_releases, 30)
 
-    async def _in_background(self, work: Callable[[], None], done: Callable[[BaseException | None], None]) -> None:
-        """``work`` on a flush thread, then ``done`` here with what it raised (or None)."""
+    async def _ready_ahead(self, path: str, size: int, done: Callable[[BaseException | None], None]) -> None:
+        """A spare's pages readied on a flush thread (``ready_pages``), then ``done`` here with what it raised."""
         try:
-            await self.engine.flush(work)
+            await self.engine.flush(self.engine.writer(path).ready_pages, path, size)
         except Exception as exc:
             done(exc)
         else:

@@ -303,6 +303,7 @@ class PosixWriter(StorageWriter):
             os.close(fd)
             raise
         self._keep(mapped)
+        self.release_removed()  # the file removed meanwhile (a spare dropped): its pages go now, not at the next removal
 
     def _keep(self, mapped: _Mapped) -> None:
         """``mapped`` kept for the next ``create`` that takes its file over; an older mapping of the file goes."""
