@@ -22,6 +22,13 @@ includes, medians over ``--runs`` (contenders interleaved within each run) and t
 ratios; only the ratios compare across runs. ``--endpoint`` measures a daemon already
 running, ``--node-config`` starts one with a node config's settings. Without a CUDA
 device it says so and exits 0.
+
+``--copy-threads N [N ...]`` measures the device-to-host copy alone, with a daemon of each
+number of copy threads: the pinned peak, a pageable ``copy_`` (what a synchronous copy
+through the driver's bounce buffer reaches), and datastates from ``snapshot()`` to
+``wait()`` and as its snapshot's ``copy_bps``. It exits 1 unless datastates beats the
+pageable copy with some thread count: copies that do not run asynchronously into the
+pinned pool cannot.
 """
 
 from __future__ import annotations
@@ -79,6 +86,22 @@ def peak_copy(state: Any) -> Callable[[], float]:
         t0 = time.perf_counter()
         for dst, src in zip(views, gpu):
             dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    return run
+
+
+def pageable_copy(state: Any) -> Callable[[], float]:
+    """Seconds to copy every GPU tensor into pageable host tensors: synchronous, through the driver's staging."""
+    gpu = [t for t in tensors_of(state) if t.is_cuda]
+    host = [torch.empty(t.shape, dtype=t.dtype) for t in gpu]
+
+    def run() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for dst, src in zip(host, gpu):
+            dst.copy_(src)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -343,6 +366,48 @@ def clear(root: str) -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def copy_bps(endpoint: str, path: str) -> float:
+    """The daemon's ``copy_bps`` of its latest snapshot of ``path``."""
+    return [j for j in daemon_status(endpoint)["snapshots"] if j["path"] == path][-1]["copy_bps"]
+
+
+def copy_only(args: argparse.Namespace, state: Any, nbytes: int, pool: int, under: str) -> int:
+    """``--copy-threads``: the device-to-host copy alone, per number of copy threads (see the module's docstring)."""
+    from datastates.client import Client
+
+    peak, pageable = peak_copy(state), pageable_copy(state)
+    peaks = [peak() for _ in range(args.runs)]
+    pageables = [pageable() for _ in range(args.runs)]
+    rows = []
+    for threads in args.copy_threads:
+        root = tempfile.mkdtemp(prefix=f"ds-copy{threads}-", dir=under)
+        try:
+            with bench_daemon(args, root, host_memory=f"{pool}MiB", chunk_size="64MiB", copy_threads=threads,
+                              memory_restore="none") as daemon, Client(daemon.endpoint, timeout=600) as client:
+                save = datastates_save(client, state, root)
+                save(-1)  # sharing and opening
+                clear(root)
+                safe, bps = [], []
+                for r in range(args.runs):
+                    safe.append(save(r)[1])
+                    bps.append(copy_bps(daemon.endpoint, os.path.join(root, f"ds{r}", "model_states.pt")))
+                    clear(root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        rows.append((threads, nbytes / median(safe) / 1e9, median(bps) / 1e9))
+    peak_gbps, pageable_gbps = nbytes / median(peaks) / 1e9, nbytes / median(pageables) / 1e9
+    print(f"\ncopy only: state {nbytes / 1e9:.2f} GB, medians of {args.runs} runs; peak pinned copy_ "
+          f"{peak_gbps:.1f} GB/s, pageable copy_ {pageable_gbps:.1f} GB/s")
+    print(f"{'copy_threads':>12} {'snapshot->wait GB/s':>20} {'copy_bps GB/s':>14} {'/ peak':>7}")
+    for threads, safe_gbps, job_gbps in rows:
+        print(f"{threads:>12} {safe_gbps:>20.1f} {job_gbps:>14.1f} {safe_gbps / peak_gbps:>7.2f}")
+    best = max(r[1] for r in rows)
+    asynchronous = best > pageable_gbps
+    print(f"copies asynchronous into the pinned pool: {'yes' if asynchronous else 'NO'} (best {best:.1f} GB/s "
+          f"against a pageable copy_'s {pageable_gbps:.1f})")
+    return 0 if asynchronous else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
@@ -355,11 +420,15 @@ def main() -> int:
     parser.add_argument("--mlp-layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--root", default=None, help="folder for the checkpoints (default: a fresh temp dir)")
+    parser.add_argument("--copy-threads", type=int, nargs="+", default=None,
+                        help="measure the device-to-host copy alone, with a daemon of each of these copy_threads")
     add_daemon_args(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device here (torch.cuda.is_available() is False); nothing measured")
         return 0
+    if args.copy_threads and args.endpoint:
+        parser.error("--copy-threads starts its own daemons: it takes no --endpoint")
 
     from datastates.client import Client
 
@@ -370,6 +439,12 @@ def main() -> int:
     pool = -(-nbytes * 5 // 4 // (64 << 20)) * 64  # MiB: the whole state fits, so wait() measures the copy alone
     print(f"state: {nbytes / 1e9:.2f} GB in {len(tensors_of(state))} tensors on {torch.cuda.get_device_name()}; "
           f"{args.runs} runs; root {root}")
+    if args.copy_threads:
+        try:
+            return copy_only(args, state, nbytes, pool, root)
+        finally:
+            if args.root is None:
+                shutil.rmtree(root, ignore_errors=True)
     samples: dict[str, list[Timing]] = {"datastates": [], "dcp pinned": [], "torch.save": []}
     peaks: list[float] = []
     step_s: dict[str, list[float]] = {mode: [] for mode in CHECKPOINTS}

@@ -11,10 +11,14 @@ dimensions so that 1,200 checkpoints stay cheap) and sends them through CUDA IPC
 each snapshot it queues a step of GPU work (``--step-ms`` of sleep, then an update of
 every tensor), so a ``snapshot()`` that synchronizes pays for it; after it, ``wait()``.
 Each block of 100 snapshots is one tag, committed at its end (the daemon keeps the last
-two). Per block it prints the median ``snapshot()`` and ``wait()`` time, the trainer's GPU
-memory and ``client.cuda_shares``. It exits 1 if the shares pass the storage count, the
-last block's median ``snapshot()`` is over 3x the first's, or the trainer's GPU memory
-changed after the first block. Without a CUDA device it says so and exits 0.
+two). Per block it prints the median ``snapshot()`` and ``wait()`` time, how many
+``snapshot()`` calls returned with the trainer's stream already idle, the trainer's GPU
+memory and ``client.cuda_shares``. A ``snapshot()`` that synchronizes finds the stream
+idle every time, however fast it is, which a ratio of medians cannot see when it
+synchronizes from the first snapshot on. It exits 1 if the shares pass the storage count,
+more than 1% of the calls found the stream idle, the last block's median ``snapshot()``
+is over 3x the first's, or the trainer's GPU memory changed after the first block.
+Without a CUDA device it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from gpu import add_daemon_args, bench_daemon, pool_pinning, to_cuda  # noqa: E4
 
 BLOCK = 100
 """Snapshots per tag, and per line of the report."""
+IDLE_SHARE = 0.01
+"""The calls allowed to find the stream idle (a collector pause longer than a step)."""
 CALIBRATION_CYCLES = 500_000_000
 """A quarter second of ``torch.cuda._sleep`` at an H200's clock: long enough to time."""
 
@@ -47,16 +53,19 @@ class Block:
     tag: str
     snapshot_ms: float
     wait_ms: float
+    idle: int
+    """``snapshot()`` calls that returned with the trainer's stream idle."""
     allocated: int
     reserved: int
     shares: int
 
     def __str__(self) -> str:
-        return (f"{self.tag:>5} {self.snapshot_ms:>12.2f} {self.wait_ms:>9.2f} {self.allocated / 2**20:>14.1f} "
-                f"{self.reserved / 2**20:>13.1f} {self.shares:>7}")
+        return (f"{self.tag:>5} {self.snapshot_ms:>12.2f} {self.wait_ms:>9.2f} {self.idle:>5} "
+                f"{self.allocated / 2**20:>14.1f} {self.reserved / 2**20:>13.1f} {self.shares:>7}")
 
 
-HEADER = f"{'tag':>5} {'snapshot ms':>12} {'wait ms':>9} {'allocated MiB':>14} {'reserved MiB':>13} {'shares':>7}"
+HEADER = (f"{'tag':>5} {'snapshot ms':>12} {'wait ms':>9} {'idle':>5} {'allocated MiB':>14} {'reserved MiB':>13} "
+          f"{'shares':>7}")
 
 
 def sleep_cycles(ms: float) -> int:
@@ -73,27 +82,32 @@ def sleep_cycles(ms: float) -> int:
 def run_block(client: Any, state: Any, tensors: list[torch.Tensor], root: str, tag: str, count: int,
               cycles: int) -> Block:
     """``count`` snapshots into tag ``tag``, each after a queued step, then its commit."""
-    snapshot_s, wait_s = [], []
+    snapshot_s, wait_s, idle = [], [], 0
     for i in range(count):
         torch.cuda._sleep(cycles)
         torch._foreach_add_(tensors, 1.0)
         t0 = time.perf_counter()
         client.snapshot(state, os.path.join(root, tag, f"s{i}.pt"), tag=tag)
         t1 = time.perf_counter()
+        idle += torch.cuda.current_stream().query()
         client.wait()
         snapshot_s.append(t1 - t0)
         wait_s.append(time.perf_counter() - t1)
     client.commit(tag).result(timeout=300)
-    return Block(tag, median(snapshot_s) * 1e3, median(wait_s) * 1e3, torch.cuda.memory_allocated(),
+    return Block(tag, median(snapshot_s) * 1e3, median(wait_s) * 1e3, idle, torch.cuda.memory_allocated(),
                  torch.cuda.memory_reserved(), client.cuda_shares)
 
 
-def problems(blocks: list[Block], storages: int) -> list[str]:
-    """What went wrong over the run: shares past the storages, a slower ``snapshot()``, trainer memory that moved."""
+def problems(blocks: list[Block], storages: int, calls: int) -> list[str]:
+    """What went wrong over the run: shares past the storages, ``snapshot()`` calls that waited for the stream (more
+    than ``IDLE_SHARE`` of ``calls``), a slower ``snapshot()``, trainer memory that moved."""
     first, last = blocks[0], blocks[-1]
     found = []
     if last.shares > storages:
         found.append(f"{last.shares} CUDA shares for {storages} storages: storages were shared again")
+    idle = sum(b.idle for b in blocks)
+    if idle > IDLE_SHARE * calls:
+        found.append(f"{idle} snapshot() calls returned with the trainer's stream idle: they waited for its work")
     if last.snapshot_ms > 3 * first.snapshot_ms:
         found.append(f"snapshot() median {last.snapshot_ms:.2f} ms in the last block, over 3x the first's "
                      f"{first.snapshot_ms:.2f} ms")
@@ -141,9 +155,10 @@ def main() -> int:
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
-    found = problems(blocks, storages)
+    found = problems(blocks, storages, args.snapshots)
     print("probe: " + ("FAIL: " + "; ".join(found) if found else
-                       f"PASS: {blocks[-1].shares} shares for {storages} storages, snapshot() median "
+                       f"PASS: {blocks[-1].shares} shares for {storages} storages, the stream busy after "
+                       f"{1 - sum(b.idle for b in blocks) / args.snapshots:.1%} of snapshot() calls, median "
                        f"{blocks[0].snapshot_ms:.2f} -> {blocks[-1].snapshot_ms:.2f} ms, trainer GPU memory flat"))
     return 1 if found else 0
 

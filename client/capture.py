@@ -8,11 +8,14 @@ New kinds of leaves plug in by registering a capturer for their type.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import pickle
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import torch
 
@@ -205,6 +208,34 @@ class _CapturingPickler(pickle.Pickler):
         self._seen[key] = self._cap.add_entry(entry)
         self._cap.keepalive.append(obj)
         return self._seen[key]
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's automatic collection held off while a snapshot is captured and sent (then as it was before).
+
+    A capture makes a few objects per tensor, none of them garbage until the snapshot is sent, and the
+    collector scanned them over and over as they grew: 0.8 of 1.7 s for 100,000 tensors. Nested and threaded
+    pauses count, so the last one out restores what the trainer had (torchtitan, for one, turns it off itself).
+    """
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def capture(state: Any, staging: Staging | None = None, gpu: GpuRoute | None = None) -> Capture:

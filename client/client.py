@@ -26,7 +26,7 @@ from datastates.protocol.format import check_tag
 from datastates.protocol.liveness import pid_namespace, process_start
 from datastates.protocol.paths import check_derived, check_path
 
-from .capture import Capture, capture
+from .capture import Capture, capture, gc_paused
 from .cuda import GpuRoute
 from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
 from .inplace import Probe, allow_reader, yama_scope
@@ -306,15 +306,16 @@ class Client:
             cap = capture(state)
             msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)
             return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg, cap.storages)))
-        cap = capture(state, None if self.in_place else self._staging, self._gpu)
-        retired = self._gpu.blocks.take_retired()
-        msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
-                         ticket=str(next(self._tickets)), fences=cap.fences, retired=retired)
-        try:
-            ack = conn.request(msg)
-        except BaseException:
-            self._gpu.blocks.untake(retired)
-            raise
+        with gc_paused():
+            cap = capture(state, None if self.in_place else self._staging, self._gpu)
+            retired = self._gpu.blocks.take_retired()
+            msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
+                             ticket=str(next(self._tickets)), fences=cap.fences, retired=retired)
+            try:
+                ack = conn.request(msg)
+            except BaseException:
+                self._gpu.blocks.untake(retired)
+                raise
         with self._commits_lock:
             self._uncopied.append((ack, msg, cap))
             self._saved.setdefault(tag, {})[path] = msg.ticket

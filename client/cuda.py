@@ -7,10 +7,20 @@ allocator parks the block (its "limbo") when the storage is freed while that slo
 above zero, and the daemon's mapping of the block brings it to zero when dropped.
 
 Each call wraps the storage anew (a fresh slot and a fresh interprocess event that torch
-keeps until the storage is freed; past 1,000 of them torch synchronizes the stream on
-every share), so ``SharedBlocks`` shares each storage once per client and reuses its
-description for every later snapshot. When the storage is freed, its handle is *retired*:
-the next snapshot tells the daemon, which drops its mapping, which zeroes the slot.
+keeps until the storage is freed), so ``SharedBlocks`` shares each storage once per client
+and reuses its description for every later snapshot. Past 1,000 live events torch
+synchronizes the *current stream* on every share instead of recording an event; every
+share here runs with an idle stream of this module's own as the current one, so that
+wait costs nothing and the trainer's queued work is never waited for, however many
+storages a state holds. The daemon lets go of a storage it saw for the first time as soon
+as its snapshot is copied (daemon/clients.py), so a tensor made for one state dict and
+freed after ``wait()`` goes back to the allocator at once. When a storage the daemon kept
+is freed, its handle is *retired*: the next snapshot tells the daemon, which drops its
+mapping and zeroes the slot.
+
+A storage in an expandable segment (``expandable_segments:True``, which can be switched on
+at run time) has a handle the daemon never opens: such a storage is copied to host by the
+client, alone, and its slot given back at once.
 
 The device travels as its UUID, not its index: CUDA_VISIBLE_DEVICES renumbers devices in
 each rank, and the daemon sees all of them. The ordering fence is one interprocess event
@@ -27,6 +37,7 @@ import functools
 import logging
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -48,6 +59,16 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+EXPANDABLE = b"e"
+"""The type byte of an expandable segment's block handle, which the daemon never opens (daemon/sources/cuda.py)."""
+
+
+@functools.cache
+def _share_stream(index: int) -> torch.cuda.Stream:
+    """A stream of device ``index`` nothing is ever queued on: the current stream while torch shares a storage."""
+    return torch.cuda.Stream(index)
+
+
 def describe_cuda_storage(storage: torch.UntypedStorage) -> dict[str, Any]:
     """What the daemon needs to open ``storage``: device UUID, block handle, offset, size, ref-counter slot.
 
@@ -59,8 +80,9 @@ def describe_cuda_storage(storage: torch.UntypedStorage) -> dict[str, Any]:
         raise ValueError(f"not a CUDA storage: it is on {storage.device}")
     if storage.nbytes() == 0:
         raise ValueError("a zero-byte CUDA storage has no IPC block; use an 'empty' source")
-    (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset, _event, _sync) = \
-        storage._share_cuda_()
+    with torch.cuda.stream(_share_stream(storage.device.index)):  # torch records or waits on it, not the trainer's
+        (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset, _event, _sync) = \
+            storage._share_cuda_()
     return {
         "uuid": device_uuid(int(device)),
         "block": bytes(handle),
@@ -69,6 +91,11 @@ def describe_cuda_storage(storage: torch.UntypedStorage) -> dict[str, Any]:
         "ref_counter": bytes(ref_counter_handle),
         "ref_counter_offset": int(ref_counter_offset),
     }
+
+
+def release_own_slot(desc: dict[str, Any]) -> None:
+    """Give back the count ``_share_cuda_`` set for a handle no daemon will open, as torch's consumers do."""
+    torch.UntypedStorage._release_ipc_counter_cuda(desc["ref_counter"], desc["ref_counter_offset"])
 
 
 def encode_handle(desc: dict[str, Any]) -> str:
@@ -117,8 +144,9 @@ class SharedBlocks:
         """``storage``'s handle: shared on first use; again only if its data moved (``resize_``, ``set_``).
 
         "" for a storage torch cannot share: memory not from its caching allocator (``from_blob``,
-        DLPack, a pluggable allocator), or a tensor received from another process. The client
-        copies such a storage to host itself.
+        DLPack, a pluggable allocator), or a tensor received from another process; and for one in
+        an expandable segment, whose slot is given back here (remembered: it is shared once). The
+        client copies such a storage to host itself.
         """
         key = storage._cdata
         with self._lock:
@@ -127,16 +155,21 @@ class SharedBlocks:
                 and known.nbytes == storage.nbytes()):
             return known.handle
         try:
-            handle = encode_handle(describe_cuda_storage(storage))
+            desc = describe_cuda_storage(storage)
         except RuntimeError as exc:
             log.debug("a %d-byte CUDA storage cannot be shared (%s): copied to host instead", storage.nbytes(), exc)
             return ""
+        if desc["block"][1:2] == EXPANDABLE:
+            release_own_slot(desc)
+            handle = ""
+        else:
+            handle = encode_handle(desc)
         entry = _Shared(weakref.ref(storage, lambda _ref: self._freed(key, handle)), storage.data_ptr(),
                         storage.nbytes(), handle)
         with self._lock:
             self.shares += 1
             old = self._by_storage.get(key)
-            if old is not None:
+            if old is not None and old.handle:
                 self._retired.append(old.handle)
             self._by_storage[key] = entry
         return handle
@@ -146,7 +179,8 @@ class SharedBlocks:
             known = self._by_storage.get(key)
             if known is not None and known.handle == handle:  # else ``handle`` already retired when replaced
                 del self._by_storage[key]
-                self._retired.append(handle)
+                if handle:
+                    self._retired.append(handle)
 
     def take_retired(self) -> list[str]:
         """The handles retired since the last call: the daemon may drop its mappings of them."""
@@ -160,13 +194,18 @@ class SharedBlocks:
             self._retired[:0] = retired
 
 
+REPROBE_S = 60.0
+"""How long a device's route stands before the next snapshot on it probes again: a refusal may pass (the daemon
+could not make its context then), and a daemon's context may break (its copies then fail until the probe sends
+this client to host copies)."""
+
 GPU_CAPTURE = ("auto", "ipc", "host")
 """``Client(gpu_capture=...)``: CUDA IPC where the daemon can open this client's handles, else the client
 copies device to host itself; CUDA IPC or an error; always the client's own copy."""
 
 
 class GpuRoute:
-    """How this client's CUDA storages reach the daemon, decided once per device.
+    """How this client's CUDA storages reach the daemon, decided per device and asked again every ``REPROBE_S``.
 
     CUDA IPC where the daemon can open this process's handles, which a probe of one small
     tensor tells before the first snapshot on that device. Where it cannot (a daemon that
@@ -184,21 +223,32 @@ class GpuRoute:
         self.blocks = SharedBlocks()
         self.paths: dict[int, str] = {}
         """Device index → "ipc", or "host: <why>"."""
+        self._probed: dict[int, float] = {}
         self._ask = ask
 
     def ipc(self, device: int) -> bool:
-        """Whether storages on ``device`` go by CUDA IPC (probing it on first use); SharedMemoryError for
-        ``gpu_capture="ipc"`` where the daemon cannot open them."""
-        if device not in self.paths:
-            refused = "gpu_capture='host'" if self.mode == "host" else self._probe(device)
-            self.paths[device] = f"host: {refused}" if refused else "ipc"
-            if refused and self.mode == "auto":
-                log.warning("datastatesd cannot open this process's CUDA IPC handles on cuda:%d (%s): its tensors "
-                            "are copied to host memory by the trainer in snapshot()", device, refused)
+        """Whether storages on ``device`` go by CUDA IPC (probing it on first use, and every ``REPROBE_S``);
+        SharedMemoryError for ``gpu_capture="ipc"`` where the daemon cannot open them."""
+        if device not in self.paths or (self.mode != "host"
+                                        and time.monotonic() - self._probed[device] >= REPROBE_S):
+            self._route(device)
         if self.mode == "ipc" and self.paths[device] != "ipc":
             raise SharedMemoryError(f"gpu_capture='ipc', but datastatesd cannot open this process's CUDA IPC handles "
                                     f"on cuda:{device}: {self.paths[device].removeprefix('host: ')}")
         return self.paths[device] == "ipc"
+
+    def _route(self, device: int) -> None:
+        refused = "gpu_capture='host'" if self.mode == "host" else self._probe(device)
+        before, self.paths[device] = self.paths.get(device), f"host: {refused}" if refused else "ipc"
+        self._probed[device] = time.monotonic()
+        if self.mode != "auto" or self.paths[device] == before:
+            return
+        if refused:
+            log.warning("datastatesd cannot open this process's CUDA IPC handles on cuda:%d (%s): its tensors "
+                        "are copied to host memory by the trainer in snapshot()", device, refused)
+        elif before is not None:
+            log.warning("datastatesd opens this process's CUDA IPC handles on cuda:%d again: its tensors go by "
+                        "CUDA IPC from now on", device)
 
     def _probe(self, device: int) -> str:
         try:

@@ -5,11 +5,16 @@ latest snapshot of each file name used (model_states.pt, optim_states.pt, ...), 
 the ones the next checkpoint will name again; a region no snapshot uses any longer is
 dropped, and unmapped once no job still copies from it.
 
-CUDA regions are kept by handle instead: the client shares each storage once and names the
-same handle in every snapshot, and retires it when the trainer frees the storage; the
-region goes then, or when the client does. Each handle's slot in the trainer's reference
-counter is released exactly once (daemon/sources/cuda.py): by dropping the opened region,
-or at once for a handle the daemon never opens.
+CUDA regions are kept by handle instead, and only once a handle came back: the client
+shares each storage once and names the same handle in every snapshot of it. A handle seen
+for the first time may be a tensor made for this one state dict (a clone, a cast, an EMA
+copy) that the trainer frees right after ``wait()``: its region goes as soon as its
+snapshot is copied, which gives its count back, so the trainer's allocator frees the block
+at once instead of parking it until the next snapshot. A handle named again is a
+long-lived storage: its region is kept until the client retires it (the trainer freed the
+storage) or leaves. Each open region holds one count on the handle's slot in the trainer's
+reference counter, and a handle never opened has its count given back at once
+(daemon/sources/cuda.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from datastates.protocol import messages as m
 from datastates.protocol import outcome
@@ -48,10 +53,23 @@ MAX_GPUS = 64
 """GPUs whose probe outcome ``status`` keeps per client (a bound on what a client's probes make it store)."""
 MAX_CUDA_HANDLES = 1 << 20
 """CUDA storages one client may name without retiring them (a bound on what a buggy client makes the daemon keep)."""
+GONE_KEPT = 1024
+"""Clients taken as gone (or that said BYE) whose pid is kept, to release the CUDA handles of a snapshot they
+send after all."""
 
 
 def _slot(fields: dict[str, Any]) -> _Slot:
     return fields["ref_counter"].lstrip("/"), fields["ref_counter_offset"]
+
+
+def _cuda_handles(sources: list[SourceDesc]) -> Iterator[tuple[SourceDesc, dict[str, Any]]]:
+    """The CUDA sources among ``sources`` whose handle names a slot, with its decoded fields."""
+    for desc in sources:
+        if desc.kind == CUDA_IPC:
+            try:
+                yield desc, decode_handle(desc.handle)
+            except InvalidRequestError:
+                continue
 
 
 @dataclass
@@ -75,8 +93,9 @@ class ClientRecord:
     gpu_capture: dict[str, str] = field(default_factory=dict)
     """GPU UUID → "ipc", or "refused: <why>": what the client's CUDA probe of that device found."""
     _cuda: dict[_Slot, tuple[str, Region | None]] = field(default_factory=dict)
-    """The CUDA storages this client named and has not retired, by their ref-counter slot: the handle, and its
-    open region, or None once the slot was released without one (a refused snapshot)."""
+    """The CUDA storages this client named and has not retired, by their ref-counter slot: the handle, and the
+    region kept for it, or None where none is kept (seen once: its region went with its snapshot's copy; or
+    never opened). Every slot here had the share's count taken already: a new open adds its own first."""
     _regions: dict[_Key, Region] = field(default_factory=dict)
     _by_name: collections.OrderedDict[str, set[_Key]] = field(default_factory=collections.OrderedDict)
     """The handles of the latest snapshot of each file name, for the ``NAMES_CACHED`` names used last."""
@@ -125,7 +144,8 @@ class ClientRecord:
         return region
 
     def _cuda_region(self, desc: SourceDesc) -> Region:
-        """The open region of a CUDA handle, opening it on first use; whatever happens, its slot stays balanced.
+        """The region of a CUDA handle: kept from an earlier snapshot, or opened now; whatever happens, its slot
+        stays balanced. Opened for the first time, only the snapshot holds it; opened again, it is kept.
 
         Admissions of one client never overlap (``JobTable.admitting``), so the open runs
         outside the lock: the event loop's ``retire`` and ``release`` never wait on it.
@@ -143,39 +163,33 @@ class ClientRecord:
                     raise InvalidRequestError(f"a CUDA source was {region.nbytes} bytes and is now declared "
                                               f"{desc.nbytes}")
                 return region
-        elif len(self._cuda) >= MAX_CUDA_HANDLES:
+        elif len(self._cuda) >= MAX_CUDA_HANDLES:  # the refusal releases it (``release_unopened``)
             raise InvalidRequestError(f"a client may name at most {MAX_CUDA_HANDLES} CUDA storages it has not retired")
-        if known is not None:  # its slot was released unopened: back to one, for the open to own
+        if known is not None:  # the share's count was taken: this open adds its own
             check_ref_counter_name(fields["ref_counter"], self.pid)
             adjust_ref_counter(fields["ref_counter"], fields["ref_counter_offset"], +1)
         try:
             region = open_cuda(fields, desc.nbytes, self.pid)
         except BaseException:
-            with self._lock:  # the open released the slot (if it was this client's)
+            with self._lock:  # the open gave its count back (if the slot was this client's)
                 self._cuda[slot] = (desc.handle, None)
             raise
         with self._lock:
-            self._cuda[slot] = (desc.handle, region)
+            self._cuda[slot] = (desc.handle, region if known is not None else None)
         return region
 
-    def _release(self, slot: _Slot, handle: str, fields: dict[str, Any]) -> None:
-        release_unopened(fields, self.pid)
-        with self._lock:
-            self._cuda[slot] = (handle, None)
-
     def release_unopened(self, sources: list[SourceDesc]) -> None:
-        """A snapshot refused or skipped before these sources were opened: release the slots of its CUDA handles
-        not seen before, so the trainer frees their blocks when it frees the storages."""
-        for desc in sources:
-            if desc.kind != CUDA_IPC:
-                continue
-            try:
-                fields = decode_handle(desc.handle)
-            except InvalidRequestError:
-                continue  # names no slot
+        """A snapshot refused or skipped before these sources were opened: give back the counts of its CUDA
+        handles not seen before, so the trainer frees their blocks when it frees the storages. Past
+        ``MAX_CUDA_HANDLES`` a handle is released without being remembered: a release never goes below zero."""
+        for desc, fields in _cuda_handles(sources):
             slot = _slot(fields)
-            if slot not in self._cuda and len(self._cuda) < MAX_CUDA_HANDLES:
-                self._release(slot, desc.handle, fields)
+            with self._lock:
+                if slot in self._cuda:
+                    continue
+                if len(self._cuda) < MAX_CUDA_HANDLES:
+                    self._cuda[slot] = (desc.handle, None)
+            release_unopened(fields, self.pid)
 
     def retire(self, handles: list[str]) -> None:
         """The trainer freed these storages: drop their regions (which releases their slots)."""
@@ -239,6 +253,8 @@ class ClientRegistry:
         self.lost: collections.deque[dict[str, Any]] = collections.deque(maxlen=LOST_HISTORY)
         """Clients that went without BYE (a killed trainer), newest last."""
         self._by_identity: dict[bytes, ClientRecord] = {}
+        self._gone_pids: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        """Identity → pid of the clients removed last (``GONE_KEPT``), for ``release_orphaned``."""
         self._ids = itertools.count(1)
         self._host = socket.gethostname()
 
@@ -250,6 +266,7 @@ class ClientRegistry:
         old = self._by_identity.pop(identity, None)
         if old is not None:
             old.release()
+        self._gone_pids.pop(identity, None)
         record = ClientRecord(
             id=f"c{next(self._ids)}-{hello.pid}", identity=identity, pid=hello.pid, name=hello.name[:128],
             host=hello.host[:128], on_busy=hello.on_busy, ranks=hello.ranks.check(),
@@ -281,7 +298,20 @@ class ClientRegistry:
         record = self._by_identity.pop(identity, None)
         if record is not None:
             record.release()
+            self._gone_pids[identity] = record.pid
+            while len(self._gone_pids) > GONE_KEPT:
+                self._gone_pids.popitem(last=False)
         return record
+
+    def release_orphaned(self, identity: bytes, sources: list[SourceDesc]) -> None:
+        """A snapshot from a client no longer registered (taken as gone, or it said BYE) is refused: give back the
+        counts its CUDA handles hold, against the pid that client registered with, or its trainer parks those
+        blocks for good. Handles the daemon saw from it before were released when it was removed, and a
+        release never goes below zero. Nothing for an identity unknown (the daemon restarted since)."""
+        pid = self._gone_pids.get(identity)
+        if pid is not None:
+            for _desc, fields in _cuda_handles(sources):
+                release_unopened(fields, pid)
 
     async def watch(self, timeout: float, stopped: asyncio.Event, on_gone: OnGone) -> None:
         """Drop clients that exited or went silent: a trainer killed without BYE must not pin its memory here forever."""

@@ -24,24 +24,51 @@ from .sink import FileSink
 from .sources import Pending, Region
 
 
+SMALL_READ = 256 << 10
+"""Segments up to this size are read in batches (``Region.read_batch``), where their region allows it: per tensor,
+a call costs more than its bytes."""
+
+
 def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
                before: Callable[[Region], None] = lambda region: None,
                progress: Callable[[int], None] = lambda nbytes: None) -> None:
     """Fill ``chunk`` with ``piece``.
 
-    ``before(region)`` runs before each segment is read, and raises to stop the piece (its
-    trainer went, and its memory with it). ``progress(nbytes)`` is told the bytes of each
+    ``before(region)`` runs before each segment is read (each batch of small ones), and raises to stop the piece
+    (its trainer went, and its memory with it). ``progress(nbytes)`` is told the bytes of each
     segment once they are in ``chunk``: a host copy's as it returns, device copies' once waited for.
     """
     dst = chunk.tensor
     cursor = 0
     pending: list[Pending] = []
     in_flight = 0
+    batch: list[tuple[Region, int, int, int]] = []
+    batch_from = 0
+
+    def read_batch() -> None:
+        """The small reads gathered, at once: their span zeroed first (the gaps between them), then read."""
+        dst[batch_from:cursor].zero_()
+        type(batch[0][0]).read_batch(batch)
+        progress(sum(length for _, _, _, length in batch))
+        batch.clear()
+
     try:
         for seg in piece.segments:
+            region = regions[seg.source]
+            key = region.batch_key() if seg.length <= SMALL_READ else None
+            if batch and (key is None or key != batch[0][0].batch_key()):
+                read_batch()
+            if key is not None:
+                if not batch:
+                    before(region)
+                    batch_from = cursor
+                if seg.dst + seg.length > dst.numel():
+                    raise ValueError(f"a {seg.length}-byte segment at {seg.dst} overruns a {dst.numel()}-byte chunk")
+                batch.append((region, dst.data_ptr() + seg.dst, seg.src, seg.length))
+                cursor = seg.dst + seg.length
+                continue
             if seg.dst > cursor:
                 dst[cursor:seg.dst].zero_()
-            region = regions[seg.source]
             before(region)
             copy = region.read_into(dst[seg.dst:seg.dst + seg.length], seg.src, seg.length)
             if copy is not None:
@@ -50,6 +77,8 @@ def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
             else:
                 progress(seg.length)
             cursor = seg.dst + seg.length
+        if batch:
+            read_batch()
         if cursor < piece.length:
             dst[cursor:piece.length].zero_()
         for at, data in piece.fills:

@@ -43,6 +43,8 @@ class Engine:
         self._flush = ThreadPoolExecutor(flush_threads, thread_name_prefix="ds-flush")
         self._fence = ThreadPoolExecutor(1, thread_name_prefix="ds-fence")
         """Polls GPU snapshots' fences (a query each, never a wait), so no copy thread waits on a trainer's kernels."""
+        self._prefill = ThreadPoolExecutor(1, thread_name_prefix="ds-prefill")
+        """Maps a fresh daemon's pool in the background, so no copy waits behind a chunk being mapped."""
         self._direct_io = direct_io
         self._owner = owner
         self._writers: dict[type, StorageWriter] = {}
@@ -62,8 +64,8 @@ class Engine:
         return removed
 
     async def prefill(self) -> None:
-        """Map and touch the whole pool now, on a copy thread, so no checkpoint pays for it."""
-        await self.pool.prefill(self._copy)
+        """Map and touch the whole pool now, between copies, so no later checkpoint pays for it."""
+        await self.pool.prefill(self._prefill)
 
     async def flush(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking storage work on a flush thread."""
@@ -163,6 +165,7 @@ class Engine:
         log.info("snapshot %d durable: %s (%d bytes)", job.id, job.path, job.total_bytes)
 
     def close(self) -> None:
+        self._prefill.shutdown(wait=True, cancel_futures=True)
         self._fence.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)

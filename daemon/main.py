@@ -99,6 +99,7 @@ async def _serve(cfg: config.NodeConfig) -> None:
 
     daemon = Daemon(cfg)
     gc.freeze()  # torch's and the daemon's start-up objects, never garbage: full collections skip them from now on
+    gc.set_threshold(*GC_THRESHOLDS)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_shutdown)
@@ -121,6 +122,12 @@ async def _serve(cfg: config.NodeConfig) -> None:
         daemon.replicas.close()
         daemon.instance.close()
         log.info("datastatesd stopped")
+
+
+GC_THRESHOLDS = (100_000, 20, 100)
+"""Python's automatic collection, much less often than its default (700, 10, 10): a snapshot of 100,000 tensors
+makes a million short-lived objects as it is decoded and planned, none of them in a cycle, and the default
+collected 0.9 of a second's worth of them over and over (in the daemon's 5.4 s of Python for it)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,13 @@
 Chunks are mapped on first use, up to ``host_memory / chunk_size`` of them, and never
 freed or re-allocated afterwards: memory touched for the first time is slow here, and
 peers leak exactly where per-save buffers are allocated and freed on other threads. A
-copy that finds the pool empty waits for a flush to return one. Waiters queue per owner
+copy that finds the pool empty waits for a flush to return one.
+A fresh daemon maps the rest of its pool in the background (``prefill``), but only while no
+copy is under way: a trainer starting seconds after its daemon takes its first snapshot
+while the pool is half mapped, and mapping competed with that snapshot's copies for the
+CPU (first-touch memory costs 0.1-2 s per GiB on a VM) and for a copy thread; its fence
+waited 0.1-3.5 s for 1 GiB, where later ones wait 0.05-0.1 s. The copies take the chunks
+already mapped, and map the ones they still need themselves, in the order they need them. Waiters queue per owner
 (one client, one rank) and returned chunks go round-robin between owners, so a rank with
 a huge snapshot never starves a rank with a small one.
 All methods run on the event loop thread.
@@ -86,6 +92,12 @@ class HostPool:
         self._flushing: set[int] = set()
         """Chunks (by id) whose copy is done, held until their bytes are written (``copied``)."""
         self._mapping = 0
+        self._copying: set[int] = set()
+        """Chunks (by id) handed to a copy that has not finished with them yet (``copied`` or ``release``)."""
+        self._acquiring = 0
+        self._no_copies = asyncio.Event()
+        """Set while no copy holds or waits for a chunk: the only time ``prefill`` maps one."""
+        self._no_copies.set()
         self.pin_error = ""
         """Why page-locking a chunk failed (RLIMIT_MEMLOCK, a driver refusing): later chunks are not pinned."""
 
@@ -105,9 +117,13 @@ class HostPool:
         return len(self._all) + self._mapping < self.capacity
 
     async def prefill(self, executor: Executor) -> None:
-        """Map every chunk not mapped yet; each one serves copies as soon as it is ready."""
+        """Map every chunk not mapped yet, one at a time on ``executor`` (a thread no copy uses), each only while
+        no copy is under way; each chunk serves copies as soon as it is ready."""
         loop = asyncio.get_running_loop()
-        while self._room():
+        while True:
+            await self._no_copies.wait()
+            if not self._room():
+                return
             self._mapping += 1
             try:
                 chunk = await loop.run_in_executor(executor, Chunk, self.chunk_size, self.pinned)
@@ -115,7 +131,26 @@ class HostPool:
                 self._mapping -= 1
             self.release(self._new(chunk))
 
+    def _copies_changed(self) -> None:
+        if self._copying or self._acquiring:
+            self._no_copies.clear()
+        else:
+            self._no_copies.set()
+
     async def acquire(self, owner: str = "") -> Chunk:
+        """A chunk for one copy, which hands it back with ``copied`` (then ``release``) or ``release``."""
+        self._acquiring += 1
+        self._copies_changed()
+        try:
+            chunk = await self._take(owner)
+        finally:
+            self._acquiring -= 1
+        self._copying.add(id(chunk))
+        self._copies_changed()
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return chunk
+
+    async def _take(self, owner: str) -> Chunk:
         if self._free and not self._queues:
             chunk = self._free.pop()
         elif self._room() and not self._queues:  # mapped (and page-locked: a CUDA call) off the event loop
@@ -134,16 +169,19 @@ class HostPool:
                 if fut.done() and not fut.cancelled():
                     self.release(fut.result())
                 raise
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
         return chunk
 
     def copied(self, chunk: Chunk) -> None:
         """``chunk`` holds its piece now: until ``release``, status counts it waiting to be flushed, not copying."""
         self._flushing.add(id(chunk))
+        self._copying.discard(id(chunk))
+        self._copies_changed()
 
     def release(self, chunk: Chunk) -> None:
         """Hand ``chunk`` to the next owner in turn that still waits, or back to the free list."""
         self._flushing.discard(id(chunk))
+        self._copying.discard(id(chunk))
+        self._copies_changed()
         while self._queues:
             owner = next(iter(self._queues))
             queue = self._queues.pop(owner)

@@ -6,26 +6,111 @@ The pool's chunks are mapped once and never freed (``daemon/memory.py``), so eac
 registered in place with ``cudaHostRegister`` when it is mapped, instead of allocating a
 second, pinned pool. Registering costs milliseconds per GB, which is why it is never
 done per copy. Without CUDA every call here is a no-op.
+
+- Registering needs a CUDA context, and one registration serves every GPU (portable). It
+  is tried under each GPU's context in turn, skipping GPUs not in the default compute
+  mode (a context there would keep the trainers out): GPU 0 in EXCLUSIVE_PROCESS mode, or
+  full, must not leave the whole pool unpinned.
+- A failed CUDA runtime call also leaves its error as the calling thread's last error,
+  which a later, unrelated torch call on that pool thread would report as its own: it is
+  cleared at once.
+- On a node of several NUMA nodes, a chunk's pages are first spread over all of them
+  (interleaved): the pool serves every GPU of the node, and first-touch placement would
+  put it all on the socket of whichever thread mapped it, so that the GPUs of the other
+  socket copy across the inter-socket link for every byte.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import os
 import threading
 
 import torch
 
+from .gpus import exclusive_mode
+
+log = logging.getLogger(__name__)
+
 HOST_REGISTER_PORTABLE = 1
 """cudaHostRegisterPortable: pinned for every device's context, since one pool serves all the node's GPUs."""
+MPOL_INTERLEAVE, MPOL_MF_MOVE = 3, 2
+"""linux/mempolicy.h."""
+SYS_MBIND = {"x86_64": 237, "aarch64": 235, "ppc64le": 259}
+"""mbind(2)'s system call number (glibc has no wrapper; libnuma is not a dependency)."""
 
 _lock = threading.Lock()
 _pinned: set[int] = set()
 """Base addresses registered by this process: registering twice is a CUDA error."""
 
 
-def _check(err: object, what: str) -> None:
-    code = int(err)  # type: ignore[call-overload]
-    if code != 0:
-        raise RuntimeError(f"{what} failed with cudaError {code}")
+def numa_nodes() -> list[int]:
+    """The online NUMA nodes (``/sys/devices/system/node/online``: "0", "0-1", "0,2-3"); [0] if unknown."""
+    try:
+        with open("/sys/devices/system/node/online") as f:
+            spans = f.read().strip().split(",")
+    except OSError:
+        return [0]
+    nodes = []
+    for span in spans:
+        lo, _, hi = span.partition("-")
+        nodes += range(int(lo), int(hi or lo) + 1)
+    return nodes
+
+
+def interleave(address: int, size: int, nodes: list[int]) -> None:
+    """Spread the pages of ``address..address+size`` over ``nodes``, moving those already placed; best effort."""
+    number = SYS_MBIND.get(os.uname().machine)
+    if number is None or len(nodes) < 2:
+        return
+    bits = 64
+    mask = (ctypes.c_ulong * (max(nodes) // bits + 1))()
+    for node in nodes:
+        mask[node // bits] |= 1 << (node % bits)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, ctypes.c_void_p(address), ctypes.c_size_t(size), MPOL_INTERLEAVE, mask,
+                    ctypes.c_ulong(len(mask) * bits + 1), MPOL_MF_MOVE) != 0:
+        log.warning("the pool's pages stay where they were first touched: mbind failed (%s)",
+                    os.strerror(ctypes.get_errno()))
+
+
+@functools.cache
+def _runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch calls, as this process loaded it (torch's bindings have no
+    ``cudaGetLastError``); None where torch links it statically."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if "/libcudart.so" in path:
+                return ctypes.CDLL(path)
+    return None
+
+
+def _clear_error() -> None:
+    """Reset this thread's last CUDA runtime error, which a failed call leaves for the next one to report."""
+    lib = _runtime()
+    if lib is not None:
+        lib.cudaGetLastError()
+
+
+def _register(ptr: int, size: int) -> None:
+    """``cudaHostRegister`` under the first GPU context that takes it; RuntimeError with each GPU's refusal."""
+    cudart = torch.cuda.cudart()
+    refusals = []
+    for index in range(torch.cuda.device_count()):
+        mode = exclusive_mode(index)
+        if mode:
+            refusals.append(f"cuda:{index}: compute mode {mode}")
+            continue
+        with torch.cuda.device(index):
+            code = int(cudart.cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE))
+            if code == 0:
+                return
+            _clear_error()  # the pool thread's next CUDA call must not report it as its own
+        refusals.append(f"cuda:{index}: cudaError {code}")
+    raise RuntimeError(f"cudaHostRegister of {size} bytes failed under every GPU's context ({', '.join(refusals)})")
 
 
 def pin(tensor: torch.Tensor) -> bool:
@@ -38,6 +123,7 @@ def pin(tensor: torch.Tensor) -> bool:
     with _lock:
         if ptr in _pinned or size == 0:
             return size > 0
-        _check(torch.cuda.cudart().cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE), f"cudaHostRegister of {size} bytes")
+        interleave(ptr, size, numa_nodes())  # before the pages are locked where they are
+        _register(ptr, size)
         _pinned.add(ptr)
     return True

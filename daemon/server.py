@@ -31,6 +31,7 @@ from datastates.protocol.errors import (
     ShuttingDownError,
     SnapshotFailedError,
     TooManyClientsError,
+    UnknownClientError,
 )
 from datastates.protocol.format import check_tag
 from datastates.protocol.layout import plan_snapshot
@@ -49,6 +50,7 @@ from .instances import Instance
 from .replicas import ReplicaStore, remove_gone
 from .tiers import TierTransfers
 from .versions import Versions
+from .gpus import gpus
 from .sources.cuda import Fences, check_fences, decode_handle, flush_releases
 from .sources.cuda import probe as cuda_probe
 
@@ -102,6 +104,7 @@ class Daemon:
         self._sock = sock
         self.connections = Connections(sock)
         self._spawn(self._recover())
+        self._spawn(asyncio.get_running_loop().run_in_executor(None, gpus.hold))  # before the trainers fill the GPUs
         self._spawn(self.clients.watch(self.cfg.client_timeout, self.stopped, self._gone))
         self._spawn(self.connections.watch(self.stopped))
         if self.cfg.prefault:
@@ -180,7 +183,11 @@ class Daemon:
         )
 
     async def _snapshot(self, identity: bytes, body: m.Snapshot) -> m.SnapshotAck:
-        client = self.clients.get(identity)
+        try:
+            client = self.clients.get(identity)
+        except UnknownClientError:  # taken as gone meanwhile: its new CUDA handles must not stay held
+            self.clients.release_orphaned(identity, body.sources)
+            raise
         if body.retired:
             client.retire(body.retired)
         async with self.jobs.admitting(client.id):
@@ -400,6 +407,7 @@ class Daemon:
                 "roots": self.cfg.storage.roots,
                 "host_memory": self.pool.status(),
                 "copy_threads": self.cfg.copy_threads,
+                "gpus": gpus.status(),
                 "flush_threads": self.cfg.flush_threads,
                 "descriptors": descriptors(),
                 "leftovers_removed": None if self.leftovers is None else {

@@ -278,13 +278,15 @@ class ZipLayout:
         return out + bytes(self.data_offset - len(out))
 
 
-def zip_layout(header: FileHeader, index_len: int, version: int = FORMAT_VERSION) -> ZipLayout:
+def zip_layout(header: FileHeader, index_len: int, version: int = FORMAT_VERSION,
+               storages: list[Record] | None = None) -> ZipLayout:
     """The layout of a file of format ``version`` (2 or later) whose index is ``index_len`` bytes (preamble
-    included)."""
+    included); ``storages``: its ``storage_records``, where the caller has them already."""
     head, end = plan_zip([(INDEX_RECORD, index_len, 1, 0)]
                          + [(PICKLE_RECORD, header.torch_pkl, 1, 0)] * bool(header.torch_pkl)
                          + [(f"{ARCHIVE}/{name}", len(value), 1, 0) for name, value in TORCH_RECORDS])
-    storages, _ = storage_records([s.nbytes for s in header.storages], version)
+    if storages is None:
+        storages, _ = storage_records([s.nbytes for s in header.storages], version)
     base = align_up(end, DATA_ALIGN)
     tail_at = base + align_up(header.data_len, DATA_ALIGN)
     placed = [Record(r.name, r.size, r.header_offset + base, r.data_offset + base) for r in storages]

@@ -31,7 +31,7 @@ _MAX_DIMS = 64
 def _ints(value: Any, what: str, minimum: int) -> list[int]:
     if not isinstance(value, list) or len(value) > _MAX_DIMS:
         raise InvalidRequestError(f"{what} must be a list of at most {_MAX_DIMS} integers")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and minimum <= v < _INT64 for v in value):
+    if value and not (set(map(type, value)) == {int} and minimum <= min(value) and max(value) < _INT64):
         raise InvalidRequestError(f"{what} must hold integers from {minimum} to 2^63-1, got {value[:8]}")
     return value
 

@@ -365,8 +365,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "client-stays-lost",
         "after a daemon was lost (stalled past liveness), the client never connects again: every later call fails",
         (Edit("client/client.py",
-              "        if self.fallback is None and (self._left or self._conn.lost):\n            self._reconnect()\n",
-              "        pass  # MUTATION: no reconnect\n"),),
+              "            if self.fallback is None and (self._left or self._conn.lost):\n                self._reconnect()\n",
+              "            pass  # MUTATION: no reconnect\n"),),
         ("tests/faults/test_stall.py::test_after_a_stall_the_client_connects_again_as_a_new_client",
          "tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness"),
     ),
@@ -729,8 +729,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "into-expanded-accepted",
         "load(into=) plans an expanded tensor of into as fitting: the rebuild fails after the stream wrote into, and "
         "calls the sound file corrupt",
-        (Edit("client/into.py", "            if any(n > 1 and s == 0 for n, s in zip(theirs.shape, theirs.stride())):\n",
-              "            if False:  # MUTATION\n"),),
+        (Edit("client/into.py", "    if any(n > 1 and s == 0 for n, s in zip(t.shape, t.stride())):\n",
+              "    if False:  # MUTATION\n"),),
         ("tests/test_load_into.py::test_an_into_tensor_that_overlaps_itself_is_a_misfit_not_a_corrupt_file",),
     ),
     Mutation(
@@ -762,8 +762,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "into-straddling-storage-first-piece-only",
         "load(into=) copies a storage that straddles read pieces from its first piece only",
         (Edit("client/stream.py",
-              "            for piece in self.pieces[rec.offset // size:(rec.offset + rec.nbytes - 1) // size + 1] if target else ():\n",
-              "            for piece in self.pieces[rec.offset // size:rec.offset // size + 1] if target else ():  # MUTATION\n"),),
+              "            for piece in self.pieces[first // size:(last - 1) // size + 1] if target and last > first else ():\n",
+              "            for piece in self.pieces[first // size:first // size + 1] if target and last > first else ():  # MUTATION\n"),),
         ("tests/test_load_into.py::test_a_state_over_many_read_pieces[memory]", "tests/test_load_into.py::test_a_state_over_many_read_pieces[storage]",
          "tests/test_load_into.py::test_a_state_over_the_default_read_piece"),
     ),
@@ -801,7 +801,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "into-overlapping-rows-unchecked",
         "load(into=) takes a tensor of into whose rows overlap (as_strided, no stride of 0)",
-        (Edit("client/into.py", "            if _overlaps_itself(theirs):\n", "            if False:  # MUTATION\n"),),
+        (Edit("client/into.py", "    if _overlaps_itself(t):\n", "    if False:  # MUTATION\n"),),
         ("tests/test_load_into.py::test_an_into_tensor_whose_rows_overlap_is_a_misfit",),
     ),
     Mutation(
@@ -927,6 +927,36 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("protocol/schema.py", "        return lambda v: v if isinstance(v, int) and not isinstance(v, bool) else _misfit()\n",
               "        return lambda v: v if isinstance(v, int) else _misfit()  # MUTATION\n"),),
         ("tests/test_schema.py",),
+    ),
+    Mutation(
+        "orphan-snapshot-keeps-cuda-slots",
+        "a snapshot from a client already taken as gone is refused before its CUDA handles are released: each new "
+        "handle's slot stays at 1, and the trainer parks that block for its lifetime",
+        (Edit("daemon/server.py", "            self.clients.release_orphaned(identity, body.sources)\n",
+              "            pass  # MUTATION\n"),),
+        ("tests/test_cuda_handles.py::test_a_snapshot_from_a_client_taken_as_gone_gives_back_its_new_handles_slots",),
+    ),
+    Mutation(
+        "cuda-slot-released-below-zero",
+        "a release of a slot already at zero takes it to -1, which torch reads unsigned: the block parks for good",
+        (Edit("daemon/sources/cuda.py", "max(value + delta, 0) if delta < 0 else value + delta", "value + delta"),),
+        ("tests/test_cuda_handles.py::test_a_snapshot_from_a_client_taken_as_gone_gives_back_its_new_handles_slots",),
+    ),
+    Mutation(
+        "vm-batch-short-read-ignored",
+        "a batched read of small tensors that stops short (an unmapped one among them) counts as done: the rest of "
+        "the batch is saved as zeros, and the snapshot succeeds",
+        (Edit("daemon/sources/vm.py", "            if n == sum(length for _, _, length in batch):\n                continue\n",
+              "            continue  # MUTATION\n"),),
+        ("tests/faults/test_in_place.py::test_an_unmapped_tensor_among_thousands_of_small_ones_fails_that_snapshot_and_names_it",),
+    ),
+    Mutation(
+        "prefill-past-the-budget",
+        "the background mapping of a fresh daemon's pool does not count the chunks a snapshot mapped itself: the "
+        "pool grows past host_memory",
+        (Edit("daemon/memory.py", "            if not self._room():\n                return\n",
+              "            if len(self._all) >= self.capacity + 64:  # MUTATION\n                return\n"),),
+        ("tests/test_memory.py::test_a_snapshot_taken_while_a_fresh_daemon_maps_its_pool_is_whole_and_the_pool_stays_in_budget",),
     ),
 )
 def working_tree_files() -> list[str]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import base64
 import os
-import struct
+import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 import pytest
@@ -167,3 +167,33 @@ def test_a_handle_naming_another_processs_counters_is_refused_and_they_stay_unto
         assert int(slots[7]) == 1
     finally:
         os.unlink(f"/dev/shm{other}")
+
+
+def test_a_snapshot_from_a_client_taken_as_gone_gives_back_its_new_handles_slots(
+        start_daemon: Callable[..., DaemonProc], ref_counter: tuple[str, torch.Tensor]) -> None:
+    """A trainer stalled past client_timeout is dropped; a snapshot it sends afterwards is refused as from an
+    unknown client. Its handles the daemon never saw must not keep their slots at 1 (each such block would stay
+    parked for the trainer's lifetime), and a handle released already, when it was refused earlier, must not go
+    below zero (torch reads the slot unsigned: -1 parks it for good too)."""
+    name, slots = ref_counter
+    slots[3] = slots[4] = 1
+    h3, h4 = (encode_handle(fields(ref_counter=name.encode(), ref_counter_offset=k)) for k in (3, 4))
+    d = start_daemon(client_timeout=1.5)
+    peer = RawPeer(d.endpoint)
+    try:
+        _, welcome = peer.request("hello", {"pid": os.getpid(), "name": "stalls"})
+        assert snapshot(peer, str(d.root), h3, path="before/model.pt", msg_id=2).get("code") == "shared_memory"
+        assert int(slots[3]) == 0
+        deadline = time.monotonic() + 30
+        while not any(c["id"] == welcome["client_id"] for c in daemon_status(d.endpoint)["clients_lost"]):
+            assert time.monotonic() < deadline, "the silent client was never taken as gone"
+            time.sleep(0.2)
+        reply = snapshot(peer, str(d.root), h4, path="late/model.pt", msg_id=3)
+        assert reply.get("code") == "unknown_client", reply
+        assert int(slots[4]) == 0, "the refused snapshot's new handle kept its slot: its block stays parked"
+        reply = snapshot(peer, str(d.root), h3, path="later/model.pt", msg_id=4)
+        assert reply.get("code") == "unknown_client", reply
+        assert int(slots[3]) == 0, f"a slot released once was released again: {int(slots[3])}"
+        assert int(slots.count_nonzero()) == 0, "the daemon wrote a slot it was not asked about"
+    finally:
+        peer.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -54,3 +55,32 @@ def test_many_tiny_tensors(client: Client, daemon: DaemonProc) -> None:
 
     loaded = datastates.load(committed.files[0])
     assert_state_equal({"tensors": tensors, "count": 500}, loaded)
+
+
+def test_a_snapshot_taken_while_a_fresh_daemon_maps_its_pool_is_whole_and_the_pool_stays_in_budget(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """A fresh daemon maps its pool in the background, only between copies (daemon/memory.py): a snapshot taken at
+    once copies into the chunks mapped so far and maps the others it needs itself. The file is whole, and the pool
+    ends fully mapped, never past host_memory."""
+    daemon = start_daemon(host_memory="2GiB", chunk_size="1MiB", prefault=True)
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(3 * MiB // 16 + i, generator=g) for i in range(160)}  # 120 MiB, odd sizes
+    path = daemon.root / "global_step1" / "model_states.pt"
+    with Client(daemon.endpoint, timeout=60) as client:
+        mem = client.status()["daemon"]["host_memory"]
+        capacity = mem["budget_bytes"] // mem["chunk_size"]
+        assert mem["chunks_allocated"] < capacity, "the pool was mapped before the snapshot: nothing was tested"
+        client.snapshot(state, path)
+        client.wait()
+        client.commit("global_step1").result(timeout=120)
+        seen = []
+        for _ in range(600):
+            mem = client.status()["daemon"]["host_memory"]
+            seen.append(mem["chunks_allocated"])
+            if seen[-1] >= capacity:
+                break
+            time.sleep(0.1)
+        time.sleep(1)  # whatever mapping was under way has ended
+        seen.append(client.status()["daemon"]["host_memory"]["chunks_allocated"])
+    assert max(seen) == seen[-1] == capacity, f"the pool ended with {seen[-1]} of {capacity} chunks mapped, at most {max(seen)}"
+    assert_state_equal(state, datastates.load(path))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import ctypes
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Hashable, Protocol, Sequence
 
 import torch
 
@@ -48,6 +48,17 @@ class Region(ABC):
     once the trainer exits, unlike shared memory, which the daemon's own mapping keeps."""
     fenced: ClassVar[bool] = False
     """GPU memory: read only once the snapshot's fences completed (the kernels queued before ``snapshot()``)."""
+
+    def batch_key(self) -> Hashable | None:
+        """Regions with one equal key are read together by ``read_batch`` (one system call for many small
+        tensors of one trainer, not one each); None: this region is read alone."""
+        return None
+
+    @staticmethod
+    def read_batch(reads: Sequence[tuple[Region, int, int, int]]) -> None:
+        """``(region, dst address, src, length)`` reads of regions of one ``batch_key`` into host memory;
+        raises SnapshotFailedError as ``read_into`` would."""
+        raise NotImplementedError
 
     def read_into(self, dst: torch.Tensor, src: int, length: int) -> Pending | None:
         """Copy ``length`` bytes at ``src`` into the host tensor ``dst``; a Pending if the copy is asynchronous.

@@ -21,17 +21,19 @@ on the NULL stream and leak an event per open.
 Reference counts. torch sets a storage's slot to 1 when the client shares it, and parks
 the trainer's block when the storage is freed while its slot is above zero. The slot is
 read as unsigned: one decrement too many parks the block for ever, one too few too. So
-the daemon brings each handle's slot to zero exactly once:
-
-- a handle it opens is cached by its client (``ClientRecord``) until the client retires it
-  (the storage was freed) or leaves; dropping the region decrements the slot (torch's
-  deleter);
-- a handle it never opens (the snapshot was refused or skipped first) is decremented at
-  once (``release_unopened``), and marked so: if it comes again, the slot is raised back
-  to one before the open.
+every slot write is the daemon's own, one at a time (``adjust_ref_counter``), and torch's
+deleter never writes one: the daemon opens each block naming a counter file that cannot
+exist (``UNTRACKED``), which torch's deleter skips. Each open region holds one count on
+its slot, the share's own or one added before the open, and gives it back the moment the
+region goes (``CudaIpcRegion.__del__``), before its mapping is closed on the releasing
+thread. Which regions a client keeps, and for how long, is ``ClientRecord``'s
+(daemon/clients.py): a handle seen once is let go as soon as its snapshot is copied. A
+handle the daemon never opens (the snapshot was refused or skipped first) is decremented
+at once (``release_unopened``); a decrement never takes a slot below zero.
 
 CUDA objects are dropped on one thread of their own (``_Releaser``), never on the event
-loop: torch's deleter synchronizes the dropping thread's current stream.
+loop: torch's deleter synchronizes the dropping thread's current stream. Every open,
+fence and copy first asks ``gpus`` (daemon/gpus.py) for a sound context on its GPU.
 
 - A daemon that dies holding regions never decrements their slots: the trainer's freed
   blocks stay parked until the trainer exits.
@@ -49,8 +51,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import ctypes
-import functools
 import os
 import queue
 import re
@@ -68,6 +68,7 @@ from datastates.protocol.descriptors import CUDA_IPC, Fence, SourceDesc
 from datastates.protocol.errors import DatastatesError, InvalidRequestError, SharedMemoryError, SnapshotFailedError
 from datastates.protocol.paths import SHM_DIR
 
+from ..gpus import allocation_range, gpus, local_device
 from .base import CopySource, Owner, Region, register_source
 
 MAX_HANDLE = 8192
@@ -166,12 +167,36 @@ def _check_ref_counter(name: str) -> None:
                                 handle=name)
 
 
+UNTRACKED = b"/datastates/untracked"
+"""The ref-counter name the daemon gives torch when it opens a block: no shared-memory name may hold a
+slash after the first, so torch's deleter finds no file there and writes nothing (it skips a missing one)."""
+
 _counter_lock = threading.Lock()
+_writing = threading.local()
 
 
 def adjust_ref_counter(name: str, offset: int, delta: int) -> None:
-    """Add ``delta`` to slot ``offset`` of ref-counter file ``name``, as torch's deleter does; nothing if the
-    file is gone (its trainer exited) or not one the daemon may touch."""
+    """Add ``delta`` to slot ``offset`` of ref-counter file ``name``, never below zero; nothing if the file is
+    gone (its trainer exited) or not one the daemon may touch.
+
+    One write at a time, each a whole read-modify-write. A call made while this thread is
+    writing already (a region's finalizer, run by the collector mid-write) is applied by
+    that write's loop before it returns, not nested inside it.
+    """
+    queued = getattr(_writing, "queue", None)
+    if queued is not None:
+        queued.append((name, offset, delta))
+        return
+    _writing.queue = queued = [(name, offset, delta)]
+    try:
+        with _counter_lock:
+            while queued:
+                _write_slot(*queued.pop(0))
+    finally:
+        _writing.queue = None
+
+
+def _write_slot(name: str, offset: int, delta: int) -> None:
     try:
         fd = os.open(_ref_counter_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
@@ -180,38 +205,21 @@ def adjust_ref_counter(name: str, offset: int, delta: int) -> None:
         if not _full_counter_file(os.fstat(fd)):
             return
         at = REF_COUNTER_HEADER + 8 * offset
-        with _counter_lock:
-            (value,) = struct.unpack("<q", os.pread(fd, 8, at))
-            os.pwrite(fd, struct.pack("<q", value + delta), at)
+        (value,) = struct.unpack("<q", os.pread(fd, 8, at))
+        os.pwrite(fd, struct.pack("<q", max(value + delta, 0) if delta < 0 else value + delta), at)
     finally:
         os.close(fd)
 
 
 def release_unopened(fields: dict[str, Any], pid: int) -> None:
-    """Bring a handle of client process ``pid`` that the daemon will not open to zero: its trainer frees the
-    block when it frees the storage. A slot in any other process's file is left alone."""
+    """Give back the count a handle of client process ``pid`` holds for the daemon (the share's, or one added
+    for an open that failed): its trainer frees the block when it frees the storage. A slot in any other
+    process's file is left alone."""
     try:
         check_ref_counter_name(fields["ref_counter"], pid)
     except InvalidRequestError:
         return
     adjust_ref_counter(fields["ref_counter"], fields["ref_counter_offset"], -1)
-
-
-@functools.cache
-def _devices_by_uuid() -> dict[str, int]:
-    torch.cuda.init()
-    return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
-
-
-def local_device(uuid: str) -> int:
-    """This process's index of the device with ``uuid``."""
-    devices = _devices_by_uuid()
-    if uuid not in devices:
-        raise SharedMemoryError(
-            f"no CUDA device with UUID {uuid[:64]!r} is visible to the daemon (it sees {sorted(devices)}); "
-            "run datastatesd with every GPU of the node visible", handle=uuid[:64]
-        )
-    return devices[uuid]
 
 
 def _no_cuda(uuid: str) -> SharedMemoryError:
@@ -240,7 +248,7 @@ class _Releaser:
         self._queue.put((device, obj))
 
     def flush(self, timeout: float) -> None:
-        """Wait until everything dropped so far is gone (the daemon's exit: the trainers' slots released)."""
+        """Wait until everything dropped so far is gone (the daemon's exit: the trainers' blocks unmapped)."""
         with self._lock:
             if self._thread is None:
                 return
@@ -262,67 +270,32 @@ _releaser = _Releaser()
 
 
 def flush_releases(timeout: float) -> None:
-    """Wait until every CUDA object dropped so far is gone: at exit, so the trainers' slots are released."""
+    """Wait until every CUDA object dropped so far is gone: at exit, so every mapping of a trainer's block is
+    closed (the slots went back as the regions were dropped)."""
     _releaser.flush(timeout)
 
 
-@functools.cache
-def _driver() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
-    lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
-    lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
-    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                                            ctypes.c_uint64]
-    return lib
-
-
-def _cu(err: int, what: str) -> None:
-    if err != 0:
-        raise RuntimeError(f"{what} failed (CUresult {err})")
-
-
-def allocation_range(device: int, address: int) -> tuple[int, int]:
-    """The base and size of the allocation that holds ``address`` on ``device`` (``cuMemGetAddressRange``).
-
-    The device's primary context is made current explicitly for the call: a thread whose
-    open hit torch's cache of opened blocks has made no CUDA call, and may have none current.
-    """
-    lib = _driver()
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    _cu(lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
-    _cu(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    try:
-        _cu(lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
-        try:
-            base, size = ctypes.c_uint64(), ctypes.c_size_t()
-            _cu(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange")
-            return base.value, size.value
-        finally:
-            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-    finally:
-        lib.cuDevicePrimaryCtxRelease_v2(dev)
-
-
 class CudaIpcRegion(Region):
-    """One trainer storage, opened once per client; ``tensor`` is a flat uint8 CUDA view of exactly ``nbytes``.
+    """One trainer storage as the daemon opened it, for one snapshot or kept by its client (daemon/clients.py);
+    ``tensor`` is a flat uint8 CUDA view of exactly ``nbytes``. It holds one count on the storage's slot.
 
-    Made only by ``open_cuda``, which leaves the handle's slot released whenever it raises.
+    Made only by ``open_cuda``, which gives that count back whenever it raises.
     """
 
     in_trainer = True
     fenced = True
 
-    def __init__(self, device: torch.device, tensor: torch.Tensor) -> None:
+    def __init__(self, device: torch.device, tensor: torch.Tensor, slot: tuple[str, int]) -> None:
         self.device = device
         self.nbytes = tensor.numel()
         self.tensor = tensor
+        self.slot = slot
+        """(ref-counter file, offset): the trainer's slot this region holds one count on."""
 
     def __del__(self) -> None:
         tensor = self.__dict__.pop("tensor", None)
-        if tensor is not None:
+        if tensor is not None:  # nothing copies from it any more: the count goes back now, the mapping after
+            adjust_ref_counter(*self.slot, -1)
             _releaser.drop(self.device.index, tensor)
 
     def read_into(self, dst: torch.Tensor, src: int, length: int) -> torch.cuda.Event:
@@ -352,10 +325,15 @@ def copy_to_host(region: CudaIpcRegion, src_offset: int, dst_tensor: torch.Tenso
     if not 0 <= src_offset <= src_offset + length <= region.nbytes or length > dst_tensor.numel():
         raise ValueError(f"copy of {length} bytes at {src_offset} does not fit a {region.nbytes}-byte region "
                          f"and a {dst_tensor.numel()}-byte destination")
-    with torch.cuda.stream(stream):
-        dst_tensor[:length].copy_(region.tensor[src_offset:src_offset + length], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
+    gpus.ready(region.device.index)
+    try:
+        with torch.cuda.stream(stream):
+            dst_tensor[:length].copy_(region.tensor[src_offset:src_offset + length], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+    except RuntimeError as exc:
+        gpus.check(region.device.index, exc)
+        raise
     return done
 
 
@@ -368,7 +346,7 @@ def check_fences(fences: Sequence[Fence]) -> list[Fence]:
             raise InvalidRequestError(f"a fence's event handle is {IPC_HANDLE} bytes, not {len(fence.event)}")
         if not torch.cuda.is_available():
             raise _no_cuda(fence.uuid)
-        local_device(fence.uuid)
+        gpus.ready(local_device(fence.uuid))
     return list(fences)
 
 
@@ -407,12 +385,19 @@ class Fences:
             pause = min(pause * 2, POLL_S[1])
 
     def _completed(self) -> bool:
+        devices = [local_device(f.uuid) for f in self._fences]
         try:
+            for index in devices:
+                gpus.ready(index)
             if not self._events:
-                self._events = [torch.cuda.Event.from_ipc_handle(torch.device("cuda", local_device(f.uuid)), f.event)
-                                for f in self._fences]
+                self._events = [torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), f.event)
+                                for index, f in zip(devices, self._fences)]
             return all(event.query() for event in self._events)
-        except RuntimeError as exc:  # a bad handle, or a trainer killed mid-kernel left its event in error
+        except SharedMemoryError as exc:
+            raise SnapshotFailedError(f"the trainer's fence cannot be waited for: {exc.message}") from None
+        except RuntimeError as exc:  # a bad handle, a trainer killed mid-kernel, or a broken context
+            for index in devices:
+                gpus.check(index, exc)
             raise SnapshotFailedError(f"the trainer's fence cannot be waited for: {exc}") from None
 
     def __del__(self) -> None:
@@ -421,13 +406,14 @@ class Fences:
 
 
 def open_cuda(fields: dict[str, Any], nbytes: int, pid: int) -> CudaIpcRegion:
-    """Open a decoded handle of client process ``pid``, whose source declares ``nbytes``. Whenever this raises,
-    the handle's slot has been released (decremented) if it names one of ``pid``'s: before the open by
-    ``release_unopened``, after it by dropping the opened storage here and now."""
+    """Open a decoded handle of client process ``pid``, whose source declares ``nbytes``; the region takes the
+    count the slot holds for this open (the share's, or one the caller added). Whenever this raises, that
+    count has been given back (``release_unopened``) if the slot is one of ``pid``'s."""
     check_ref_counter_name(fields["ref_counter"], pid)
     if fields["nbytes"] != nbytes:
         release_unopened(fields, pid)
         raise InvalidRequestError(f"CUDA IPC handle names {fields['nbytes']} bytes, the source {nbytes}")
+    index: int | None = None
     try:
         if fields["block"][1:2] == EXPANDABLE:
             raise SharedMemoryError("datastatesd does not open CUDA IPC handles of expandable segments "
@@ -435,36 +421,40 @@ def open_cuda(fields: dict[str, Any], nbytes: int, pid: int) -> CudaIpcRegion:
         if not torch.cuda.is_available():
             raise _no_cuda(fields["uuid"])
         _check_ref_counter(fields["ref_counter"])
-        device = torch.device("cuda", local_device(fields["uuid"]))
+        index = local_device(fields["uuid"])
+        device = torch.device("cuda", index)
+        gpus.ready(index)
         with torch.cuda.device(device):
             storage = torch.UntypedStorage._new_shared_cuda(
-                device.index, fields["block"], fields["nbytes"], fields["offset"], fields["ref_counter"].encode(),
-                fields["ref_counter_offset"], bytes(IPC_HANDLE), False,
+                device.index, fields["block"], fields["nbytes"], fields["offset"], UNTRACKED, 0,
+                bytes(IPC_HANDLE), False,
             )
+            tensor = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (fields["nbytes"],), (1,))
+        del storage
     except SharedMemoryError:
         release_unopened(fields, pid)
         raise
     except RuntimeError as exc:
         release_unopened(fields, pid)
+        if index is not None:
+            gpus.check(index, exc)
         raise SharedMemoryError(f"cannot open a {fields['nbytes']}-byte CUDA IPC block on the GPU "
                                 f"{fields['uuid'][:64]}: {exc}") from None
-    # opened: the slot is the storage's to decrement, which its deleter does wherever it goes
-    tensor = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (fields["nbytes"],), (1,))
-    del storage
+    region = CudaIpcRegion(device, tensor, (fields["ref_counter"], fields["ref_counter_offset"]))
+    del tensor
+    failure: DatastatesError | None = None
     try:
-        start = tensor.data_ptr() - fields["offset"]
-        base, size = allocation_range(device.index, start)
-        failure: DatastatesError | None = None
+        start = region.tensor.data_ptr() - fields["offset"]
+        base, size = allocation_range(index, start)
         if not base <= start or start + fields["offset"] + fields["nbytes"] > base + size:
             failure = InvalidRequestError(f"CUDA IPC handle: {fields['nbytes']} bytes at offset {fields['offset']} "
                                           f"lie outside the {base + size - start}-byte allocation its block maps")
     except (RuntimeError, OSError) as exc:
         failure = SharedMemoryError(f"cannot check the CUDA IPC block opened on {device}: {exc}")
     if failure is not None:
-        with torch.cuda.device(device):
-            del tensor  # here and now, not when the traceback goes: the slot is released before this raises
+        del region  # its count goes back here and now, before this raises
         raise failure
-    return CudaIpcRegion(device, tensor)
+    return region
 
 
 PROBE_BYTES = 4096
@@ -480,7 +470,11 @@ def probe(handle: str, expect: bytes, pid: int) -> str:
             raise InvalidRequestError(f"a probe is a tensor of at most {PROBE_BYTES} bytes, sent with its bytes")
         region = open_cuda(fields, len(expect), pid)
         host = torch.empty(region.nbytes, dtype=torch.uint8)
-        copy_to_host(region, 0, host, region.nbytes, copy_stream(region.device)).synchronize()
+        try:
+            copy_to_host(region, 0, host, region.nbytes, copy_stream(region.device)).synchronize()
+        except RuntimeError as exc:
+            gpus.check(region.device.index, exc)
+            raise
         if host.numpy().tobytes() != expect:
             return "the daemon read other bytes than the trainer holds through its CUDA IPC handle"
         return ""

@@ -25,6 +25,7 @@ import ctypes
 import errno
 import os
 import re
+from typing import Sequence
 
 import torch
 
@@ -48,21 +49,33 @@ if _readv is not None:
     _readv.restype = ctypes.c_ssize_t
 
 
+IOV_MAX = 1024
+"""The most iovecs one ``process_vm_readv`` takes (Linux's UIO_MAXIOV)."""
+
+
 def read_process(pid: int, address: int, dst: int, length: int) -> None:
     """Copy ``length`` bytes at ``address`` in process ``pid`` to ``dst`` here; OSError on failure."""
-    if _readv is None:
-        raise OSError(errno.ENOSYS, "this C library has no process_vm_readv")
     done = 0
     while done < length:
-        local = _IoVec(dst + done, length - done)
-        remote = _IoVec(address + done, length - done)
-        n = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if n < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        if n == 0:  # a partial read stops at an unmapped page: the next call would fail there
-            raise OSError(errno.EFAULT, os.strerror(errno.EFAULT))
-        done += n
+        done += _readv_once(pid, [(address + done, dst + done, length - done)])
+
+
+def _readv_once(pid: int, reads: list[tuple[int, int, int]]) -> int:
+    """One ``process_vm_readv`` of ``(address, dst, length)`` reads (at most IOV_MAX): the bytes it read, in order,
+    which may stop short of them all; OSError if it read none."""
+    if _readv is None:
+        raise OSError(errno.ENOSYS, "this C library has no process_vm_readv")
+    local, remote = (_IoVec * len(reads))(), (_IoVec * len(reads))()
+    for i, (address, dst, length) in enumerate(reads):
+        local[i].iov_base, local[i].iov_len = dst, length
+        remote[i].iov_base, remote[i].iov_len = address, length
+    n = _readv(pid, local, len(reads), remote, len(reads), 0)
+    if n < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    if n == 0:  # a partial read stops at an unmapped page: the next call would fail there
+        raise OSError(errno.EFAULT, os.strerror(errno.EFAULT))
+    return n
 
 
 def probe(pid: int, probe_desc: str) -> str:
@@ -104,18 +117,55 @@ class VmRegion(Region):
 
     def read_into(self, dst: torch.Tensor, src: int, length: int) -> None:
         self.destination(dst, src, length)  # the bounds check; the kernel writes at dst's address itself
-        try:
-            read_process(self.pid, self.address + src, dst.data_ptr(), length)
-        except OSError as exc:
-            if exc.errno == errno.ESRCH:
-                why = f"its trainer (pid {self.pid}) exited before its state was copied"
-            elif exc.errno == errno.EFAULT:
-                why = (f"the trainer's memory at {self.address + src:#x} ({length} bytes) is no longer mapped: a "
-                       "snapshotted tensor was freed or resized before wait() returned")
-            else:
-                why = f"reading the trainer's memory (pid {self.pid}) failed: {exc.strerror}"
-            raise SnapshotFailedError(why) from None
+        self.read_into_address(dst.data_ptr(), src, length)
         return None
+
+    def batch_key(self) -> int:
+        return self.pid
+
+    @staticmethod
+    def read_batch(reads: Sequence[tuple[Region, int, int, int]]) -> None:
+        """The reads of one trainer (one ``batch_key``) in as few system calls as IOV_MAX allows: 100,000 tiny
+        tensors took 0.9 s of calls one by one. Where a call stops short, the rest goes on one by one, so a
+        failure names the tensor it met."""
+        checked = []
+        for region, dst, src, length in reads:
+            assert isinstance(region, VmRegion)
+            if not 0 <= src <= src + length <= region.nbytes:
+                raise ValueError(f"read of {length} bytes at {src} does not fit a {region.nbytes}-byte region")
+            checked.append((region.address + src, dst, length))
+        pid = reads[0][0].pid  # type: ignore[attr-defined]
+        for start in range(0, len(checked), IOV_MAX):
+            batch = checked[start:start + IOV_MAX]
+            try:
+                n = _readv_once(pid, batch)
+            except OSError:
+                n = 0
+            if n == sum(length for _, _, length in batch):
+                continue
+            for region, dst, src, length in reads[start:start + IOV_MAX]:
+                if n >= length:
+                    n -= length
+                    continue
+                region.read_into_address(dst + n, src + n, length - n)  # type: ignore[attr-defined]
+                n = 0
+
+    def read_into_address(self, dst: int, src: int, length: int) -> None:
+        """``read_into`` at a host address, its bounds checked by the caller."""
+        try:
+            read_process(self.pid, self.address + src, dst, length)
+        except OSError as exc:
+            raise self._failed(exc, src, length) from None
+
+    def _failed(self, exc: OSError, src: int, length: int) -> SnapshotFailedError:
+        if exc.errno == errno.ESRCH:
+            why = f"its trainer (pid {self.pid}) exited before its state was copied"
+        elif exc.errno == errno.EFAULT:
+            why = (f"the trainer's memory at {self.address + src:#x} ({length} bytes) is no longer mapped: a "
+                   "snapshotted tensor was freed or resized before wait() returned")
+        else:
+            why = f"reading the trainer's memory (pid {self.pid}) failed: {exc.strerror}"
+        return SnapshotFailedError(why)
 
 
 class VmSource(CopySource):

@@ -13,8 +13,10 @@ client (``RawPeer``) plays the buggy or hostile trainer of the same user:
 from __future__ import annotations
 
 import ctypes
+import io
 import mmap
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -134,3 +136,64 @@ def test_memory_unmapped_mid_copy_fails_that_snapshot_alone(start_daemon: Callab
     daemon_serves(d, "after-shrunk")
     fds = os.listdir(f"/proc/{d.proc.pid}/fd")
     assert len(fds) < 64, f"the daemon holds {len(fds)} descriptors after in-place snapshots"
+
+
+def test_an_unmapped_tensor_among_thousands_of_small_ones_fails_that_snapshot_and_names_it(
+        shared_daemon: DaemonProc) -> None:
+    """Small tensors are read many to a system call (``VmRegion.read_batch``): one unmapped among them fails the
+    snapshot with its own address, and the same tensors all mapped are saved whole."""
+    d = shared_daemon
+    probe = OwnProbe()
+    n, size = 3000, 64
+    block = mmap.mmap(-1, n * size)
+    block.write(bytes(range(256)) * (n * size // 256))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(block))
+    hole = mmap.mmap(-1, mmap.PAGESIZE)
+    hole_at = ctypes.addressof(ctypes.c_char.from_buffer(hole))
+    hole.close()
+
+    def snapshot(name: str, addresses: list[int]) -> dict[str, Any]:
+        meta = {"dtype": "uint8", "shape": [size], "stride": [1], "storage_offset": 0, "requires_grad": False,
+                "parameter": False}
+        return {"path": str(d.root / name / "m.pt"), "tag": name, "root": len(addresses),
+                "sources": [{"kind": "vm", "handle": f"{a:x}", "nbytes": size} for a in addresses],
+                "entries": [{"provider": "tensor", "name": f"t{i}", "meta": {**meta, "storage": i}}
+                            for i in range(len(addresses))]
+                + [{"provider": "pickle", "name": "<skeleton>", "meta": {"data": skeleton(len(addresses))}}]}
+
+    addresses = [base + i * size for i in range(n)]
+    peer = RawPeer(d.endpoint)
+    try:
+        assert hello(peer, os.getpid(), str(probe))["vm_refused"] == ""
+        broken = addresses[:1777] + [hole_at] + addresses[1778:]
+        for msg_id, (name, sources) in enumerate([("with-hole", broken), ("all-mapped", addresses)]):
+            _, ack = peer.request("snapshot", snapshot(name, sources), 2 + 2 * msg_id)
+            assert ack.get("snapshot_id"), ack
+            _, body = peer.request("wait", {"snapshot_ids": [ack["snapshot_id"]]}, 3 + 2 * msg_id)
+            if name == "with-hole":
+                assert body["code"] == "snapshot_failed" and f"{hole_at:#x}" in body["message"], body
+        _, committed = peer.request("commit", {"tag": "all-mapped"}, 6)
+        assert committed.get("tag") == "all-mapped", committed
+        loaded = torch.load(d.root / "all-mapped" / "m.pt", weights_only=True)
+        expect = torch.frombuffer(bytearray(block), dtype=torch.uint8).view(n, size)
+        wrong = [i for i in range(n) if not torch.equal(loaded[i], expect[i])]
+        assert not wrong, f"{len(wrong)} of {n} tensors differ, the first at index {wrong[0]}"
+    finally:
+        peer.close()
+        block.close()
+    daemon_serves(d, "after-batched-hole")
+
+
+def skeleton(n: int) -> bytes:
+    """A protocol-2 skeleton of a list of the entries 0..n-1 (persistent ids, as the client's capture writes)."""
+    class Ids(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> int | None:
+            return obj.index if isinstance(obj, Leaf) else None
+
+    class Leaf:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+    buf = io.BytesIO()
+    Ids(buf, protocol=2).dump([Leaf(i) for i in range(n)])
+    return buf.getvalue()
