@@ -16,6 +16,7 @@ to write around them.
 
 from __future__ import annotations
 
+import functools
 import pickletools
 import struct
 from dataclasses import dataclass
@@ -162,29 +163,41 @@ longer grows). Part of the format, not asked of torch: ``verify`` rebuilds ``dat
 bytes do not depend on the torch that wrote it. tests/test_dtypes.py pins it to torch's."""
 
 
-def _tensor(meta: dict, requires_grad: bool, typed: bool) -> bytes:
-    """torch.save's pickle of one tensor: ``_rebuild_tensor_v2`` of a typed storage record where its storage is
-    viewed as that one dtype (torch.load caches a storage by record, typed as it first meets it), else
-    ``_rebuild_tensor_v3`` of an untyped one, which takes any dtype, as torch.save does for the newer ones."""
-    name, itemsize = TYPED_STORAGES.get(meta["dtype"], ""), DTYPE_SIZES[meta["dtype"]]
-    kind, numel = (f"ctorch\n{name}\n", meta["nbytes"] // itemsize) if typed else ("ctorch.storage\nUntypedStorage\n", meta["nbytes"])
-    storage = _tuple([_str("storage"), kind.encode(), _str(str(meta["storage"])), _str("cpu"), _int(numel)]) + b"Q"
-    view = (storage + _int(meta["storage_offset"]) + _tuple([_int(n) for n in meta["shape"]])
-            + _tuple([_int(n) for n in meta["stride"]]) + (b"\x88" if requires_grad else b"\x89") + _NO_HOOKS)
+def _tensor(meta: dict, nbytes: int, requires_grad: bool, typed: bool) -> bytes:
+    """torch.save's pickle of one tensor (of a storage of ``nbytes``): ``_rebuild_tensor_v2`` of a typed storage
+    record where its storage is viewed as that one dtype (torch.load caches a storage by record, typed as it first
+    meets it), else ``_rebuild_tensor_v3`` of an untyped one, which takes any dtype, as torch.save does for the
+    newer ones."""
+    opening, kind, itemsize, closing = _tensor_parts(meta["dtype"], typed)
+    storage = kind + _str(str(meta["storage"])) + _CPU + _int(nbytes // itemsize) + b"tQ"
+    return (opening + storage + _int(meta["storage_offset"]) + _tuple([_int(n) for n in meta["shape"]])
+            + _tuple([_int(n) for n in meta["stride"]]) + (b"\x88" if requires_grad else b"\x89") + _NO_HOOKS
+            + closing)
+
+
+_CPU = _str("cpu")
+
+
+@functools.cache
+def _tensor_parts(dtype: str, typed: bool) -> tuple[bytes, bytes, int, bytes]:
+    """The bytes of ``_tensor`` that depend on the dtype alone: before the storage tuple's key (the rebuild call,
+    the tuple's mark, "storage" and the storage type), the item size it counts in, and after the view."""
     if typed:
-        return b"ctorch._utils\n_rebuild_tensor_v2\n(" + view + b"tR"
-    return b"ctorch._utils\n_rebuild_tensor_v3\n(" + view + f"ctorch\n{meta['dtype']}\n".encode() + b"tR"
+        kind, itemsize = f"ctorch\n{TYPED_STORAGES[dtype]}\n", DTYPE_SIZES[dtype]
+        return (b"ctorch._utils\n_rebuild_tensor_v2\n(", b"(" + _str("storage") + kind.encode(), itemsize, b"tR")
+    return (b"ctorch._utils\n_rebuild_tensor_v3\n(", b"(" + _str("storage") + b"ctorch.storage\nUntypedStorage\n", 1,
+            f"ctorch\n{dtype}\n".encode() + b"tR")
 
 
-def _typed_storages(tensors: dict[int, dict]) -> set[int]:
+def _typed_storages(tensors: dict[int, dict], storage_sizes: Sequence[int]) -> set[int]:
     """The storages every tensor views as one dtype that has a typed storage, of a whole number of items."""
-    dtypes: dict[int, set[str]] = {}
-    nbytes: dict[int, int] = {}
+    dtypes: dict[int, str] = {}
+    mixed: set[int] = set()
     for meta in tensors.values():
-        dtypes.setdefault(meta["storage"], set()).add(meta["dtype"])
-        nbytes[meta["storage"]] = meta["nbytes"]
-    return {k for k, d in dtypes.items()
-            if len(d) == 1 and (dt := next(iter(d))) in TYPED_STORAGES and nbytes[k] % DTYPE_SIZES[dt] == 0}
+        if dtypes.setdefault(meta["storage"], meta["dtype"]) != meta["dtype"]:
+            mixed.add(meta["storage"])
+    return {k for k, dt in dtypes.items()
+            if k not in mixed and dt in TYPED_STORAGES and storage_sizes[k] % DTYPE_SIZES[dt] == 0}
 
 
 def data_pkl(entries: Sequence[EntryDesc], root: int, storage_sizes: Sequence[int]) -> bytes:
@@ -196,20 +209,19 @@ def data_pkl(entries: Sequence[EntryDesc], root: int, storage_sizes: Sequence[in
     skeleton = entries[root]
     if skeleton.provider != "pickle" or not isinstance(skeleton.meta.get("data"), bytes):
         return b""
-    tensors = {i: {**e.meta, "nbytes": storage_sizes[e.meta["storage"]]}
-               for i, e in enumerate(entries) if e.provider == "tensor"}
+    tensors = {i: e.meta for i, e in enumerate(entries) if e.provider == "tensor"}
     try:
-        return torch_data_pkl(skeleton.meta["data"], tensors) or b""
+        return torch_data_pkl(skeleton.meta["data"], tensors, storage_sizes) or b""
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"the skeleton {exc.message}") from None
 
 
-def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
+def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict], storage_sizes: Sequence[int]) -> bytes | None:
     """The ``data.pkl`` ``torch.load`` reads, made from a datastates skeleton without running it.
 
     ``skeleton`` is the client's pickle of the state, each leaf replaced by a persistent id:
     its entry's index (``<int> BINPERSID``). ``tensors`` has, for each tensor entry, its
-    provider's metadata plus ``nbytes``, its storage's size. Each ``<int> BINPERSID`` becomes
+    provider's metadata; ``storage_sizes``, each storage's size. Each ``<int> BINPERSID`` becomes
     the opcodes ``torch.save`` writes for that tensor, naming its storage as record
     ``data/<storage index>``; the first one is memoized, so one object in is one object out
     again. None if the skeleton names an entry that is not a tensor; InvalidRequestError (its
@@ -219,7 +231,7 @@ def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
     if next_memo + len(persids) > 0xFFFFFFFF:
         raise InvalidRequestError(f"uses memo slots up to {next_memo}, beyond what LONG_BINPUT can name")
     seen: dict[int, int] = {}
-    typed = _typed_storages(tensors)
+    typed = _typed_storages(tensors, storage_sizes)
     out, copied = bytearray(), 0
     for start, end, index in persids:
         out += skeleton[copied:start]
@@ -230,11 +242,12 @@ def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict]) -> bytes | None:
         meta = tensors.get(index)
         if meta is None:
             return None
+        nbytes = storage_sizes[meta["storage"]]
         if meta["parameter"]:
-            out += (b"ctorch._utils\n_rebuild_parameter\n(" + _tensor(meta, False, meta["storage"] in typed)
+            out += (b"ctorch._utils\n_rebuild_parameter\n(" + _tensor(meta, nbytes, False, meta["storage"] in typed)
                     + (b"\x88" if meta["requires_grad"] else b"\x89") + _NO_HOOKS + b"tR")
         else:
-            out += _tensor(meta, meta["requires_grad"], meta["storage"] in typed)
+            out += _tensor(meta, nbytes, meta["requires_grad"], meta["storage"] in typed)
         seen[index] = next_memo
         out += b"r" + struct.pack("<I", next_memo)
         next_memo += 1

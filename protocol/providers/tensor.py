@@ -35,6 +35,9 @@ class _Sizes(Sequence[int]):
         return self._sources[index].nbytes
 
 
+_FLAGS = ("requires_grad", "parameter")
+
+
 class TensorProvider(StateProvider):
     name = "tensor"
 
@@ -42,6 +45,8 @@ class TensorProvider(StateProvider):
         meta = check_view(entry.name, entry.meta, _Sizes(sources))
         if meta["dtype"] not in DTYPES:
             raise InvalidRequestError(f"tensor {entry.name!r}: dtype {meta['dtype']!r} is not one this torch has")
+        if list(meta) == list(entry.meta) and all(meta[k] is entry.meta[k] for k in _FLAGS) and meta == entry.meta:
+            return entry  # as the client sends it (flags the very bools): kept, not made again
         return EntryDesc(provider=self.name, name=entry.name, meta=meta)
 
     def restore(self, entry: EntryDesc, ctx: RestoreContext) -> torch.Tensor:

@@ -91,7 +91,7 @@ def test_the_control_a_re_encoded_unchanged_header_loads(good: Path, tmp_path: P
 
 def _point_b_at_w(tensors: dict[int, dict], w: int, b: int) -> None:
     """``b`` read from ``w``'s storage, its first 100 elements."""
-    tensors[b] = {**tensors[b], "storage": tensors[w]["storage"], "nbytes": tensors[w]["nbytes"]}
+    tensors[b] = {**tensors[b], "storage": tensors[w]["storage"]}
 
 
 def _shift_w(tensors: dict[int, dict], w: int, b: int) -> None:
@@ -109,10 +109,9 @@ def test_a_data_pkl_that_disagrees_with_the_index_is_refused(good: Path, tmp_pat
     raw = good.read_bytes()
     header = file_index(raw)[0]
     index = {e.name: i for i, e in enumerate(header.entries)}
-    tensors = {i: {**e.meta, "nbytes": header.storages[e.meta["storage"]].nbytes}
-               for i, e in enumerate(header.entries) if e.provider == "tensor"}
+    tensors = {i: dict(e.meta) for i, e in enumerate(header.entries) if e.provider == "tensor"}
     lie(tensors, index["w"], index["b"])
-    pkl = torch_data_pkl(header.entries[header.root].meta["data"], tensors)
+    pkl = torch_data_pkl(header.entries[header.root].meta["data"], tensors, [s.nbytes for s in header.storages])
     forged = dataclasses.replace(header, torch_pkl=len(pkl), torch_pkl_sum=checksum(pkl))
     path = tmp_path / "model_states.pt"
     path.write_bytes(with_index(raw, forged, pkl=pkl))
