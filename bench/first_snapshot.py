@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import datastatesd, median, state_bytes
@@ -61,7 +62,7 @@ def main() -> None:
     state = {f"w{i}": torch.randn(n) for i in range(16)}
     nbytes = state_bytes(state)
     root = tempfile.mkdtemp(prefix="ds-first-", dir="/var/tmp")
-    config = {k: v for k, v in (kv.split("=", 1) for kv in args.daemon)}
+    config = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.daemon)}
     first, later, durable_first, saves, copies = [], [], [], [], []
     try:
         for trial in range(args.trials):

@@ -26,9 +26,9 @@ device it says so and exits 0.
 ``--copy-threads N [N ...]`` measures the device-to-host copy alone, with a daemon of each
 number of copy threads: the pinned peak, a pageable ``copy_`` (what a synchronous copy
 through the driver's bounce buffer reaches), and datastates from ``snapshot()`` to
-``wait()`` and as its snapshot's ``copy_bps``. It exits 1 unless datastates beats the
-pageable copy with some thread count: copies that do not run asynchronously into the
-pinned pool cannot.
+``wait()`` and as its snapshot's ``copy_bps``. It exits 1 unless, with some thread count,
+the daemon's ``copy_bps`` reaches ``COPY_FLOOR`` of the pinned peak measured in the same
+run. Beating the pageable copy is not enough: an unpinned pool copied by many threads can.
 """
 
 from __future__ import annotations
@@ -371,6 +371,11 @@ def copy_bps(endpoint: str, path: str) -> float:
     return [j for j in daemon_status(endpoint)["snapshots"] if j["path"] == path][-1]["copy_bps"]
 
 
+COPY_FLOOR = 0.5
+"""The least ``copy_bps`` / pinned peak ``--copy-threads`` passes with: copies run asynchronously into the pinned
+pool, not synchronously through a bounce buffer. The one GPU run so far (2026-12-04) measured 0.12."""
+
+
 def copy_only(args: argparse.Namespace, state: Any, nbytes: int, pool: int, under: str) -> int:
     """``--copy-threads``: the device-to-host copy alone, per number of copy threads (see the module's docstring)."""
     from datastates.client import Client
@@ -398,14 +403,15 @@ def copy_only(args: argparse.Namespace, state: Any, nbytes: int, pool: int, unde
     peak_gbps, pageable_gbps = nbytes / median(peaks) / 1e9, nbytes / median(pageables) / 1e9
     print(f"\ncopy only: state {nbytes / 1e9:.2f} GB, medians of {args.runs} runs; peak pinned copy_ "
           f"{peak_gbps:.1f} GB/s, pageable copy_ {pageable_gbps:.1f} GB/s")
-    print(f"{'copy_threads':>12} {'snapshot->wait GB/s':>20} {'copy_bps GB/s':>14} {'/ peak':>7}")
+    print(f"{'copy_threads':>12} {'snapshot->wait GB/s':>20} {'copy_bps GB/s':>14} {'/ peak':>7} "
+          f"{'copy_bps / peak':>16}")
     for threads, safe_gbps, job_gbps in rows:
-        print(f"{threads:>12} {safe_gbps:>20.1f} {job_gbps:>14.1f} {safe_gbps / peak_gbps:>7.2f}")
-    best = max(r[1] for r in rows)
-    asynchronous = best > pageable_gbps
-    print(f"copies asynchronous into the pinned pool: {'yes' if asynchronous else 'NO'} (best {best:.1f} GB/s "
-          f"against a pageable copy_'s {pageable_gbps:.1f})")
-    return 0 if asynchronous else 1
+        print(f"{threads:>12} {safe_gbps:>20.1f} {job_gbps:>14.1f} {safe_gbps / peak_gbps:>7.2f} "
+              f"{job_gbps / peak_gbps:>16.2f}")
+    ratio = max(r[2] for r in rows) / peak_gbps
+    print(f"copy_bps / pinned peak copy_: {ratio:.2f} (best over copy_threads; at least {COPY_FLOOR} passes): "
+          f"{'pass' if ratio >= COPY_FLOOR else 'FAIL'}")
+    return 0 if ratio >= COPY_FLOOR else 1
 
 
 def main() -> int:

@@ -3,17 +3,19 @@
 # on one H100 or H200: run it on a machine with a CUDA device and a CUDA build of torch
 # already installed (it installs datastates itself, without deps). Each step runs under its
 # own time limit (its whole process group: daemons and trainers too); the limits add up to
-# 340 s, and a run that passes takes about 250 s:
+# 360 s, and a run that passes takes about 250 s:
 #   install  20 s  pip install -e . --no-deps
 #   env      10 s  torch, driver, compute mode, Yama, allocator settings, nvidia-smi
 #   tests   150 s  tests/gpu and tests/test_cuda_handles.py but the two killed-trainer tests: ordering,
 #                  WAIT, 400 snapshots with the stream busy after each, freed tensors back without
 #                  ipc_collect, 1,500 storages, expandable segments (switched at run time, and from the
-#                  start), a full GPU's first snapshot and the daemon's GPU footprint, restores into CUDA
-#   killed   50 s  a trainer killed before its copy, and one killed during it, then another client
+#                  start; gpu_capture="ipc" refusing one), a full GPU's first snapshot and the daemon's
+#                  GPU footprint, restores into CUDA
+#   killed   70 s  a trainer killed before its copy, and one killed during it, then another client
 #   probe    30 s  bench/gpu_share_probe.py --snapshots 400: shares, an idle stream after snapshot(), memory
 #   copy     45 s  bench/gpu.py --copy-threads 2 8: copy_bps with 2 and 8 copy threads against the pinned
-#                  and the pageable copy_ (exits 1 unless the daemon beats the pageable copy)
+#                  and the pageable copy_ (exits 1 unless copy_bps reaches 0.5 x the pinned peak:
+#                  expected to fail until the copy side is that fast; 0.12 on 2026-12-04)
 #   restore  35 s  bench/restore.py --device cuda --runs 1: in place into CUDA tensors
 # Each step's log goes to $OUT (default /tmp); $OUT/gpu_summary.txt gets each step's exit
 # code and duration, then the key figures. Exits non-zero if any step failed.
@@ -86,7 +88,7 @@ else:
 EOF
 step tests 150 "${pytest[@]}" --junitxml="$out/tests.xml" tests/gpu tests/test_cuda_handles.py \
     "${killed[@]/#/--deselect=}"
-step killed 50 "${pytest[@]}" "${killed[@]}"
+step killed 70 "${pytest[@]}" "${killed[@]}"
 step probe 30 python3 bench/gpu_share_probe.py --snapshots 400 --step-ms 10
 step copy 45 python3 bench/gpu.py --copy-threads 2 8 --runs 2
 step restore 35 python3 bench/restore.py --device cuda --layers 3 --runs 1

@@ -65,7 +65,8 @@ class Capture:
         if storage.is_cuda:
             if self.gpu is None:  # a save in this very process (fallback="local"): it reads the storage itself
                 return SourceDesc(kind=CUDA_IPC, handle="", nbytes=nbytes)
-            handle = self.gpu.ipc(storage.device.index) and self.gpu.blocks.handle(storage)
+            handle = self.gpu.ipc(storage.device.index) and self.gpu.blocks.handle(
+                storage, required=self.gpu.mode == "ipc")  # "ipc": CUDA IPC or an error, never a host copy
             if handle:
                 self._ipc_devices.add(storage.device.index)
                 return SourceDesc(kind=CUDA_IPC, handle=handle, nbytes=nbytes)

@@ -20,7 +20,7 @@ mapping and zeroes the slot.
 
 A storage in an expandable segment (``expandable_segments:True``, which can be switched on
 at run time) has a handle the daemon never opens: such a storage is copied to host by the
-client, alone, and its slot given back at once.
+client, alone, and its slot given back at once (with ``gpu_capture="ipc"``, it is an error).
 
 The device travels as its UUID, not its index: CUDA_VISIBLE_DEVICES renumbers devices in
 each rank, and the daemon sees all of them. The ordering fence is one interprocess event
@@ -33,6 +33,7 @@ Importing this module never touches CUDA; every function here needs a CUDA devic
 from __future__ import annotations
 
 import base64
+import ctypes
 import functools
 import logging
 import os
@@ -61,11 +62,49 @@ def device_uuid(index: int) -> str:
 
 EXPANDABLE = b"e"
 """The type byte of an expandable segment's block handle, which the daemon never opens (daemon/sources/cuda.py)."""
+UNSHAREABLE_EXPANDABLE = "it lies in an expandable segment (expandable_segments:True): datastatesd never opens those"
+
+
+@functools.cache
+def _runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch calls, as this process loaded it (torch's bindings cannot pass stream
+    flags); None where torch links it statically. The daemon has its own (daemon/gpus.py): no daemon module
+    is imported here."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if "/libcudart.so" in path:
+                lib = ctypes.CDLL(path)
+                lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+                return lib
+    return None
+
+
+STREAM_NON_BLOCKING = 1
+"""cudaStreamNonBlocking: a stream that never waits for the legacy NULL stream, as torch's own are."""
 
 
 @functools.cache
 def _share_stream(index: int) -> torch.cuda.Stream:
-    """A stream of device ``index`` nothing is ever queued on: the current stream while torch shares a storage."""
+    """A stream of device ``index`` of this module's alone, idle but for a probe's upload (waited for at once): the
+    current stream while torch shares a storage.
+
+    Not one of torch's pool, which hands its 32 streams per device out round-robin, so that
+    one of them may be a stream the trainer queues its work on. A pool stream, logged at
+    debug, only where libcudart is not loaded as a library or the call fails.
+    """
+    lib = _runtime()
+    why = "libcudart is not loaded as a shared library"
+    if lib is not None:
+        stream = ctypes.c_void_p()
+        with torch.cuda.device(index):
+            torch.cuda.set_device(index)  # the runtime's current device for real, not one torch only noted
+            err = lib.cudaStreamCreateWithFlags(ctypes.byref(stream), STREAM_NON_BLOCKING)
+            if err == 0:
+                return torch.cuda.ExternalStream(stream.value, device=torch.device("cuda", index))
+            lib.cudaGetLastError()  # the trainer's next CUDA call must not report it as its own
+        why = f"cudaStreamCreateWithFlags failed (cudaError {err})"
+    log.debug("shares on cuda:%d use a stream from torch's pool: %s", index, why)
     return torch.cuda.Stream(index)
 
 
@@ -140,25 +179,35 @@ class SharedBlocks:
         self.shares = 0
         """``_share_cuda_`` calls so far: one per storage lifetime, however many snapshots name it."""
 
-    def handle(self, storage: torch.UntypedStorage) -> str:
+    def handle(self, storage: torch.UntypedStorage, required: bool = False) -> str:
         """``storage``'s handle: shared on first use; again only if its data moved (``resize_``, ``set_``).
 
         "" for a storage torch cannot share: memory not from its caching allocator (``from_blob``,
         DLPack, a pluggable allocator), or a tensor received from another process; and for one in
         an expandable segment, whose slot is given back here (remembered: it is shared once). The
-        client copies such a storage to host itself.
+        client copies such a storage to host itself, unless ``required`` (``gpu_capture="ipc"``,
+        which promises CUDA IPC or an error): then it is SharedMemoryError.
         """
         key = storage._cdata
         with self._lock:
             known = self._by_storage.get(key)
         if (known is not None and known.storage() is storage and known.data_ptr == storage.data_ptr()
                 and known.nbytes == storage.nbytes()):
-            return known.handle
+            handle, why = known.handle, UNSHAREABLE_EXPANDABLE
+        else:
+            handle, why = self._share(key, storage)
+        if required and not handle:
+            raise SharedMemoryError(f"gpu_capture='ipc', but a {storage.nbytes()}-byte storage on "
+                                    f"cuda:{storage.device.index} cannot go by CUDA IPC: {why}")
+        return handle
+
+    def _share(self, key: int, storage: torch.UntypedStorage) -> tuple[str, str]:
+        """(handle, why it is "") of a storage not shared yet, or whose data moved."""
         try:
             desc = describe_cuda_storage(storage)
         except RuntimeError as exc:
-            log.debug("a %d-byte CUDA storage cannot be shared (%s): copied to host instead", storage.nbytes(), exc)
-            return ""
+            log.debug("a %d-byte CUDA storage cannot be shared: %s", storage.nbytes(), exc)
+            return "", f"torch cannot share it ({exc})"
         if desc["block"][1:2] == EXPANDABLE:
             release_own_slot(desc)
             handle = ""
@@ -172,7 +221,7 @@ class SharedBlocks:
             if old is not None and old.handle:
                 self._retired.append(old.handle)
             self._by_storage[key] = entry
-        return handle
+        return handle, UNSHAREABLE_EXPANDABLE
 
     def _freed(self, key: int, handle: str) -> None:
         with self._lock:
@@ -262,9 +311,10 @@ class GpuRoute:
 
 def probe(device: int) -> tuple[str, bytes, torch.Tensor]:
     """A small tensor on ``device`` with random bytes: its handle, the bytes, and the tensor (keep it until the
-    daemon answered). Written on a stream of its own, so the probe never waits for the trainer's queued work."""
+    daemon answered). Written on the shares' stream (``_share_stream``), so the probe never waits for the
+    trainer's queued work."""
     expect = os.urandom(64)
-    side = torch.cuda.Stream(device)
+    side = _share_stream(device)
     with torch.cuda.stream(side):
         tensor = torch.frombuffer(bytearray(expect), dtype=torch.uint8).to(torch.device("cuda", device))
     side.synchronize()

@@ -14,7 +14,8 @@ breaks a process's context on that GPU for good: every later call there fails. A
 CUDA error, ``check`` asks the context a question that cannot fail on its own; if that
 fails too, the GPU is *broken*: every open, probe, fence and copy on it is refused with
 that reason, so its trainers' probes move them to host copies, and ``status`` says it.
-Only a new process gets a new context: restart datastatesd to use that GPU again.
+Only a new process gets a new context: restart datastatesd to use that GPU again (the daemon does
+not restart itself; docs/gpu.md says why, and how under each deployment).
 
 Importing this module never touches CUDA.
 """
@@ -49,6 +50,45 @@ def _driver() -> ctypes.CDLL:
     lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
                                             ctypes.c_uint64]
     return lib
+
+
+@functools.cache
+def runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch calls, as this process loaded it (torch's bindings have neither
+    ``cudaGetLastError`` nor stream flags); None where torch links it statically."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if "/libcudart.so" in path:
+                lib = ctypes.CDLL(path)
+                lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+                return lib
+    return None
+
+
+STREAM_NON_BLOCKING = 1
+"""cudaStreamNonBlocking: a stream that never waits for the legacy NULL stream, as torch's own are."""
+
+
+def own_stream(index: int) -> torch.cuda.Stream:
+    """A new stream on GPU ``index``, this process's alone (its caller caches it): torch's pool hands its 32
+    streams per device out round-robin, so a pool stream may be one another thread queues work on.
+
+    A pool stream, logged at debug, where libcudart is not loaded as a library or the call fails.
+    """
+    lib = runtime()
+    why = "libcudart is not loaded as a shared library"
+    if lib is not None:
+        stream = ctypes.c_void_p()
+        with torch.cuda.device(index):
+            torch.cuda.set_device(index)  # the runtime's current device for real, not one torch only noted
+            err = lib.cudaStreamCreateWithFlags(ctypes.byref(stream), STREAM_NON_BLOCKING)
+            if err == 0:
+                return torch.cuda.ExternalStream(stream.value, device=torch.device("cuda", index))
+            lib.cudaGetLastError()  # this thread's next CUDA call must not report it as its own
+        why = f"cudaStreamCreateWithFlags failed (cudaError {err})"
+    log.debug("a stream from torch's pool on cuda:%d: %s", index, why)
+    return torch.cuda.Stream(index)
 
 
 def _cu(err: int, what: str) -> None:
@@ -159,16 +199,23 @@ class Gpus:
     def broken(self, index: int) -> bool:
         return self._state.get(index, ("", ""))[0] == BROKEN
 
+    def not_held(self, index: int) -> str:
+        """"" where the daemon holds a sound context on GPU ``index``, else why not. A GPU not asked yet (``hold``
+        is still on its way) is asked now; one refused is not asked again here (page-locking under it would make
+        a context on a full GPU, or lock out an exclusive one's trainers)."""
+        state, why = self._make(index, retry=False)
+        return "" if state == HELD else f"{state}: {why}"
+
     def status(self) -> list[dict[str, Any]]:
         """For ``status``: each GPU's context, and the device memory the daemon's own allocator holds there."""
         return [{"index": i, "uuid": self._uuid(i), "context": state if state == HELD else f"{state}: {why}",
                  "allocator_reserved": torch.cuda.memory_reserved(i) if state == HELD else 0}
                 for i, (state, why) in sorted(self._state.items())]
 
-    def _make(self, index: int) -> tuple[str, str]:
+    def _make(self, index: int, retry: bool = True) -> tuple[str, str]:
         with self._lock:
             state = self._state.get(index)
-            if state is not None and state[0] != REFUSED:
+            if state is not None and (state[0] != REFUSED or not retry):
                 return state
             try:
                 mode = exclusive_mode(index)

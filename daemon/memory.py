@@ -33,12 +33,15 @@ from .pinning import pin
 log = logging.getLogger(__name__)
 
 
-def _huge_anonymous(size: int) -> mmap.mmap:
-    """``size`` bytes of anonymous memory, in transparent huge pages where the kernel offers them ("madvise"
-    mode), every page mapped now: copies into 2 MiB pages run 5-10% faster (fewer TLB misses, measured here)."""
+def _anonymous(size: int) -> mmap.mmap:
+    """``size`` bytes of anonymous memory, every page mapped now, in base pages. Not in transparent huge pages:
+    copies into those ran 5% faster here, but a huge page may be memory the machine never touched before (on a
+    VM the hypervisor backs it at that first touch; on a fragmented host the kernel compacts memory for it, in
+    the faulting thread): mapping 1 GiB of them took 0.1 s or 0.6-2.2 s, at random, where base pages, freed and
+    reused all the time, took 0.25 s every time. A fresh daemon's first snapshot waited on that (its fence took
+    1.1-1.3 s for 1 GiB, 15 x a later one's); making them huge later cost 2.4 s of CPU per GiB."""
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
         buf.madvise(MADV_POPULATE_WRITE)
     except OSError:  # an older kernel: map the pages by touching them
         for at in range(0, size, mmap.PAGESIZE):
@@ -55,7 +58,7 @@ class Chunk:
 
     def __init__(self, size: int, pinned: bool = False) -> None:
         self.size = size
-        self._map = _huge_anonymous(size)
+        self._map = _anonymous(size)
         self.view = memoryview(self._map)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -8,9 +8,10 @@ second, pinned pool. Registering costs milliseconds per GB, which is why it is n
 done per copy. Without CUDA every call here is a no-op.
 
 - Registering needs a CUDA context, and one registration serves every GPU (portable). It
-  is tried under each GPU's context in turn, skipping GPUs not in the default compute
-  mode (a context there would keep the trainers out): GPU 0 in EXCLUSIVE_PROCESS mode, or
-  full, must not leave the whole pool unpinned.
+  is tried under each GPU's context in turn, only those daemon/gpus.py holds: a GPU it
+  refused (full, or not in the default compute mode) would get a context here, taken from
+  its trainers' memory or locking them out; a broken one fails. GPU 0 in
+  EXCLUSIVE_PROCESS mode, or full, must not leave the whole pool unpinned.
 - A failed CUDA runtime call also leaves its error as the calling thread's last error,
   which a later, unrelated torch call on that pool thread would report as its own: it is
   cleared at once.
@@ -23,14 +24,13 @@ done per copy. Without CUDA every call here is a no-op.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 import threading
 
 import torch
 
-from .gpus import exclusive_mode
+from .gpus import gpus, runtime
 
 log = logging.getLogger(__name__)
 
@@ -76,33 +76,22 @@ def interleave(address: int, size: int, nodes: list[int]) -> None:
                     os.strerror(ctypes.get_errno()))
 
 
-@functools.cache
-def _runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime library torch calls, as this process loaded it (torch's bindings have no
-    ``cudaGetLastError``); None where torch links it statically."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.rsplit(" ", 1)[-1].strip()
-            if "/libcudart.so" in path:
-                return ctypes.CDLL(path)
-    return None
-
-
 def _clear_error() -> None:
     """Reset this thread's last CUDA runtime error, which a failed call leaves for the next one to report."""
-    lib = _runtime()
+    lib = runtime()
     if lib is not None:
         lib.cudaGetLastError()
 
 
 def _register(ptr: int, size: int) -> None:
-    """``cudaHostRegister`` under the first GPU context that takes it; RuntimeError with each GPU's refusal."""
+    """``cudaHostRegister`` under the first GPU context that takes it, only ever one ``gpus`` holds; RuntimeError
+    with each GPU's refusal."""
     cudart = torch.cuda.cudart()
     refusals = []
     for index in range(torch.cuda.device_count()):
-        mode = exclusive_mode(index)
-        if mode:
-            refusals.append(f"cuda:{index}: compute mode {mode}")
+        why = gpus.not_held(index)
+        if why:
+            refusals.append(f"cuda:{index}: context {why}")
             continue
         with torch.cuda.device(index):
             code = int(cudart.cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE))

@@ -8,7 +8,8 @@ fails the primary file.
 
 Call order (every call from one flush thread at a time, pieces in any order):
 1. ``create()``, then ``in_place(size)`` at most once; 2. ``write(offset, data)`` any number of times
-(``in_place=True`` for data already in the pages ``in_place`` handed out); 3. ``header(head,
+(``in_place=True`` for data already in the pages ``in_place`` handed out; ``replicas=False`` for the file alone,
+then ``write_replicas(offset, data)`` for the same bytes before step 3); 3. ``header(head,
 size, tail_at, tail)`` once the checksums are known (a file without a separate header, a byte-for-byte
 transfer, skips it); 4. ``finalize()`` makes the replicas then the primary durable, or
 ``abort()`` removes every trace of all of them.
@@ -68,8 +69,14 @@ class FileSink:
                 return r.pages
         return None
 
-    def write(self, offset: int, data: memoryview, in_place: bool = False) -> None:
+    def write(self, offset: int, data: memoryview, in_place: bool = False, replicas: bool = True) -> None:
+        """``data`` at ``offset`` in the file, and in each replica (not with ``replicas=False``: the caller writes
+        them later with ``write_replicas``)."""
         self._writer.write(self._handle, offset, data)
+        if replicas:
+            self.write_replicas(offset, data, in_place)
+
+    def write_replicas(self, offset: int, data: memoryview, in_place: bool = False) -> None:
         for r in self._replicas:
             if not (in_place and r.pages is not None):  # there already
                 self._contain(r, lambda: r.writer.write(r.handle, offset, data))

@@ -958,6 +958,13 @@ MUTATIONS: tuple[Mutation, ...] = (
               "            if len(self._all) >= self.capacity + 64:  # MUTATION\n                return\n"),),
         ("tests/test_memory.py::test_a_snapshot_taken_while_a_fresh_daemon_maps_its_pool_is_whole_and_the_pool_stays_in_budget",),
     ),
+    Mutation(
+        "deferred-first-replica-never-written",
+        "a rank file's first replica, written once its snapshot is copied, is never written: it restores zeros",
+        (Edit("daemon/engine.py", "                    await self.flush(sink.write_replicas, at, dst.view[: piece.length])\n",
+              "                    pass  # MUTATION\n"),),
+        ("tests/test_restore.py::test_ranks_agree_on_the_tag_when_only_one_fits_in_memory",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

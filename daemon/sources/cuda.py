@@ -68,7 +68,7 @@ from datastates.protocol.descriptors import CUDA_IPC, Fence, SourceDesc
 from datastates.protocol.errors import DatastatesError, InvalidRequestError, SharedMemoryError, SnapshotFailedError
 from datastates.protocol.paths import SHM_DIR
 
-from ..gpus import allocation_range, gpus, local_device
+from ..gpus import allocation_range, gpus, local_device, own_stream
 from .base import CopySource, Owner, Region, register_source
 
 MAX_HANDLE = 8192
@@ -298,27 +298,45 @@ class CudaIpcRegion(Region):
             adjust_ref_counter(*self.slot, -1)
             _releaser.drop(self.device.index, tensor)
 
-    def read_into(self, dst: torch.Tensor, src: int, length: int) -> torch.cuda.Event:
+    def read_into(self, dst: torch.Tensor, src: int, length: int) -> CudaCopy:
         return copy_to_host(self, src, dst, length, copy_stream(self.device))
+
+
+class CudaCopy:
+    """A device-to-host copy in flight (``base.Pending``). A CUDA fault in its DMA surfaces only at
+    ``synchronize``, on whichever thread waits (the copier's ``_wait_all``, a probe): it is told to ``gpus``
+    there and then, so a sticky error marks the GPU broken before another copy is queued on it."""
+
+    def __init__(self, event: torch.cuda.Event, device: int) -> None:
+        self.event = event
+        self.device = device
+
+    def synchronize(self) -> None:
+        try:
+            self.event.synchronize()
+        except RuntimeError as exc:
+            gpus.check(self.device, exc)
+            raise
 
 
 _streams = threading.local()
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The calling copy thread's own stream on ``device``: copy threads never wait on each other's copies."""
+    """The calling thread's own stream on ``device``, made once and not from torch's pool (``own_stream``):
+    a thread's copies never queue behind another thread's, as two threads handed one pool stream would."""
     streams = _streams.__dict__.setdefault("by_device", {})
     if device.index not in streams:
-        streams[device.index] = torch.cuda.Stream(device)
+        streams[device.index] = own_stream(device.index)
     return streams[device.index]
 
 
 def copy_to_host(region: CudaIpcRegion, src_offset: int, dst_tensor: torch.Tensor, length: int,
-                 stream: torch.cuda.Stream) -> torch.cuda.Event:
+                 stream: torch.cuda.Stream) -> CudaCopy:
     """Queue ``length`` bytes from ``src_offset`` into host ``dst_tensor`` on the daemon's ``stream``.
 
-    The engine has waited for the snapshot's fences (``Fences.wait``). Returns an event the
-    caller synchronizes on before it reads ``dst_tensor`` or gives its chunk back. Into
+    The engine has waited for the snapshot's fences (``Fences.wait``). Returns the copy, which
+    the caller synchronizes on before it reads ``dst_tensor`` or gives its chunk back. Into
     pinned memory (the pool's chunks, see daemon/pinning.py) the copy is asynchronous; into
     pageable memory the driver stages it and the call blocks, which is correct but slow.
     """
@@ -334,7 +352,7 @@ def copy_to_host(region: CudaIpcRegion, src_offset: int, dst_tensor: torch.Tenso
     except RuntimeError as exc:
         gpus.check(region.device.index, exc)
         raise
-    return done
+    return CudaCopy(done, region.device.index)
 
 
 def check_fences(fences: Sequence[Fence]) -> list[Fence]:
@@ -470,11 +488,7 @@ def probe(handle: str, expect: bytes, pid: int) -> str:
             raise InvalidRequestError(f"a probe is a tensor of at most {PROBE_BYTES} bytes, sent with its bytes")
         region = open_cuda(fields, len(expect), pid)
         host = torch.empty(region.nbytes, dtype=torch.uint8)
-        try:
-            copy_to_host(region, 0, host, region.nbytes, copy_stream(region.device)).synchronize()
-        except RuntimeError as exc:
-            gpus.check(region.device.index, exc)
-            raise
+        copy_to_host(region, 0, host, region.nbytes, copy_stream(region.device)).synchronize()  # faults: to gpus
         if host.numpy().tobytes() != expect:
             return "the daemon read other bytes than the trainer holds through its CUDA IPC handle"
         return ""

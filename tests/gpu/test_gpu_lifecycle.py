@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from datastates.client import Client, daemon_status
+from datastates.protocol.errors import SharedMemoryError
 
 from conftest import DaemonProc, reap, save
 from gpu.test_gpu_path import checkpoint, file_of, gpu_sleep, settle, sha, to_cpu, warm_up
@@ -61,13 +62,14 @@ def trainer_of_many_storages(endpoint: str, root: str) -> dict[str, Any]:
     tensors = [torch.full((256,), float(i), device="cuda") for i in range(STORAGES)]
     with Client(endpoint, timeout=120, gpu_capture="ipc") as c:
         warm_up(c, root, "many")
+        shared_before = c.cuda_shares  # the warm-up's own storage
         gpu_sleep(SHARE_BUSY_S)
         torch._foreach_add_(tensors, 1.0)
         handle = c.snapshot({"t": tensors}, file_of(root, "many"))
         busy = not torch.cuda.current_stream().query()
         c.wait()
         c.commit(handle.tag).result(timeout=120)
-        return {"busy": busy, "shares": c.cuda_shares}
+        return {"busy": busy, "shares": c.cuda_shares - shared_before}
 
 
 @pytest.mark.timeout(120)
@@ -120,6 +122,25 @@ def test_a_trainer_on_expandable_segments_falls_back_to_host_copies(
     loaded = checkpoint(file_of(daemon.root, "expandable"))
     assert {k: sha(v) for k, v in loaded.items()} == run["sha"]
     assert all(p == "ipc" or p.startswith("host: ") for p in run["paths"].values()), run["paths"]
+
+
+def trainer_on_ipc_only_meeting_an_expandable_segment(endpoint: str, root: str) -> str:
+    with Client(endpoint, timeout=120, gpu_capture="ipc") as c:
+        warm_up(c, root, "ipc-only")  # probed in an ordinary segment: this device goes by CUDA IPC
+        set_expandable(True)
+        new = torch.randn(1 << 24, device="cuda")  # 64 MiB: a new segment, an expandable one
+        try:
+            c.snapshot({"new": new}, file_of(root, "ipc-only"))
+        except SharedMemoryError as exc:
+            return exc.message
+        return ""
+
+
+def test_gpu_capture_ipc_refuses_a_storage_it_cannot_share_instead_of_copying_it_to_host(
+        run_child: Callable[..., Any], daemon: DaemonProc) -> None:
+    """``gpu_capture="ipc"`` promises CUDA IPC or an error: a storage in an expandable segment raises."""
+    refused = run_child(trainer_on_ipc_only_meeting_an_expandable_segment, daemon.endpoint, str(daemon.root))
+    assert "expandable segment" in refused, refused
 
 
 # -- a trainer killed while the daemon copies its GPU memory ------------------------------------
