@@ -33,7 +33,6 @@ Importing this module never touches CUDA; every function here needs a CUDA devic
 from __future__ import annotations
 
 import base64
-import ctypes
 import functools
 import logging
 import os
@@ -46,6 +45,7 @@ from typing import Any, Callable, Iterable
 import msgpack
 import torch
 
+from datastates.protocol.cudart import own_stream
 from datastates.protocol.descriptors import Fence
 from datastates.protocol.errors import InvalidRequestError, SharedMemoryError
 
@@ -66,46 +66,10 @@ UNSHAREABLE_EXPANDABLE = "it lies in an expandable segment (expandable_segments:
 
 
 @functools.cache
-def _runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime library torch calls, as this process loaded it (torch's bindings cannot pass stream
-    flags); None where torch links it statically. The daemon has its own (daemon/gpus.py): no daemon module
-    is imported here."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.rsplit(" ", 1)[-1].strip()
-            if "/libcudart.so" in path:
-                lib = ctypes.CDLL(path)
-                lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-                return lib
-    return None
-
-
-STREAM_NON_BLOCKING = 1
-"""cudaStreamNonBlocking: a stream that never waits for the legacy NULL stream, as torch's own are."""
-
-
-@functools.cache
 def _share_stream(index: int) -> torch.cuda.Stream:
-    """A stream of device ``index`` of this module's alone, idle but for a probe's upload (waited for at once): the
-    current stream while torch shares a storage.
-
-    Not one of torch's pool, which hands its 32 streams per device out round-robin, so that
-    one of them may be a stream the trainer queues its work on. A pool stream, logged at
-    debug, only where libcudart is not loaded as a library or the call fails.
-    """
-    lib = _runtime()
-    why = "libcudart is not loaded as a shared library"
-    if lib is not None:
-        stream = ctypes.c_void_p()
-        with torch.cuda.device(index):
-            torch.cuda.set_device(index)  # the runtime's current device for real, not one torch only noted
-            err = lib.cudaStreamCreateWithFlags(ctypes.byref(stream), STREAM_NON_BLOCKING)
-            if err == 0:
-                return torch.cuda.ExternalStream(stream.value, device=torch.device("cuda", index))
-            lib.cudaGetLastError()  # the trainer's next CUDA call must not report it as its own
-        why = f"cudaStreamCreateWithFlags failed (cudaError {err})"
-    log.debug("shares on cuda:%d use a stream from torch's pool: %s", index, why)
-    return torch.cuda.Stream(index)
+    """A stream of device ``index`` of this module's alone (``own_stream``), idle but for a probe's upload (waited
+    for at once): the current stream while torch shares a storage."""
+    return own_stream(index)
 
 
 def describe_cuda_storage(storage: torch.UntypedStorage) -> dict[str, Any]:

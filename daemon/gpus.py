@@ -52,45 +52,6 @@ def _driver() -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime library torch calls, as this process loaded it (torch's bindings have neither
-    ``cudaGetLastError`` nor stream flags); None where torch links it statically."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.rsplit(" ", 1)[-1].strip()
-            if "/libcudart.so" in path:
-                lib = ctypes.CDLL(path)
-                lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-                return lib
-    return None
-
-
-STREAM_NON_BLOCKING = 1
-"""cudaStreamNonBlocking: a stream that never waits for the legacy NULL stream, as torch's own are."""
-
-
-def own_stream(index: int) -> torch.cuda.Stream:
-    """A new stream on GPU ``index``, this process's alone (its caller caches it): torch's pool hands its 32
-    streams per device out round-robin, so a pool stream may be one another thread queues work on.
-
-    A pool stream, logged at debug, where libcudart is not loaded as a library or the call fails.
-    """
-    lib = runtime()
-    why = "libcudart is not loaded as a shared library"
-    if lib is not None:
-        stream = ctypes.c_void_p()
-        with torch.cuda.device(index):
-            torch.cuda.set_device(index)  # the runtime's current device for real, not one torch only noted
-            err = lib.cudaStreamCreateWithFlags(ctypes.byref(stream), STREAM_NON_BLOCKING)
-            if err == 0:
-                return torch.cuda.ExternalStream(stream.value, device=torch.device("cuda", index))
-            lib.cudaGetLastError()  # this thread's next CUDA call must not report it as its own
-        why = f"cudaStreamCreateWithFlags failed (cudaError {err})"
-    log.debug("a stream from torch's pool on cuda:%d: %s", index, why)
-    return torch.cuda.Stream(index)
-
-
 def _cu(err: int, what: str) -> None:
     if err != 0:
         raise RuntimeError(f"{what} failed (CUresult {err})")

@@ -30,7 +30,9 @@ import threading
 
 import torch
 
-from .gpus import gpus, runtime
+from datastates.protocol.cudart import clear_error
+
+from .gpus import gpus
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +78,6 @@ def interleave(address: int, size: int, nodes: list[int]) -> None:
                     os.strerror(ctypes.get_errno()))
 
 
-def _clear_error() -> None:
-    """Reset this thread's last CUDA runtime error, which a failed call leaves for the next one to report."""
-    lib = runtime()
-    if lib is not None:
-        lib.cudaGetLastError()
-
-
 def _register(ptr: int, size: int) -> None:
     """``cudaHostRegister`` under the first GPU context that takes it, only ever one ``gpus`` holds; RuntimeError
     with each GPU's refusal."""
@@ -97,7 +92,7 @@ def _register(ptr: int, size: int) -> None:
             code = int(cudart.cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE))
             if code == 0:
                 return
-            _clear_error()  # the pool thread's next CUDA call must not report it as its own
+            clear_error()  # the pool thread's next CUDA call must not report it as its own
         refusals.append(f"cuda:{index}: cudaError {code}")
     raise RuntimeError(f"cudaHostRegister of {size} bytes failed under every GPU's context ({', '.join(refusals)})")
 

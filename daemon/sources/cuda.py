@@ -68,7 +68,9 @@ from datastates.protocol.descriptors import CUDA_IPC, Fence, SourceDesc
 from datastates.protocol.errors import DatastatesError, InvalidRequestError, SharedMemoryError, SnapshotFailedError
 from datastates.protocol.paths import SHM_DIR
 
-from ..gpus import allocation_range, gpus, local_device, own_stream
+from datastates.protocol.cudart import own_stream
+
+from ..gpus import allocation_range, gpus, local_device
 from .base import CopySource, Owner, Region, register_source
 
 MAX_HANDLE = 8192
