@@ -50,19 +50,20 @@ class Capture:
     _source_index: dict[tuple[int, int], int] = field(default_factory=dict)
     _ipc_devices: set[int] = field(default_factory=set)
 
-    def add_storage(self, storage: torch.UntypedStorage) -> int:
-        """Index of ``storage`` among this capture's sources; a storage shared by views counts once."""
+    def add_storage(self, storage: torch.UntypedStorage, cuda: bool) -> int:
+        """Index of ``storage`` (a CUDA one if ``cuda``: its tensor says so faster) among this capture's sources; a
+        storage shared by views counts once."""
         nbytes = storage.nbytes()
         if nbytes == 0:
             return self._add(SourceDesc(kind=EMPTY, handle="", nbytes=0), None)
         key = (storage._cdata, nbytes)  # the StorageImpl: stable when sharing moves its data
         index = self._source_index.get(key)
         if index is None:
-            index = self._source_index[key] = self._add(self._describe(storage, nbytes), storage)
+            index = self._source_index[key] = self._add(self._describe(storage, nbytes, cuda), storage)
         return index
 
-    def _describe(self, storage: torch.UntypedStorage, nbytes: int) -> SourceDesc:
-        if storage.is_cuda:
+    def _describe(self, storage: torch.UntypedStorage, nbytes: int, cuda: bool) -> SourceDesc:
+        if cuda:
             if self.gpu is None:  # a save in this very process (fallback="local"): it reads the storage itself
                 return SourceDesc(kind=CUDA_IPC, handle="", nbytes=nbytes)
             handle = self.gpu.ipc(storage.device.index) and self.gpu.blocks.handle(
@@ -119,7 +120,15 @@ _CAPTURERS: dict[type, LeafCapturer] = {}
 _RESOLVED: dict[type, LeafCapturer | None] = {}
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None), bytes})
+"""Types no capturer claims (``register_capturer`` refuses them), so ``persistent_id`` passes them on at once."""
+
+
 def register_capturer(capturer: LeafCapturer) -> LeafCapturer:
+    """Claim ``capturer.types`` for it; ValueError for a type that is, or is a base of, one of ``_PLAIN``."""
+    for t in capturer.types:
+        if any(issubclass(plain, t) for plain in _PLAIN):
+            raise ValueError(f"a capturer cannot claim {t.__name__}: str, numbers, bytes and None stay in the skeleton")
     for t in capturer.types:
         _CAPTURERS[t] = capturer
     _RESOLVED.clear()
@@ -147,7 +156,8 @@ class TensorCapturer(LeafCapturer):
     def capture(self, obj: torch.Tensor, name: str, cap: Capture) -> EntryDesc | None:
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             return None  # subclasses carry state of their own: let pickle keep it
-        if (obj.device.type not in ("cpu", "cuda") or obj.layout != torch.strided or obj.is_quantized
+        cuda = obj.is_cuda
+        if (not (cuda or obj.is_cpu) or obj.layout != torch.strided or obj.is_quantized
                 or obj.is_nested):  # nested tensors have no single strided storage: pickled as torch.save does
             return None
         t = obj
@@ -158,7 +168,7 @@ class TensorCapturer(LeafCapturer):
             provider="tensor",
             name=name,
             meta={
-                "storage": cap.add_storage(t.untyped_storage()),
+                "storage": cap.add_storage(t.untyped_storage(), cuda),
                 "dtype": _DTYPE_NAMES[t.dtype],
                 "shape": list(t.shape),
                 "stride": list(t.stride()),
@@ -197,6 +207,8 @@ class _CapturingPickler(pickle.Pickler):
         self._seen: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _PLAIN:  # a state's keys, and its numbers: half the calls of a state of many tensors
+            return None
         key = id(obj)
         if key in self._seen:
             return self._seen[key]
