@@ -96,6 +96,11 @@ class _Spare:
     """Allocated ahead (``prepare``), not a superseded replica: dropped first when a replica needs the room."""
 
 
+def _spare_key(rank: tuple[str, str]) -> tuple[str, str, str]:
+    """The key a spare's locked pages are held under in ``Pins`` (a replica's is its job id)."""
+    return ("spare", *rank)
+
+
 def _folder_prefix() -> str:
     return os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-")
 
@@ -154,6 +159,7 @@ class ReplicaStore:
             return None
         self._pins.release_removed()  # replicas removed under the daemon: their locked pages go
         spare = self._spares.pop(rank_file(path), None)
+        spare_key = _spare_key(rank_file(path))
         if spare is not None:
             self.used -= spare.size  # becomes this replica's file, or goes
         for key in [k for k, sp in self._spares.items() if sp.ahead]:
@@ -163,6 +169,7 @@ class ReplicaStore:
             self.used -= dropped.size
             self._remove(dropped.file)
         if self.used + size > self.budget:
+            self._pins.unpin(spare_key)
             self._remove(spare.file if spare else "")
             log.info("no replica of %s: %d bytes over memory_restore_budget (%d of %d used)",
                      path, size, self.used, self.budget)
@@ -172,11 +179,13 @@ class ReplicaStore:
         st = os.statvfs(self.folder)
         if st.f_bavail * st.f_frsize + (spare.size if spare else 0) < size + SHM_HEADROOM:
             log.info("no replica of %s: /dev/shm has too little room", path)
+            self._pins.unpin(spare_key)
             self._remove(spare.file if spare else "")
             return None
         replica = Replica(job_id, path, os.path.join(self.folder, f"{job_id}-{os.path.basename(path)}"), size,
                           tag, (ranks.job, ranks.rank), snapshot, spare=spare.file if spare else "")
         self._held[job_id] = replica
+        self._pins.move(spare_key, job_id)  # its pages, locked as a spare, are this replica's (the writer renames it)
         self.used += size
         return replica
 
@@ -194,8 +203,9 @@ class ReplicaStore:
             self.discard(replica.job_id)
             return
         self._held.pop(replica.job_id, None)
-        self._pins.unpin(replica.job_id)
+        key = _spare_key(replica.rank_file)
         old = self._spares.pop(replica.rank_file, None)
+        self._pins.unpin(key)
         if old is not None:
             self.used -= old.size
             self._remove(old.file)
@@ -203,9 +213,11 @@ class ReplicaStore:
         try:
             os.rename(replica.file, spare)
         except OSError:  # never written (a failed snapshot), or removed under the daemon
+            self._pins.unpin(replica.job_id)
             self.used -= replica.size
             self._remove(replica.spare)
             return
+        self._pins.move(replica.job_id, key)  # its pages stay locked for the next replica written over them
         self._remove(replica.spare)
         self._spares[replica.rank_file] = _Spare(spare, replica.size)
         if self._ready_ahead is not None:  # a replica written, not filled in place: its pages are not mapped

@@ -965,6 +965,15 @@ MUTATIONS: tuple[Mutation, ...] = (
               "                    pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_ranks_agree_on_the_tag_when_only_one_fits_in_memory",),
     ),
+    Mutation(
+        "superseded-replica-unlocked",
+        "a superseded replica kept as a spare is unlocked (and its pages locked again when the next replica is "
+        "written over them): every checkpoint walks every page twice",
+        (Edit("daemon/replicas.py",
+              "        self._pins.move(replica.job_id, key)  # its pages stay locked for the next replica written over them\n",
+              "        self._pins.unpin(replica.job_id)  # MUTATION\n"),),
+        ("tests/test_restore.py::test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""
