@@ -156,17 +156,16 @@ class Watched:
 
 
 def locks_settled(status: Callable[[], dict[str, Any]], timeout: float = 30) -> None:
-    """Wait until the daemon (its ``status()``) holds exactly its committed replicas locked (daemon/pins.py locks
-    and unlocks them on a thread of its own, moments after each commit): its resident memory counts a locked
-    replica's pages once more, and its descriptors one per locked replica, so a sample taken while a lock or an
-    unlock is still queued would move by a replica."""
+    """Wait until the daemon (its ``status()``) has no replica lock, unlock or hand-over queued (daemon/pins.py
+    does them on a thread of its own, moments after each commit): its resident memory counts a locked replica's
+    pages once more, and its descriptors one per lock, so a sample taken while one is still queued would move by
+    a replica. TimeoutError if they never settle."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        replicas = status()["replicas"]
-        committed = sum(r["size"] for r in replicas["replicas"] if r["committed"])
-        if replicas["lock_refused"] or replicas["locked_bytes"] == committed:
+        if not status()["replicas"]["locks_pending"]:
             return
         time.sleep(0.02)
+    raise TimeoutError(f"the daemon's replica locks were still queued after {timeout} s")
 
 
 def soak(endpoint: str, root: str, saves: int, every: int, state_mb: float, overlap: int = 0,

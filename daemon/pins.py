@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import resource
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable
 
@@ -52,30 +53,39 @@ class Pins:
         was removed)."""
         self._closed = False
         self.locked_bytes = 0
+        self._queued = 0
+        self._queued_lock = threading.Lock()
         self.refused = ""
         """Why the last lock failed (RLIMIT_MEMLOCK, memory), or "": for ``status``."""
 
     def pin(self, job_id: Hashable, file: str, size: int) -> None:
         """Lock ``file``'s first ``size`` bytes for ``job_id``; nothing to do where the lock it holds already
         (handed over by ``move``) covers that size."""
-        if not self._closed:
-            self._thread.submit(self._logged, self._pin, job_id, file, size)
+        self._submit(self._pin, job_id, file, size)
 
     def unpin(self, job_id: Hashable) -> None:
-        if not self._closed:
-            self._thread.submit(self._logged, self._unpin, job_id)
+        self._submit(self._unpin, job_id)
 
     def move(self, old: Hashable, new: Hashable) -> None:
         """The lock held for ``old`` (if any) is ``new``'s now: the same file, renamed (a replica become a spare, a
         spare become the next replica's file)."""
-        if not self._closed:
-            self._thread.submit(self._logged, self._move, old, new)
+        self._submit(self._move, old, new)
 
     def release_removed(self) -> None:
         """Unlock the replicas whose file was removed under the daemon (its /dev/shm folder cleaned up by
         someone else): their replica serves no restore, and their pages are freed only once unmapped."""
+        self._submit(self._sweep)
+
+    @property
+    def pending(self) -> int:
+        """Locks, unlocks and hand-overs queued and not done yet: ``locked_bytes`` is settled at 0."""
+        return self._queued
+
+    def _submit(self, step: Callable[..., None], *args: Any) -> None:
         if not self._closed:
-            self._thread.submit(self._logged, self._sweep)
+            with self._queued_lock:
+                self._queued += 1
+            self._thread.submit(self._logged, step, *args)
 
     def close(self) -> None:
         """Unlock everything, the locks still queued left undone: the replicas' files go next."""
@@ -84,12 +94,14 @@ class Pins:
         for job_id in list(self._held):
             self._unpin(job_id)
 
-    @staticmethod
-    def _logged(step: Callable[..., None], *args: Any) -> None:
+    def _logged(self, step: Callable[..., None], *args: Any) -> None:
         try:
             step(*args)
         except Exception:  # noqa: BLE001 - a lock is an optimization: it never fails a commit or a restore
             log.exception("locking replica pages failed")
+        finally:
+            with self._queued_lock:
+                self._queued -= 1
 
     def _pin(self, job_id: Hashable, file: str, size: int) -> None:
         held = self._held.get(job_id)

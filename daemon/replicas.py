@@ -327,6 +327,7 @@ class ReplicaStore:
             "spare_bytes": sum(sp.size for sp in self._spares.values()) + sum(self._making.values()),
             "spares_allocating": len(self._making),
             "locked_bytes": self._pins.locked_bytes,
+            "locks_pending": self._pins.pending,
             "lock_refused": self._pins.refused,
             "folder": self.folder,
             "replicas": [{"tag": r.tag, "path": r.path, "file": r.file, "size": r.size, "rank": r.rank[1], "job": r.rank[0],
