@@ -3,15 +3,15 @@
 Chunks are mapped on first use, up to ``host_memory / chunk_size`` of them, and never
 freed or re-allocated afterwards: memory touched for the first time is slow here, and
 peers leak exactly where per-save buffers are allocated and freed on other threads. A
-copy that finds the pool empty waits for a flush to return one.
-A fresh daemon maps the rest of its pool in the background (``prefill``), but only while no
-copy is under way: a trainer starting seconds after its daemon takes its first snapshot
-while the pool is half mapped, and mapping competed with that snapshot's copies for the
-CPU (first-touch memory costs 0.1-2 s per GiB on a VM) and for a copy thread; its fence
-waited 0.1-3.5 s for 1 GiB, where later ones wait 0.05-0.1 s. The copies take the chunks
-already mapped, and map the ones they still need themselves, in the order they need them. Waiters queue per owner
+copy that finds the pool empty waits for a flush to return one. Waiters queue per owner
 (one client, one rank) and returned chunks go round-robin between owners, so a rank with
 a huge snapshot never starves a rank with a small one.
+
+A fresh daemon maps the rest of its pool in the background (``prefill``), but only while no
+copy is under way: a trainer starting seconds after its daemon takes its first snapshot
+while the pool is still being mapped, and the mapping competed with that snapshot's copies
+for the CPU and for a copy thread. The copies take the chunks already mapped, and map the
+ones they still need themselves, in the order they need them.
 All methods run on the event loop thread.
 """
 
@@ -146,10 +146,10 @@ class HostPool:
         self._copies_changed()
         try:
             chunk = await self._take(owner)
+            self._copying.add(id(chunk))
         finally:
             self._acquiring -= 1
-        self._copying.add(id(chunk))
-        self._copies_changed()
+            self._copies_changed()
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return chunk
 
