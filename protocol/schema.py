@@ -100,8 +100,8 @@ def _builder(cls: type[T]) -> Callable[[Any], T]:
     hints = _hints(cls)
     fields = [(f.name, _checker(hints[f.name], 0), f.default, f.default_factory) for f in dataclasses.fields(cls)]
     missing = dataclasses.MISSING
-    direct = all(f.init for f in dataclasses.fields(cls)) and not hasattr(cls, "__post_init__") \
-        and "__slots__" not in vars(cls)
+    direct = cls.__dataclass_params__.init and all(f.init for f in dataclasses.fields(cls)) \
+        and not hasattr(cls, "__post_init__") and "__slots__" not in vars(cls)
     """Made without its ``__init__``: a frozen dataclass's sets each field through ``object.__setattr__``, half
     the time of decoding a snapshot of 100,000 tensors. The same fields, in the same order, as ``__init__``
     would set them."""
