@@ -342,6 +342,10 @@ class ClientRegistry:
         return any((c.ranks.job, c.ranks.world_size, c.ranks.rank) == (ranks.job, ranks.world_size, ranks.rank)
                    for c in list(self._by_identity.values()))
 
+    def of_job(self, ranks: Ranks) -> set[str]:
+        """The ids of the registered clients of that job (its other ranks on this node, and that rank's other clients)."""
+        return {c.id for c in list(self._by_identity.values()) if (c.ranks.job, c.ranks.world_size) == (ranks.job, ranks.world_size)}
+
     def release_all(self) -> None:
         """Drop every client's regions (the daemon is stopping)."""
         for record in list(self._by_identity.values()):

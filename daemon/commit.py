@@ -264,10 +264,13 @@ class CommitLedger:
                     self._versions.abandon([j.path for j in jobs])
         return opened
 
-    def rank_lost(self, ranks: Ranks, opened: set[str]) -> None:
+    def rank_lost(self, ranks: Ranks, opened: set[str], peers: set[str]) -> None:
         """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout:
-        the rounds under way, and those of the tags it had snapshotted (``opened``) that no rank asked to commit yet."""
-        for tag in opened:
+        the rounds under way, those of the tags it had snapshotted (``opened``) that no rank asked to commit yet, and
+        those its job's other clients here (``peers``) snapshotted or asked to commit but whose round has not begun
+        (a COMMIT still waiting for its sequence when the rank went would otherwise start a round that waits for it)."""
+        owed = opened | {tag for table in (self._open, self._committing) for owner, tag in table if owner in peers}
+        for tag in owed:
             if (ranks.job, ranks.world_size, tag) not in self._groups:
                 self._start((ranks.job, ranks.world_size, tag), ranks, time.time_ns())
         for key, group in list(self._groups.items()):

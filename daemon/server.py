@@ -344,7 +344,7 @@ class Daemon:
         opened = self.ledger.forget(record.id)
         self._left_behind(record)
         if record.ranks.world_size > 1 and not (said_bye and self.clients.has_rank(record.ranks)):
-            self.ledger.rank_lost(record.ranks, opened)
+            self.ledger.rank_lost(record.ranks, opened, self.clients.of_job(record.ranks))
 
     def _left_behind(self, record: ClientRecord) -> None:
         if record.decisions:

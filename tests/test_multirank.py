@@ -229,11 +229,13 @@ def test_torchrun_two_nodes_two_ranks_each(start_daemons: Callable[..., list[Dae
         assert_state_equal(loaded[0]["model"], state["model"])  # data-parallel replicas agree bitwise
 
 
-@pytest.mark.parametrize("when", ["while the others wait in the round", "after its snapshot, before any commit"])
+@pytest.mark.parametrize("when", ["while the others wait in the round", "after its snapshot, before any commit",
+                                  "before its snapshot, after the others' snapshots"])
 def test_a_rank_killed_before_committing_fails_the_tag_at_once(when: str,
                                                               start_daemon: Callable[..., DaemonProc]) -> None:
     """The other ranks' commits fail when the daemon sees the rank gone, not after commit_timeout: those waiting in
-    the round, and those that ask to commit a tag the killed rank had snapshotted only afterwards."""
+    the round, and those that ask to commit only afterwards a tag the killed rank had snapshotted, or they had
+    (a COMMIT read after the daemon saw the rank go: on a busy machine it can wait that long for its sequence)."""
     d = start_daemon(client_timeout=1.5)  # commit_timeout stays 600 s: a pass shows it was not waited for
     rank1 = subprocess.Popen([sys.executable, "-c", (
         "import sys, time, torch\n"
@@ -255,7 +257,7 @@ def test_a_rank_killed_before_committing_fails_the_tag_at_once(when: str,
             fut = c0.commit("global_step1")
         rank1.send_signal(signal.SIGKILL)
         rank1.wait(30)
-        if when == "after its snapshot, before any commit":
+        if when != "while the others wait in the round":
             for _ in range(600):  # a hang guard: the daemon has seen rank 1 go (its liveness, 1.5 s)
                 if not any(c["rank"] == 1 for c in daemon_status(d.endpoint)["clients"]):
                     break
