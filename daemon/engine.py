@@ -28,7 +28,7 @@ from .copier import copy_piece, write_hashed
 from .instances import Gone
 from .job import SnapshotJob
 from .memory import Chunk, HostPool, Window
-from datastates.protocol.layout import Piece
+from datastates.protocol.layout import FilePlan, Piece
 
 from .sink import FileSink
 from .storage import StorageWriter, writer_class
@@ -161,7 +161,7 @@ class Engine:
                 traceback.clear_frames(exc.__traceback__)
             if failures:
                 raise failures[0]
-            await self.flush(sink.header, plan.head(sums), plan.data_offset, plan.layout.tail_at, plan.layout.tail)
+            await self.flush(_write_head, sink, plan, sums)
             if after:
                 await asyncio.wait(after)
             await self.flush(_finalize, job, sink)
@@ -197,6 +197,12 @@ class Engine:
         self._fence.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)
+
+
+def _write_head(sink: FileSink, plan: FilePlan, sums: list[list[bytes]]) -> None:
+    """The head, now with every checksum, and the zip's central directory: encoded here, off the event loop (a
+    header of 100,000 tensors takes 0.3 s)."""
+    sink.header(plan.head(sums), plan.data_offset, plan.layout.tail_at, plan.layout.tail)
 
 
 def _finalize(job: SnapshotJob, sink: FileSink) -> None:

@@ -27,7 +27,7 @@ import json
 import re
 import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 import xxhash
@@ -140,10 +140,17 @@ class FileHeader:
     torch_pkl_sum: bytes = b""
     """Format 2: the xxh3-64 of ``data.pkl``, which ``verify`` checks (``torch.load`` checks nothing)."""
 
-    def encode(self, version: int = FORMAT_VERSION) -> bytes:
-        """Preamble + header; its length does not depend on the checksum values."""
-        body = pack(self)
+    def encode(self, version: int = FORMAT_VERSION, entries: bytes = b"") -> bytes:
+        """Preamble + header; its length does not depend on the checksum values. ``entries``: the entries packed
+        already (``pack(self.entries)``), the most of a header of many tensors, the same for each of their files."""
+        body = pack(self, {"entries": entries} if entries else None)
         return PREAMBLE.pack(MAGIC, version, 0, len(body), xxhash.xxh64_intdigest(body)) + body
+
+    def encoded_size(self, storages_len: int, entries_len: int) -> int:
+        """``len(self.encode())`` from the lengths of its storages and its entries packed, without packing them:
+        msgpack writes a map field after field, so they add to the length of the header packed with both lists
+        empty (one byte each)."""
+        return len(replace(self, storages=[], entries=[]).encode()) - 2 + storages_len + entries_len
 
     def file_size(self, data_offset: int) -> int:
         return data_offset + align_up(self.data_len, DATA_ALIGN)

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import msgpack
 
@@ -27,7 +27,16 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+class Decoded(NamedTuple):
+    """A field's value decoded already (protocol/messages.py keeps long ones): ``from_dict`` takes it as built.
+    msgpack never makes one, so no peer can send it."""
+
+    value: Any
+
+
 def _check(value: Any, hint: Any, where: str, depth: int = 0) -> Any:
+    if type(value) is Decoded:
+        return value.value
     if depth > _MAX_DEPTH:
         raise ProtocolError(f"{where}: nested too deeply")
     origin = typing.get_origin(hint)
@@ -142,7 +151,8 @@ def _checker(hint: Any, depth: int) -> Callable[[Any], Any]:
     if origin is list:
         (item,) = typing.get_args(hint) or (Any,)
         each = _checker(item, depth + 1)
-        return lambda v: [each(x) for x in v] if isinstance(v, (list, tuple)) else _misfit()
+        return lambda v: [each(x) for x in v] if isinstance(v, (list, tuple)) else \
+            v.value if type(v) is Decoded else _misfit()
     if origin is dict:
         return lambda v: v if isinstance(v, dict) else _misfit()
     if dataclasses.is_dataclass(hint):
@@ -179,6 +189,12 @@ def plain(obj: Any) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in names}
 
 
-def pack(obj: Any) -> bytes:
-    """msgpack of a dataclass tree."""
-    return msgpack.packb(obj, default=plain, use_bin_type=True)
+def pack(obj: Any, packed: dict[str, bytes] | None = None) -> bytes:
+    """msgpack of a dataclass tree. ``packed``: some of ``obj``'s fields packed already (``pack(value)``), as the
+    same bytes: msgpack writes a map as its header, then each key and value in turn."""
+    if not packed:
+        return msgpack.packb(obj, default=plain, use_bin_type=True)
+    fields = plain(obj)
+    packer = msgpack.Packer(default=plain, use_bin_type=True)
+    return packer.pack_map_header(len(fields)) + b"".join(
+        packer.pack(k) + (packed[k] if k in packed else packer.pack(v)) for k, v in fields.items())

@@ -974,6 +974,28 @@ MUTATIONS: tuple[Mutation, ...] = (
               "        self._pins.unpin(replica.job_id)  # MUTATION\n"),),
         ("tests/test_restore.py::test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault",),
     ),
+    Mutation(
+        "structure-kept-whatever-the-sizes",
+        "a state sent again with the same entries but a storage of another size reuses the kept plan: the file's "
+        "storages are laid out for the old sizes",
+        (Edit("protocol/layout.py", " and s.sizes == sizes:", ":  # MUTATION"),),
+        ("tests/test_roundtrip.py::test_a_state_sent_again_is_written_whole_and_a_changed_one_as_it_now_is",),
+    ),
+    Mutation(
+        "layout-kept-whatever-the-index-length",
+        "the kept file layout is reused when the tag's length changes the index's: the data region is where the "
+        "last file's was",
+        (Edit("protocol/layout.py", "        layout = self.layouts.get(index_len)\n",
+              "        layout = next(iter(self.layouts.values()), None)  # MUTATION\n"),),
+        ("tests/test_roundtrip.py::test_a_state_sent_again_is_written_whole_and_a_changed_one_as_it_now_is",),
+    ),
+    Mutation(
+        "kept-field-matched-by-length",
+        "a long field is taken as the one decoded lately when only its length matches: a changed state is written "
+        "as the one before",
+        (Edit("protocol/messages.py", "b == raw), None)", "len(b) == len(raw)), None)  # MUTATION"),),
+        ("tests/test_roundtrip.py::test_a_state_sent_again_is_written_whole_and_a_changed_one_as_it_now_is",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

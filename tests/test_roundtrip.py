@@ -194,6 +194,35 @@ def test_changes_after_wait_do_not_reach_the_file(client: Client, daemon: Daemon
     assert_state_equal(expected, load_both(path))
 
 
+def test_a_state_sent_again_is_written_whole_and_a_changed_one_as_it_now_is(client: Client, daemon: DaemonProc) -> None:
+    """The daemon keeps what it decoded and planned of a long state (protocol/messages.py, protocol/layout.py) to
+    reuse it when the same state comes again: each file must still hold the state as sent, whether its values
+    changed, a tensor's shape or dtype changed, only a storage's size changed (the same views of a larger storage),
+    or an older structure comes back; with tags of differing lengths, which move the data region."""
+    def state(kind: str, seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        out = {f"t{i}": torch.randn(4, generator=g) for i in range(2000)}
+        if kind in ("reshaped", "wider"):
+            out["t1000"] = torch.randn(2, 2, dtype=torch.float64, generator=g)
+        if kind == "wider":
+            out["t5"] = torch.randn(8, generator=g)[:4]
+        return out
+
+    rounds = [("same", 1, "s1"), ("same", 2, "step_two"), ("reshaped", 3, "s3"), ("wider", 4, "s4"),
+              ("same", 5, "a_rather_longer_tag_5"), ("reshaped", 6, "s6")]
+    for kind, seed, tag in rounds:
+        sent = state(kind, seed)
+        path = daemon.root / tag / "rank0.pt"
+        client.snapshot(sent, path)
+        client.wait()
+        client.commit(tag).result(timeout=120)
+        loaded = load_both(path)
+        assert_state_equal(state(kind, seed), loaded, f"{kind}/{tag}")
+        if kind == "wider":  # the whole storage is saved, as torch.save saves it: not only the view's bytes
+            whole = torch.empty(0).set_(loaded["t5"].untyped_storage())
+            assert whole.numel() == 8 and torch.equal(whole, torch.empty(0).set_(sent["t5"].untyped_storage()))
+
+
 CLIENT_SCRIPT = textwrap.dedent(
     """
     import os, sys

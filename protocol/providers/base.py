@@ -39,7 +39,8 @@ class StateProvider(ABC):
 
     @abstractmethod
     def plan(self, entry: EntryDesc, sources: Sequence[SourceDesc]) -> EntryDesc:
-        """The checked index entry; raises InvalidRequestError for meta that makes no sense."""
+        """The checked index entry; raises InvalidRequestError for meta that makes no sense. It may depend on
+        ``entry`` and the sources' sizes only: the daemon reuses it for the next snapshot of the same state."""
 
     @abstractmethod
     def restore(self, entry: EntryDesc, ctx: RestoreContext) -> Any:
