@@ -76,7 +76,8 @@ class LocalSaver:
         msg = dataclasses.replace(msg, path=os.path.realpath(msg.path))  # the writer follows no link below /
         path = self._versions.place(msg.path, msg.tag, tag_folder(msg.tag, {msg.path: 0}, None))
         self._instance.record(os.path.dirname(os.path.dirname(path)))  # the run folder: its files and staging folders
-        plan = plan_snapshot(msg, path, PIECE, f"{self._instance.owner}/local/{next(self._ids)}")
+        plan = plan_snapshot(msg, path, PIECE, f"{self._instance.owner}/local/{next(self._ids)}",
+                             keep=False)  # its entries are captured anew each time, never met again
         regions = [_StorageRegion(st) if d.kind in (CUDA_IPC, VM) and st is not None else open_region(d, _SELF)
                    for d, st in zip(msg.sources, storages, strict=True)]
         if self._chunk is None:

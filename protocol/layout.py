@@ -112,6 +112,11 @@ class _Structure:
     layouts: dict[int, ZipLayout] = field(default_factory=dict)
     """Per length of the index, the file's layout: the same as long as the tag and the snapshot's name keep theirs."""
 
+    @property
+    def footprint(self) -> int:
+        """About the bytes it holds: its pickles, its entries (packed, and as objects), half a KB per storage."""
+        return len(self.pkl) + 4 * len(self.entries_packed) + 512 * len(self.sizes)
+
     def layout(self, header: FileHeader) -> ZipLayout:
         index_len = header.encoded_size(self.storages_len, len(self.entries_packed))
         layout = self.layouts.get(index_len)
@@ -125,18 +130,18 @@ class _Structure:
 
 
 STRUCTURES_KEPT = 16
-STRUCTURES_STORAGES = 200_000
-"""Storages of the structures kept, at most (the newest is kept whatever its size): about 0.5 KB each."""
+STRUCTURES_BYTES = 128 << 20
+"""The structures kept take about this much memory at most (``_Structure.footprint``); a larger one is never kept."""
 LAYOUTS_KEPT = 4
 _structures: list[_Structure] = []
 """The structures planned last, newest first."""
 _structures_lock = threading.Lock()
 
 
-def _structure(msg: m.Snapshot, piece_size: int) -> _Structure:
+def _structure(msg: m.Snapshot, piece_size: int, keep: bool) -> _Structure:
     """``msg``'s structure: one planned lately for the very same entries (a state sent again) and sizes, else a new
-    one. The providers' verdicts may thus be kept: a provider's ``plan`` depends on the entry and the sources'
-    sizes only (protocol/providers/base.py)."""
+    one, kept if ``keep``. The providers' verdicts may thus be kept: a provider's ``plan`` depends on the entry and
+    the sources' sizes only (protocol/providers/base.py)."""
     sizes = [src.nbytes for src in msg.sources]
     with _structures_lock:
         for i, s in enumerate(_structures):
@@ -184,25 +189,24 @@ def _structure(msg: m.Snapshot, piece_size: int) -> _Structure:
     pkl = data_pkl(entries, msg.root, sizes)
     made = _Structure(msg.entries, sizes, msg.root, piece_size, entries, pkl, checksum(pkl) if pkl else b"", records,
                       data_len, storages, pieces, pack(entries), len(pack(storages)))
+    if not keep or made.footprint > STRUCTURES_BYTES:
+        return made
     with _structures_lock:
         _structures.insert(0, made)
         del _structures[STRUCTURES_KEPT:]
-        total = 0
-        for i, kept in enumerate(_structures):
-            total += len(kept.sizes)
-            if total > STRUCTURES_STORAGES and i:
-                del _structures[i:]
-                break
+        while sum(kept.footprint for kept in _structures) > STRUCTURES_BYTES:
+            _structures.pop()
     return made
 
 
-def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "") -> FilePlan:
-    """Check every entry through its provider and lay out the file; raises InvalidRequestError."""
+def plan_snapshot(msg: m.Snapshot, path: str, piece_size: int, snapshot: str = "", keep: bool = True) -> FilePlan:
+    """Check every entry through its provider and lay out the file; raises InvalidRequestError. ``keep``: keep its
+    structure for the next snapshot of the same decoded entries (where entries are decoded from messages)."""
     if not msg.entries or len(msg.entries) > MAX_ENTRIES or len(msg.sources) > MAX_ENTRIES:
         raise InvalidRequestError(f"a snapshot needs 1 to {MAX_ENTRIES} entries and sources")
     if not 0 <= msg.root < len(msg.entries):
         raise InvalidRequestError(f"root entry {msg.root} is not one of the {len(msg.entries)} entries")
-    s = _structure(msg, piece_size)
+    s = _structure(msg, piece_size, keep)
     header = FileHeader(
         tag=msg.tag, created_ns=time.time_ns(), piece_size=piece_size, data_len=s.data_len, snapshot=snapshot,
         storages=s.storages, entries=s.planned, root=msg.root, torch_pkl=len(s.pkl), torch_pkl_sum=s.pkl_sum,

@@ -8,6 +8,8 @@ A reply to a request is either the request's own reply type or ERROR.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import enum
 import threading
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ import msgpack
 
 from .descriptors import EntryDesc, Fence, Ranks, SourceDesc, Tier
 from .errors import DatastatesError, ProtocolError, UnknownMessageError, VersionMismatchError
-from .schema import Decoded, from_dict, pack
+from .schema import Decoded, from_dict, list_fields, pack
 from .version import PROTOCOL_VERSION
 
 MAX_FRAME_BYTES = 256 << 20
@@ -306,25 +308,31 @@ def decode_body(header: Header, frame: bytes) -> Body:
 
 
 KEEP_MIN_BYTES = 64 << 10
-"""A body's field encoded in this many bytes or more is kept, decoded, with its bytes (``_kept``)."""
+"""A body's list field encoded in this many bytes or more is kept, decoded, with its bytes (``_kept``)."""
 KEEP_BYTES = 32 << 20
-"""Encoded bytes of the fields kept, at most (the newest is kept whatever its size): the decoded values take
-several times as much. 100,000 tensors' entries and sources are 17.7 MB."""
-_kept: list[tuple[type, str, bytes, Any]] = []
-"""The long fields decoded lately (body class, field, encoded bytes, decoded value), newest first. A trainer sends
-the same entries, and mostly the same sources, with every checkpoint: for 100,000 tensors, decoding them took a
-third of the time between its ``snapshot()`` and its ``wait()``, and the planner knows the state's layout again by
-the decoded list's identity (protocol/layout.py). A value given again is shared: nothing may change it."""
+"""Encoded bytes of the fields kept, at most; a longer field is never kept. The decoded values take several times
+as much. 100,000 tensors' entries and sources are 17.7 MB: a node of 8 such ranks decodes each time."""
+_kept: collections.OrderedDict[tuple[type, str, bytes], Any] = collections.OrderedDict()
+"""The long fields decoded lately, by (body class, field, encoded bytes), oldest first. A trainer sends the same
+entries, and mostly the same sources, with every checkpoint: for 100,000 tensors, decoding them took a third of the
+time between its ``snapshot()`` and its ``wait()``, and the planner knows the state's layout again by the decoded
+list's identity (protocol/layout.py). A value given again is shared: nothing may change it. The value is a function
+of its bytes alone, so one client's is another's (a handle means what the client it comes from means by it)."""
+_kept_bytes = 0
 _kept_lock = threading.Lock()
 
 
 def _unpack_fields(cls: type, frame: bytes) -> tuple[Any, dict[str, bytes]]:
     """The body's map, each long field that came in a recent body byte for byte given as its decoded value
-    (``Decoded``); and the long fields decoded anew, by name, with their bytes."""
+    (``Decoded``); and the long fields decoded anew, by name, with their bytes. A body that is not a map of distinct
+    field names (not msgpack, a duplicate key: whose value would be kept under the other's bytes) is unpacked whole,
+    as a short one is, and keeps nothing."""
     if len(frame) < KEEP_MIN_BYTES:
         return _unpack(frame, "body"), {}
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"body frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    lists = list_fields(cls)
     reader = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=MAX_FRAME_BYTES,
                               max_bin_len=MAX_FRAME_BYTES)
     reader.feed(frame)
@@ -333,34 +341,36 @@ def _unpack_fields(cls: type, frame: bytes) -> tuple[Any, dict[str, bytes]]:
     try:
         for _ in range(reader.read_map_header()):
             key = reader.unpack()
+            if key in data or key not in names:
+                raise ValueError("not a map of distinct field names")
             start = reader.tell()
             reader.skip()
             raw = frame[start:reader.tell()]
-            if len(raw) < KEEP_MIN_BYTES or not isinstance(key, str):
+            if not KEEP_MIN_BYTES <= len(raw) <= KEEP_BYTES or key not in lists:
                 data[key] = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME_BYTES)
                 continue
             with _kept_lock:
-                found = next((i for i, (c, k, b, _) in enumerate(_kept) if c is cls and k == key and b == raw), None)
-                if found is not None:
-                    _kept.insert(0, _kept.pop(found))
-                    data[key] = Decoded(_kept[0][3])
+                value = _kept.get((cls, key, raw), _kept)
+                if value is not _kept:
+                    _kept.move_to_end((cls, key, raw))
+                    data[key] = Decoded(value)
                     continue
             data[key] = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME_BYTES)
             long[key] = raw
         if reader.tell() != len(frame):
             raise ValueError("extra data after the body")
-    except Exception:  # not valid msgpack, or not a map: said as for a short body
+    except Exception:  # not valid msgpack, or not a map of distinct field names: as for a short body
         return _unpack(frame, "body"), {}
     return data, long
 
 
 def _keep(cls: type, body: Body, long: dict[str, bytes]) -> None:
+    global _kept_bytes
     with _kept_lock:
         for key, raw in long.items():
-            _kept.insert(0, (cls, key, raw, getattr(body, key)))
-        total = 0
-        for i, (_, _, raw, _) in enumerate(_kept):
-            total += len(raw)
-            if total > KEEP_BYTES and i:
-                del _kept[i:]
-                break
+            if (cls, key, raw) not in _kept:
+                _kept[(cls, key, raw)] = getattr(body, key)
+                _kept_bytes += len(raw)
+        while _kept_bytes > KEEP_BYTES:
+            (_, _, raw), _ = _kept.popitem(last=False)
+            _kept_bytes -= len(raw)

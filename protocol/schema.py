@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, TypeVar
 
 import msgpack
 
@@ -27,11 +27,20 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-class Decoded(NamedTuple):
+class Decoded:
     """A field's value decoded already (protocol/messages.py keeps long ones): ``from_dict`` takes it as built.
-    msgpack never makes one, so no peer can send it."""
+    msgpack never makes one, so no peer can send it; not a tuple, so no checker takes it for a list."""
 
-    value: Any
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+@functools.cache
+def list_fields(cls: type) -> frozenset[str]:
+    """The fields of dataclass ``cls`` that hold a list: the only ones given as ``Decoded``."""
+    return frozenset(name for name, hint in _hints(cls).items() if typing.get_origin(hint) is list)
 
 
 def _check(value: Any, hint: Any, where: str, depth: int = 0) -> Any:
@@ -151,8 +160,8 @@ def _checker(hint: Any, depth: int) -> Callable[[Any], Any]:
     if origin is list:
         (item,) = typing.get_args(hint) or (Any,)
         each = _checker(item, depth + 1)
-        return lambda v: [each(x) for x in v] if isinstance(v, (list, tuple)) else \
-            v.value if type(v) is Decoded else _misfit()
+        return lambda v: v.value if type(v) is Decoded else \
+            [each(x) for x in v] if isinstance(v, (list, tuple)) else _misfit()
     if origin is dict:
         return lambda v: v if isinstance(v, dict) else _misfit()
     if dataclasses.is_dataclass(hint):

@@ -993,8 +993,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "kept-field-matched-by-length",
         "a long field is taken as the one decoded lately when only its length matches: a changed state is written "
         "as the one before",
-        (Edit("protocol/messages.py", "b == raw), None)", "len(b) == len(raw)), None)  # MUTATION"),),
+        (Edit("protocol/messages.py", "                value = _kept.get((cls, key, raw), _kept)\n",
+              "                value = next((v for (c, k, b), v in _kept.items() if c is cls and k == key and len(b) == len(raw)), _kept)  # MUTATION\n"),
+         Edit("protocol/messages.py", "                    _kept.move_to_end((cls, key, raw))\n", "")),
         ("tests/test_roundtrip.py::test_a_state_sent_again_is_written_whole_and_a_changed_one_as_it_now_is",),
+    ),
+    Mutation(
+        "kept-field-under-a-duplicate-key",
+        "a body with a duplicate key has the second value kept under the first one's bytes: a peer makes the daemon "
+        "decode another client's entries as its own",
+        (Edit("protocol/messages.py", "            if key in data or key not in names:\n",
+              "            if key not in names:  # MUTATION\n"),),
+        ("tests/faults/test_fuzz_protocol.py::test_a_peer_cannot_make_the_daemon_decode_another_clients_state_as_its_own",),
     ),
 )
 def working_tree_files() -> list[str]:

@@ -9,6 +9,7 @@ served correctly before, during and after.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Iterator
 
@@ -222,3 +223,36 @@ def test_valid_looking_snapshots_over_real_memory(peer: RawPeer, shared_daemon: 
 
     case()
     assert seen["admitted"] > 0 and seen["refused"] > 0, f"the cases never reached one side: {seen}"
+
+
+def test_a_peer_cannot_make_the_daemon_decode_another_clients_state_as_its_own(peer: RawPeer,
+                                                                              shared_daemon: DaemonProc) -> None:
+    """The daemon reuses what it decoded of a long field that comes again byte for byte (protocol/messages.py). A
+    peer that sends the victim's entries and then, under the same key, its own (a duplicate map key), with the
+    storages swapped, must not have its entries taken for the victim's: the victim's next snapshot is written as it
+    is. Equally a long field that is not a field of the message is no error, and is not kept."""
+    from datastates.client.capture import capture
+    from datastates.protocol.schema import pack
+
+    state = {f"layer{i}.weight": torch.full((4,), float(i)) for i in range(1500)}
+    honest = capture(state)
+    evil = [dataclasses.replace(e, meta={**e.meta, "storage": 1499 - e.meta["storage"]}) if e.provider == "tensor"
+            else e for e in honest.entries]  # the same names and sizes, each tensor over another's storage
+    assert len(pack(honest.entries)) >= 64 << 10
+
+    def body(*fields: tuple[str, bytes]) -> bytes:
+        out = msgpack.Packer(use_bin_type=True).pack_map_header(len(fields))
+        return out + b"".join(msgpack.packb(k) + v for k, v in fields)
+
+    head = msgpack.packb({"version": PROTOCOL_VERSION, "type": "snapshot", "id": 1, "parent": None})
+    common = [("path", msgpack.packb("/nowhere/x.pt")), ("tag", msgpack.packb("t")), ("root", msgpack.packb(honest.root)),
+              ("sources", pack(honest.sources))]
+    for fields in ([("entries", pack(evil))], [("entries", pack(honest.entries)), ("entries", pack(evil))],
+                   [("entries", pack(honest.entries)), ("padding", msgpack.packb(["x" * 100] * 1000))]):
+        assert "code" in ask(peer, [head, body(*common, *fields)])  # unknown client: refused, after decoding
+    with Client(shared_daemon.endpoint, timeout=60) as c:
+        path = shared_daemon.root / "victim" / "rank0.pt"
+        save(c, state, path, tag="victim")
+    loaded = datastates.load(path)
+    wrong = [name for name, t in state.items() if not torch.equal(loaded[name], t)]
+    assert not wrong, f"{len(wrong)} tensors written as another's, first {wrong[0]}"
