@@ -199,6 +199,54 @@ def test_a_node_other_than_0_confirms_a_commit_only_once_node_0s_marker_exists(
     assert datastates.latest(n0.root) is None
 
 
+def test_a_node_killed_mid_commit_fails_the_tag_on_every_node_and_the_next_commits_once_it_is_back(
+        start_daemons: Callable[..., list[DaemonProc]], start_daemon: Callable[..., DaemonProc]) -> None:
+    """Three nodes of one job; node 1's daemon is killed right after its rank asked to commit: every node's commit of
+    the tag fails within commit_timeout, no marker of it appears and the last tag stays the latest; once a new
+    daemon serves node 1, the job's next tag commits on all three."""
+    nodes = start_daemons(*[{"commit_timeout": 3}] * 3)
+    root = nodes[0].root
+    clients = [rank_client(d, i, 3, 1, 3) for i, d in enumerate(nodes)]
+
+    def save_all(tag: str, before_commit: Callable[[], None] = lambda: None) -> list:
+        for i, c in enumerate(clients):
+            c.snapshot({"w": torch.full((64,), float(i)), "tag": tag}, root / tag / f"rank{i}.pt")
+        for c in clients:
+            c.wait()
+        before_commit()
+        return [c.commit(tag) for c in clients]
+
+    try:
+        for fut in save_all("global_step1"):
+            fut.result(timeout=120)
+        # stopped before its rank's COMMIT reaches it, so it can never have written its done marker: then killed
+        futures = save_all("global_step2", lambda: nodes[1].proc.send_signal(signal.SIGSTOP))
+        nodes[1].proc.send_signal(signal.SIGKILL)
+        nodes[1].proc.wait(30)
+        started = time.monotonic()
+        for i in (0, 2):
+            with pytest.raises(CommitError, match="global_step2"):
+                futures[i].result(timeout=120)
+        assert time.monotonic() - started < 60, "the survivors' commits waited far past commit_timeout (3 s)"
+        assert not (root / "global_step2" / marker_name("global_step2")).exists()
+        assert datastates.latest(root) == "global_step1"
+
+        clients[1].timeout = 1  # its daemon is dead: no BYE reply will come
+        clients[1].close(timeout=1)
+        back = start_daemon(endpoint=nodes[1].endpoint, commit_timeout=3)
+        clients[1] = rank_client(back, 1, 3, 1, 3)
+        for fut in save_all("global_step3"):
+            fut.result(timeout=120)
+    finally:
+        for c in clients:
+            c.timeout = 5
+            c.close(timeout=5)
+    assert datastates.latest(root) == "global_step3"
+    assert marker_files(root, "global_step3") == [f"rank{r}.pt" for r in range(3)]
+    for r in range(3):
+        assert torch.equal(datastates.load(root / "global_step3" / f"rank{r}.pt")["w"], torch.full((64,), float(r)))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
