@@ -443,6 +443,21 @@ def shared_client(shared_daemon: DaemonProc) -> Iterator[Any]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "own_daemon: in a module whose tests share one daemon (shared_daemon_folder), "
                                        "start a daemon of this test's own")
+    config.addinivalue_line("markers", "heavy: one of the slowest tests (10 s or more); `make test` leaves it to CI, "
+                                       "which sets DATASTATES_HEAVY=1 (so does --long)")
+
+
+HEAVY = os.environ.get("DATASTATES_HEAVY", "") not in ("", "0")
+"""Run the tests marked ``heavy``: CI does (.ci/run). Without it `make test` stays within 15 minutes on 2 cores."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HEAVY or config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="heavy (10 s or more): CI runs it; here with DATASTATES_HEAVY=1 or --long")
+    for item in items:
+        if item.get_closest_marker("heavy") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture

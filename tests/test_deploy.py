@@ -307,6 +307,7 @@ def assert_gone(pid: int, config: Path) -> None:
     assert str(config).encode() not in cmdline, f"datastatesd {pid} still running"
 
 
+@pytest.mark.heavy
 def test_torchrun_script_end_to_end(tmp_path: Path, short_tmp: Path) -> None:
     """Two ranks snapshot and commit through the daemon the script started; it exits 0 and leaves nothing behind."""
     root, rundir, log = tmp_path / "ckpt", short_tmp / "run", tmp_path / "datastatesd.log"
@@ -327,6 +328,7 @@ def test_torchrun_script_end_to_end(tmp_path: Path, short_tmp: Path) -> None:
     assert "datastatesd stopped (status 0)" in run.stderr
 
 
+@pytest.mark.heavy
 def test_torchrun_script_passes_torchrun_failure_on(tmp_path: Path, short_tmp: Path) -> None:
     """A rank that fails: the script exits with torchrun's status, and still stops its daemon after the drain."""
     root, rundir = tmp_path / "ckpt", short_tmp / "run"

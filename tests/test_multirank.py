@@ -253,6 +253,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.heavy
 def test_torchrun_two_nodes_two_ranks_each(start_daemons: Callable[..., list[DaemonProc]]) -> None:
     n0, n1 = two_nodes(start_daemons)
     port = free_port()

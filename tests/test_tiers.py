@@ -168,6 +168,7 @@ def test_a_failed_tier_copy_leaves_the_fast_copy_committed(
     assert_state_equal(state(2), datastates.load(slow / "step2" / "rank0.pt"))
 
 
+@pytest.mark.heavy
 def test_a_copy_a_killed_daemon_left_undone_is_finished_by_the_next(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path) -> None:
     cfg = tiers_cfg(tmp_path)

@@ -88,6 +88,7 @@ def _may_raise_hard_limits() -> bool:
     return bool(int(caps.split()[1], 16) >> CAP_SYS_RESOURCE & 1)
 
 
+@pytest.mark.heavy
 def test_two_thousand_silent_connections_cost_bounded_descriptors(start_daemon: Callable[..., DaemonProc]) -> None:
     """A user's daemon (no privilege) at ``ulimit -Sn 1024`` under a hard limit of 4096."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -155,6 +156,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.heavy
 def test_connections_that_send_one_byte_and_never_say_hello_are_shed_under_a_hard_limit_of_256(
         start_daemon: Callable[..., DaemonProc]) -> None:
     """1,500 connections at about 100 a second, each sending one byte and never HELLO, against a daemon whose
@@ -201,6 +203,7 @@ print("OK", flush=True)
 """
 
 
+@pytest.mark.heavy
 def test_eight_trainers_of_600_storages_each_at_ulimit_1024(start_daemon: Callable[..., DaemonProc]) -> None:
     d = start_daemon(nofile=(1024, 1024))
     procs = [subprocess.Popen([sys.executable, "-c", TRAINER, d.endpoint, str(d.root / f"r{r}"), str(r)],
@@ -226,6 +229,7 @@ def test_a_client_beyond_max_clients_is_refused_and_the_others_served(start_daem
     assert_state_equal({"x": torch.arange(4)}, datastates.load(d.root / "again" / "m.pt"))
 
 
+@pytest.mark.heavy
 def test_a_tool_that_polls_status_without_hello_is_never_shut_for_its_age(daemon: DaemonProc) -> None:
     """``datastatesctl status --watch`` and ``wait`` poll without HELLO, one request every few seconds. Shut for
     its age between two polls, a request on its way would be lost (the tool then times out): a connection whose

@@ -121,6 +121,7 @@ def test_a_killed_prune_leaves_nothing_half_deleted(finisher: str, start_daemon:
     assert_gone(d, step)
 
 
+@pytest.mark.heavy
 def test_a_daemon_killed_in_its_retention_leaves_nothing_half_deleted(daemon_factory: DaemonFactory) -> None:
     for attempt in range(TRIES):
         d = daemon_factory.start(storage={"roots": [str(daemon_factory.tmp / "ckpt")], "keep_last": 1})

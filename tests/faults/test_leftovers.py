@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import torch
 
 import datastates
@@ -56,6 +57,7 @@ def removed_at_start(d: DaemonProc) -> dict:
     raise AssertionError("the daemon never finished its start-up recovery")
 
 
+@pytest.mark.heavy
 def test_a_daemon_on_another_endpoint_removes_a_killed_daemons_leftovers_and_spares_a_live_one(
         start_daemon: Callable[..., DaemonProc]) -> None:
     live = start_daemon()  # another job's daemon on this node: its replica folder must survive
