@@ -199,6 +199,7 @@ def test_a_node_other_than_0_confirms_a_commit_only_once_node_0s_marker_exists(
     assert datastates.latest(n0.root) is None
 
 
+@pytest.mark.heavy
 def test_a_node_killed_mid_commit_fails_the_tag_on_every_node_and_the_next_commits_once_it_is_back(
         start_daemons: Callable[..., list[DaemonProc]], start_daemon: Callable[..., DaemonProc]) -> None:
     """Three nodes of one job; node 1's daemon is killed right after its rank asked to commit: every node's commit of

@@ -77,6 +77,7 @@ def assert_trackers_name_committed_tags(root: Path, trial: int) -> int:
     return len(named)
 
 
+@pytest.mark.heavy
 def test_kill9_mid_flush_leaves_no_partial_file_under_a_final_name(start_daemon: Callable[..., DaemonProc],
                                                                    long_runs: bool) -> None:
     """After each kill -9 and restart: the last confirmed commit (or a newer one) is latest() and loads bitwise,

@@ -54,6 +54,7 @@ def steps_in(folder: Path, tag: str) -> set[float]:
     return found
 
 
+@pytest.mark.heavy
 def test_a_kill_during_a_resave_leaves_one_whole_version(start_daemon: Callable[..., DaemonProc], long_runs: bool) -> None:
     rng = random.Random(7)
     d = start_daemon(**SLOW)

@@ -424,6 +424,7 @@ def test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness(
     assert_resumes(d, save_dir, expected, 5, monkeypatch)
 
 
+@pytest.mark.heavy
 def test_two_ranks_each_commit_the_config_entrys_tags(daemon: DaemonProc, tmp_path: Path) -> None:
     """torchrun, 2 ranks, ZeRO 2, only the config entry: each rank's step hook commits its files, the daemon marks the
     tag committed once both have (the model file of rank 0, an optimizer partition each), and a fresh 2-rank job
