@@ -255,6 +255,11 @@ def storage_records(sizes: list[int], version: int = FORMAT_VERSION) -> tuple[li
     return plan_zip([(f"{ARCHIVE}/data/{k}", n, *place(n)) for k, n in enumerate(sizes)])
 
 
+def local_headers(records: list[Record]) -> list[tuple[int, bytes]]:
+    """Each record's local header, at its header offset."""
+    return [(r.header_offset, local_header(r)) for r in records]
+
+
 @dataclass(frozen=True)
 class ZipLayout:
     """Where everything of a format-2 file lies, from its header alone: the writer plans by it, the reader checks by it."""
@@ -274,7 +279,7 @@ class ZipLayout:
 
     def storage_headers(self) -> list[tuple[int, bytes]]:
         """Each storage's local header, at its offset relative to the data region: bytes of the data region."""
-        return [(r.header_offset, local_header(r)) for r in self.storages]
+        return local_headers(self.storages)
 
     def head_bytes(self, index: bytes, pickle: bytes) -> bytes:
         """Bytes ``0..data_offset``: every head record with its local header, zeros to the data region."""

@@ -23,13 +23,14 @@ from datastates.protocol.format import (
     ZipLayout,
     align_up,
     checksum,
+    local_headers,
     segments,
     storage_records,
     zip_layout,
 )
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.schema import pack
-from datastates.protocol.torchzip import Record, data_pkl, local_header
+from datastates.protocol.torchzip import Record, data_pkl
 
 from .providers import get_provider, provider_names
 
@@ -173,8 +174,7 @@ def _structure(msg: m.Snapshot, piece_size: int, keep: bool) -> _Structure:
             by_piece[k].append(Segment(index, start - offset, start - k * piece_size, length, slot))
         storages.append(StorageRecord(offset, nbytes, [unsummed] * len(parts)))
     fills: list[list[tuple[int, bytes]]] = [[] for _ in by_piece]
-    for rec in records:  # each storage's local header, in the data region; one may straddle two pieces
-        at, data = rec.header_offset, local_header(rec)
+    for at, data in local_headers(records):  # each storage's, in the data region; one may straddle two pieces
         first = at // piece_size
         if (at + len(data) - 1) // piece_size == first:
             fills[first].append((at - first * piece_size, data))
