@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -43,12 +44,12 @@ from datastates.protocol.tags import listing, next_sequence, tag_files, unlisted
 from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .events import CommitEvent, CommitListener
+from .gather import NodeGather
 from .job import SnapshotJob
 from .versions import Staging, Versions
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.2
 _ITERATION_RE = re.compile(r"^iter_(\d+)$")
 
 
@@ -138,6 +139,7 @@ class CommitLedger:
         self._storage = storage
         self._roots = storage.roots
         self._timeout = timeout
+        self._nodes = NodeGather(engine, timeout)
         self._listeners: list[CommitListener] = []
         self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
         self._committing: dict[tuple[str, str], list[SnapshotJob]] = {}
@@ -306,7 +308,7 @@ class CommitLedger:
         try:
             jobs = self._committing[key] = await self._supersede(client_id, tag, jobs)
             self._versions.seal([j.path for j in jobs])  # a retry's
-            sequence = await self._next_sequence(tag, jobs)
+            sequence = await self._next_sequence(tag, jobs, ranks)
             if ranks.world_size == 1:
                 return await self._commit_alone(client_id, tag, jobs, requested_ns, sequence)
             return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns, sequence)
@@ -337,20 +339,34 @@ class CommitLedger:
             await self._engine.flush(_remove_uncommitted, stale, self._roots)
             self._versions.abandon(stale)  # a new version never to be committed goes whole
 
-    async def _next_sequence(self, tag: str, jobs: list[SnapshotJob]) -> int:
-        """The commit's place in its run, in the order COMMITs arrive (0 when it names no file)."""
-        if not jobs:
+    async def _next_sequence(self, tag: str, jobs: list[SnapshotJob], ranks: Ranks) -> int:
+        """The commit's place in its run, in the order COMMITs arrive (0 when it names no file, or none is needed).
+
+        It costs a read of every committed marker of the run, so it is read where it is used
+        only: by the first rank of a node's round (the round's sequence is its), and not on a
+        node other than node 0 of a shared folder (node 0's marker carries node 0's).
+        """
+        if not jobs or self._round_has_sequence(tag, ranks):
             return 0
         try:
-            run = os.path.dirname(tag_folder(tag, {j.path: 0 for j in jobs}, self._roots))
+            folder = tag_folder(tag, {j.path: 0 for j in jobs}, self._roots)
         except CommitError:
             return 0  # refused when the marker is placed
+        if ranks.num_nodes > 1 and ranks.node_rank != 0 and self._storage.shared(folder):
+            return 0
+        run = os.path.dirname(folder)
         async with self._sequence_lock:  # FIFO: sequences follow the order the requests came in
+            if self._round_has_sequence(tag, ranks):  # a rank ahead in this queue began the round meanwhile
+                return 0
             # read again each time: another writer of this run (a trainer saving on its own after it lost this
             # daemon, another daemon after a restart) may have committed since, with a higher sequence
             on_disk = await self._engine.flush(next_sequence, run)
             self._sequences[run] = max(self._sequences.get(run, 0) + 1, on_disk)
             return self._sequences[run]
+
+    def _round_has_sequence(self, tag: str, ranks: Ranks) -> bool:
+        group = self._groups.get((ranks.job, ranks.world_size, tag)) if ranks.world_size > 1 else None
+        return group is not None and bool(group.sequence) and not group.failed
 
     async def _durable(self, tag: str, jobs: list[SnapshotJob]) -> dict[str, int]:
         """The files of ``jobs`` once all are durable (path → size); CommitError if one failed."""
@@ -449,7 +465,8 @@ class CommitLedger:
     async def _first_commit(self, commit: CommitEvent) -> m.Committed:
         """The commit a client asked for, on the tier its files were written to, then announced."""
         staging = self._versions.staged(commit.tag, commit.files)
-        committed = await self.settle(commit)
+        committed, sequence = await self._settle(commit)
+        commit = dataclasses.replace(commit, sequence=sequence)  # a node other than 0 did not read it (_next_sequence)
         if staging is not None:  # the new version is in place: its files are where the old ones were
             commit = commit.moved(staging.visible)
         for listener in self._listeners:
@@ -462,6 +479,10 @@ class CommitLedger:
         One node, or a tier only this node sees: this node's marker. Several nodes on a
         shared folder: each writes a done marker, node 0 gathers them and writes the tag's.
         """
+        return (await self._settle(commit))[0]
+
+    async def _settle(self, commit: CommitEvent) -> tuple[m.Committed, int]:
+        """``settle``, and the sequence the tag got: node 0's, where node 0 wrote its marker."""
         client_id, tag, files, ranks, requested_ns, sequence = (
             commit.client_id, commit.tag, commit.files, commit.ranks, commit.requested_ns, commit.sequence)
         order = (sequence, commit.order)
@@ -469,60 +490,29 @@ class CommitLedger:
         staging = self._versions.staged(tag, files) if nodes == 1 else None
         if staging is not None:  # a new version of a committed tag: marker beside its files, then switched in
             marker = make_marker(tag, files, staging.staging, requested_ns, sequence, snapshots=commit.snapshots)
-            return await self._publish(client_id, tag, marker, staging.folder, order, staging, commit.wanted)
+            return await self._publish(client_id, tag, marker, staging.folder, order, staging, commit.wanted), sequence
         folder = tag_folder(tag, files, self._roots)
         if nodes == 1 or not self._storage.shared(folder):
             marker = make_marker(tag, files, folder, requested_ns, sequence, nodes, -1 if nodes == 1 else ranks.node_rank,
                                  commit.snapshots)
-            return await self._publish(client_id, tag, marker, folder, order, wanted=commit.wanted)
+            return await self._publish(client_id, tag, marker, folder, order, wanted=commit.wanted), sequence
         if os.path.basename(folder) != tag:
             raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
         mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank, commit.snapshots)
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
             try:
-                return await self._await_global(tag, folder, mine.committed_ns)
-            except CommitError:  # this node's ranks are told the tag failed: node 0 must not commit it later
-                await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, ranks.node_rank)))
+                marker = await self._nodes.await_marker(tag, folder, mine.committed_ns, nodes)
+                return m.Committed(tag=tag, marker=os.path.join(folder, marker_name(tag)), files=tag_files(folder, marker)), \
+                    marker.sequence
+            except CommitError:
+                await self._nodes.withdraw(tag, folder, ranks.node_rank)
                 raise
-        everyone, snapshots = await self._gather(tag, folder, nodes)
+        everyone, snapshots = await self._nodes.gather(tag, folder, nodes)
         committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, sequence, nodes,
                                                                     snapshots=snapshots), folder, order)
-        for node in range(nodes):
-            await self._engine.flush(_unlink, os.path.join(folder, done_name(tag, node)))
-        return committed
-
-    async def _gather(self, tag: str, folder: str, nodes: int) -> tuple[dict[str, int], dict[str, str]]:
-        """Every node's files, from their done markers; CommitError naming the nodes that never reported."""
-        deadline = time.monotonic() + self._timeout
-        found: dict[int, CommitMarker] = {}
-        while True:
-            for node in range(nodes):
-                if node not in found:
-                    marker = await self._engine.flush(CommitMarker.read, os.path.join(folder, done_name(tag, node)))
-                    if marker is not None and marker.tag == tag:
-                        found[node] = marker
-            if len(found) == nodes:
-                listed = [(os.path.join(folder, f.path), f) for mk in found.values() for f in mk.files]
-                return {p: f.size for p, f in listed}, {p: f.snapshot for p, f in listed}
-            if time.monotonic() > deadline:
-                missing = [n for n in range(nodes) if n not in found]
-                raise CommitError(
-                    f"tag {tag!r} not committed: node(s) {missing} wrote no done marker in {folder} within "
-                    f"{self._timeout:.0f} s (their daemon or ranks may have died)", tag=tag, missing=str(missing),
-                )
-            await asyncio.sleep(POLL_S)
-
-    async def _await_global(self, tag: str, folder: str, since_ns: int) -> m.Committed:
-        """A node other than 0 is done once node 0 has written the tag's marker, after this node's done marker."""
-        path = os.path.join(folder, marker_name(tag))
-        deadline = time.monotonic() + self._timeout
-        while time.monotonic() <= deadline:
-            marker = await self._engine.flush(CommitMarker.read, path)
-            if marker is not None and marker.committed_ns >= since_ns:
-                return m.Committed(tag=tag, marker=path, files=[os.path.join(folder, f.path) for f in marker.files])
-            await asyncio.sleep(POLL_S)
-        raise CommitError(f"tag {tag!r} not committed: node 0 wrote no marker in {folder} within {self._timeout:.0f} s", tag=tag)
+        await self._nodes.tidy(tag, folder, nodes)
+        return committed, sequence
 
     async def _publish(self, client_id: str, tag: str, marker: CommitMarker, folder: str, order: tuple[int, int],
                        staging: Staging | None = None, wanted: Callable[[], None] | None = None) -> m.Committed:

@@ -20,7 +20,7 @@ from datastates.protocol.endpoint import runtime_dir
 from datastates.protocol.errors import ConfigError, DatastatesError
 from datastates.protocol.security import is_tcp, secure_server
 
-from . import config
+from . import config, fsops
 
 log = logging.getLogger("datastatesd")
 
@@ -97,6 +97,7 @@ def _raise_memlock_limit() -> None:
 async def _serve(cfg: config.NodeConfig) -> None:
     from .server import Daemon  # torch, seconds to import: after the config is known to be good
 
+    fsops.install()
     daemon = Daemon(cfg)
     gc.freeze()  # torch's and the daemon's start-up objects, never garbage: full collections skip them from now on
     gc.set_threshold(*GC_THRESHOLDS)

@@ -38,6 +38,7 @@ from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.paths import check_derived, check_path
 from datastates.protocol.version import PROTOCOL_VERSION
 
+from . import fsops
 from .clients import HEARTBEATS_PER_TIMEOUT, MAX_GPUS, ClientRecord, ClientRegistry
 from .connections import Connections, open_descriptors
 from .commit import CommitLedger, tag_folder
@@ -410,6 +411,7 @@ class Daemon:
                 "gpus": gpus.status(),
                 "flush_threads": self.cfg.flush_threads,
                 "descriptors": descriptors(),
+                "metadata_ops": fsops.counts(),
                 "leftovers_removed": None if self.leftovers is None else {
                     "count": len(self.leftovers), "paths": self.leftovers[:20]},
             },

@@ -12,6 +12,7 @@ import mmap
 import os
 import shutil
 import stat
+import sys
 import threading
 
 PAGE = 4096
@@ -125,6 +126,7 @@ def open_folder(path: str, create: bool = False, mode: int = 0o755, trusted: str
 def rename_within(folder_fd: int, src: str, dst: str, flags: int) -> None:
     """renameat2(2) of entry ``src`` to ``dst`` of one folder (its descriptor), with ``flags`` (``RENAME_*``): what
     ``os.rename`` cannot do, swap two folders or refuse to replace one; OSError as the call fails."""
+    sys.audit("datastates.rename", src, dst, folder_fd)  # counted as os.rename is (daemon/fsops.py)
     if _libc.renameat2(folder_fd, src.encode(), folder_fd, dst.encode(), flags) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), src)
@@ -154,6 +156,20 @@ def remove(path: str, trusted: str = "/", tree: bool = False) -> None:
             os.unlink(os.path.basename(path), dir_fd=parent)
     finally:
         os.close(parent)
+
+
+def remove_names(folder: str, names: list[str], trusted: str = "/") -> None:
+    """Unlink the entries ``names`` of ``folder`` through one descriptor of it (``remove`` opens the folder anew for
+    each); those already gone are no error."""
+    fd = open_folder(folder, trusted=trusted)
+    try:
+        for name in names:
+            try:
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
 
 
 def _gone_is_removed(func: object, path: str, exc_info: tuple) -> None:

@@ -141,9 +141,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "node-commits-without-node0",
         "a node other than node 0 answers COMMIT without waiting for node 0's marker",
         (Edit("daemon/commit.py",
-              "            return await self._await_global(tag, folder, mine.committed_ns)\n",
-              "            return m.Committed(tag=tag, marker=os.path.join(folder, marker_name(tag)), files=list(files))"
-              "  # MUTATION\n"),),
+              "                marker = await self._nodes.await_marker(tag, folder, mine.committed_ns, nodes)\n",
+              "                marker = mine  # MUTATION: never waits for node 0's\n"),),
         ("tests/test_multirank.py::test_a_node_other_than_0_confirms_a_commit_only_once_node_0s_marker_exists",),
     ),
     Mutation(
