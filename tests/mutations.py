@@ -146,6 +146,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_multirank.py::test_a_node_other_than_0_confirms_a_commit_only_once_node_0s_marker_exists",),
     ),
     Mutation(
+        "gather-opens-every-missing-marker",
+        "node 0 opens each missing node's done marker at every look instead of listing the folder once",
+        (Edit("daemon/gather.py",
+              "        return sorted(wanted.intersection(os.listdir(folder)))\n",
+              "        return sorted(wanted)  # MUTATION: a poll per missing node\n"),),
+        ("tests/test_many_nodes.py::test_a_late_node_costs_node_0_a_listing_a_look_not_an_open_per_missing_node",),
+    ),
+    Mutation(
+        "gather-looks-never-grow-apart",
+        "node 0 looks for the done markers every 50 ms for as long as a node is late",
+        (Edit("daemon/gather.py", "LOOK_GROWTH = 1.5\n", "LOOK_GROWTH = 1.0  # MUTATION\n"),),
+        ("tests/test_many_nodes.py::test_a_late_node_costs_node_0_a_listing_a_look_not_an_open_per_missing_node",),
+    ),
+    Mutation(
         "staging-not-sealed",
         "a save admitted while a re-save's commit is in flight joins the staging folder being switched in",
         (Edit("daemon/versions.py",
