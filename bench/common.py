@@ -6,12 +6,14 @@ of minutes here, so absolute figures from different runs do not compare.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -169,6 +171,40 @@ def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
     return time.perf_counter() - t0, out
+
+
+RAW_PIECE = 64 << 20
+"""The size of each O_DIRECT write of ``raw_write``."""
+
+
+def raw_write(path: str, nbytes: int, threads: int) -> float:
+    """``nbytes`` (rounded up to 4 KiB) written with O_DIRECT from an aligned buffer, ``RAW_PIECE`` writes on
+    ``threads`` threads, then fsynced: the disk's own speed for the checkpoint's bytes."""
+    buf = mmap.mmap(-1, RAW_PIECE)  # page-aligned
+    buf.write(os.urandom(1 << 20) * (RAW_PIECE >> 20))
+    size = (nbytes + 4095) // 4096 * 4096
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+
+    def pieces(k: int) -> None:
+        for off in range(k * RAW_PIECE, size, threads * RAW_PIECE):
+            n = min(RAW_PIECE, size - off)
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, memoryview(buf)[done:n], off + done)
+
+    try:
+        workers = [threading.Thread(target=pieces, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    return dt
 
 
 READER_ENV = "DS_BENCH_READER"

@@ -28,12 +28,10 @@ from __future__ import annotations
 import gc
 import json
 import math
-import mmap
 import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -49,13 +47,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import drop_caches, fsync_tree  # noqa: E402
+from common import drop_caches, fsync_tree, raw_write  # noqa: E402
 from dcp_fsdp_model import Trainer, build, local_bytes, local_tensors, unequal  # noqa: E402
 
 from datastates.client import Client  # noqa: E402
 from datastates.integrations.dcp import DatastatesStorageReader, DatastatesStorageWriter  # noqa: E402
 
-RAW_PIECE = 64 << 20
 GC_EVERY = 50
 """torchtitan's default ``gc_freq``."""
 
@@ -355,36 +352,6 @@ def save4_phase(args: dict[str, Any]) -> None:
     if dist.get_rank() == 0:
         torch.save(full, os.path.join(args["root"], "ref4.pt"))
     emit("save4", bytes=local_bytes(t.state()))
-
-
-def raw_write(path: str, nbytes: int, threads: int) -> float:
-    """``nbytes`` (rounded up to 4 KiB) written with O_DIRECT from an aligned buffer, ``RAW_PIECE`` writes on
-    ``threads`` threads, then fsynced: the disk's own speed for the checkpoint's bytes."""
-    buf = mmap.mmap(-1, RAW_PIECE)  # page-aligned
-    buf.write(os.urandom(1 << 20) * (RAW_PIECE >> 20))
-    size = (nbytes + 4095) // 4096 * 4096
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-
-    def pieces(k: int) -> None:
-        for off in range(k * RAW_PIECE, size, threads * RAW_PIECE):
-            n = min(RAW_PIECE, size - off)
-            done = 0
-            while done < n:
-                done += os.pwrite(fd, memoryview(buf)[done:n], off + done)
-
-    try:
-        workers = [threading.Thread(target=pieces, args=(k,)) for k in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dt = time.perf_counter() - t0
-    os.unlink(path)
-    return dt
 
 
 def timed_across(fn: Callable[[], Any]) -> float:

@@ -32,15 +32,24 @@ from datastates.protocol.layout import FilePlan, Piece
 
 from .sink import FileSink
 from .storage import StorageWriter, writer_class
+from .turns import Slots
 
 log = logging.getLogger(__name__)
+
+FILE_THREADS = 2
+"""Threads for the small file-system work (``Engine.flush``): it waits on the metadata server, not on bandwidth."""
 
 
 class Engine:
     def __init__(self, pool: HostPool, copy_threads: int, flush_threads: int, direct_io: bool, owner: str) -> None:
         self.pool = pool
         self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix="ds-copy")
+        self._copy_turns = Slots(copy_threads)
+        """The copy threads, in turns between clients: a thread pool's queue would serve snapshots first come."""
         self._flush = ThreadPoolExecutor(flush_threads, thread_name_prefix="ds-flush")
+        self._files = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="ds-files")
+        """The small file-system work (a file created, a marker read or written, a listing): never queued behind the
+        flush threads' writes, where eight ranks' snapshots waited to be admitted behind the first ones' pieces."""
         self._fence = ThreadPoolExecutor(1, thread_name_prefix="ds-fence")
         """Polls GPU snapshots' fences (a query each, never a wait), so no copy thread waits on a trainer's kernels."""
         self._prefill = ThreadPoolExecutor(1, thread_name_prefix="ds-prefill")
@@ -70,7 +79,11 @@ class Engine:
         await self.pool.prefill(self._prefill)
 
     async def flush(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run blocking storage work on a flush thread."""
+        """Run blocking file-system work that moves few bytes (opens, markers, listings, renames) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._files, fn, *args)
+
+    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking work that moves a snapshot's bytes (its pieces, its head, its fsync) on a flush thread."""
         return await asyncio.get_running_loop().run_in_executor(self._flush, fn, *args)
 
     async def run(self, job: SnapshotJob, after: list[asyncio.Future]) -> None:
@@ -106,8 +119,9 @@ class Engine:
                     raise job.abandoned
                 filled_in_place = in_place is not None
                 dst = Window(in_place, pages, at, piece.length) if filled_in_place else chunk
-                await loop.run_in_executor(self._copy, copy_piece, piece, dst, job.regions, job.before_copy,
-                                           job.add_copied)
+                async with self._copy_turns.turn(job.client_id):
+                    await loop.run_in_executor(self._copy, copy_piece, piece, dst, job.regions, job.before_copy,
+                                               job.add_copied)
                 uncopied -= 1
                 if uncopied == 0:
                     job.mark_copied()
@@ -117,12 +131,12 @@ class Engine:
                     chunk = None
                 else:
                     self.pool.copied(chunk)
-                await self.flush(write_hashed, sink, piece, dst, at, filled_in_place, sums, not deferred)
+                await self.write(write_hashed, sink, piece, dst, at, filled_in_place, sums, not deferred)
                 if deferred:
                     await all_copied.wait()
                     if failures:
                         return
-                    await self.flush(sink.write_replicas, at, dst.view[: piece.length])
+                    await self.write(sink.write_replicas, at, dst.view[: piece.length])
                 job.flushed_bytes += sum(s.length for s in piece.segments)
             except BaseException as exc:
                 failures.append(exc)
@@ -161,10 +175,10 @@ class Engine:
                 traceback.clear_frames(exc.__traceback__)
             if failures:
                 raise failures[0]
-            await self.flush(_write_head, sink, plan, sums)
+            await self.write(_write_head, sink, plan, sums)
             if after:
                 await asyncio.wait(after)
-            await self.flush(_finalize, job, sink)
+            await self.write(_finalize, job, sink)
         except Exception as exc:
             if not isinstance(exc, DatastatesError):
                 log.exception("snapshot %d to %s failed", job.id, job.path)
@@ -183,11 +197,13 @@ class Engine:
         """Whether ``job``'s replica is written only once every piece is copied (each piece's chunk held until
         then), so its fresh pages are allocated after the copies, not while the trainer may wait on them: a rank
         file's first replica, which has no spare to be written over (the fence of a fresh daemon's first 1 GiB
-        snapshot took 0.26 s with it, 0.15 s without). Only while the pieces of the snapshots deferring are fewer
-        than the pool's chunks: every other copy gives its chunk back once written, so each deferring snapshot
-        gets a chunk for each of its pieces in time, and no copy waits on a chunk that waits on it."""
+        snapshot took 0.26 s with it, 0.15 s without). Only while the pieces of the snapshots deferring take half the
+        pool's chunks at most: every other copy gives its chunk back once written, so each deferring snapshot gets
+        a chunk for each of its pieces in time, no copy waits on a chunk that waits on it, and the ranks that came
+        later find chunks (eight ranks' first snapshots, deferred up to the whole pool, left the last one waiting
+        for seven others' whole copies)."""
         pieces = len(job.plan.pieces) if job.plan is not None else 0
-        if job.replica is None or job.replica.spare or self._deferring + pieces > self.pool.capacity - 2:
+        if job.replica is None or job.replica.spare or self._deferring + pieces > self.pool.capacity // 2:
             return False
         self._deferring += pieces
         return True
@@ -197,6 +213,7 @@ class Engine:
         self._fence.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)
+        self._files.shutdown(wait=True)
 
 
 def _write_head(sink: FileSink, plan: FilePlan, sums: list[list[bytes]]) -> None:
@@ -206,6 +223,6 @@ def _write_head(sink: FileSink, plan: FilePlan, sums: list[list[bytes]]) -> None
 
 
 def _finalize(job: SnapshotJob, sink: FileSink) -> None:
-    """Rename the file into place, on the flush thread right after the last check that its trainer still wants it."""
+    """Rename the file into place, on a flush thread right after the last check that its trainer still wants it."""
     job.check_still_wanted()
     sink.finalize()

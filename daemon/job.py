@@ -64,6 +64,8 @@ class SnapshotJob:
         self.state = JobState.COPYING
         self.error: str | None = None
         self.started = time.monotonic()
+        self.first_copy_at: float | None = None
+        """When its first bytes landed: what it waited before (its admission, a chunk, a copy thread) is its queueing."""
         self.copied_at: float | None = None
         self.finished: float | None = None
         self._copy_rate = RecentRate(self.started)
@@ -101,6 +103,8 @@ class SnapshotJob:
         """Called by a copy thread as each segment's bytes land, so progress moves within a piece too."""
         with self._copied_lock:
             self.copied_bytes += nbytes
+            if self.first_copy_at is None:
+                self.first_copy_at = time.monotonic()
 
     def before_copy(self, region: Region) -> None:
         """Called by a copy thread before each read of ``region``: stop once the trainer's memory went."""
@@ -188,6 +192,9 @@ class SnapshotJob:
             "copied_bytes": self.copied_bytes,
             "flushed_bytes": self.flushed_bytes,
             "elapsed_s": round(elapsed, 3),
+            "queued_s": None if self.first_copy_at is None else round(self.first_copy_at - self.started, 4),
+            "copied_s": None if self.copied_at is None else round(self.copied_at - self.started, 4),
+            "since_s": round(now - self.started, 4),
             "copy_bps": copy_bps,
             "flush_bps": flush_bps,
             "throughput_bps": copy_bps if copying else flush_bps,

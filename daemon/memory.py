@@ -3,9 +3,9 @@
 Chunks are mapped on first use, up to ``host_memory / chunk_size`` of them, and never
 freed or re-allocated afterwards: memory touched for the first time is slow here, and
 peers leak exactly where per-save buffers are allocated and freed on other threads. A
-copy that finds the pool empty waits for a flush to return one. Waiters queue per owner
-(one client, one rank) and returned chunks go round-robin between owners, so a rank with
-a huge snapshot never starves a rank with a small one.
+copy that finds the pool empty waits for a flush to return one. Returned chunks go to the
+waiting owners (one client, one rank) in turns (daemon/turns.py), so a rank with a huge
+snapshot never starves a rank with a small one.
 
 A fresh daemon maps the rest of its pool in the background (``prefill``), but only while no
 copy is under way: a trainer starting seconds after its daemon takes its first snapshot
@@ -18,7 +18,6 @@ All methods run on the event loop thread.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import mmap
 import warnings
@@ -29,6 +28,7 @@ import torch
 from datastates.protocol.fileio import MADV_POPULATE_WRITE
 
 from .pinning import pin
+from .turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ class HostPool:
         self.pinned = pinned
         self._all: list[Chunk] = []
         self._free: list[Chunk] = []
-        self._queues: dict[str, collections.deque[asyncio.Future]] = {}
-        """Waiting copies per owner; dict order is the round-robin order."""
+        self._turns: Turns[Chunk] = Turns(self._free.append)
+        """Copies waiting for a chunk, served in turns between owners."""
         self.peak_in_use = 0
         self._flushing: set[int] = set()
         """Chunks (by id) whose copy is done, held until their bytes are written (``copied``)."""
@@ -154,9 +154,9 @@ class HostPool:
         return chunk
 
     async def _take(self, owner: str) -> Chunk:
-        if self._free and not self._queues:
+        if self._free and not self._turns:
             chunk = self._free.pop()
-        elif self._room() and not self._queues:  # mapped (and page-locked: a CUDA call) off the event loop
+        elif self._room() and not self._turns:  # mapped (and page-locked: a CUDA call) off the event loop
             self._mapping += 1
             try:
                 chunk = self._new(await asyncio.get_running_loop().run_in_executor(None, Chunk, self.chunk_size,
@@ -164,14 +164,7 @@ class HostPool:
             finally:
                 self._mapping -= 1
         else:
-            fut = asyncio.get_running_loop().create_future()
-            self._queues.setdefault(owner, collections.deque()).append(fut)
-            try:
-                chunk = await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
-                    self.release(fut.result())
-                raise
+            chunk = await self._turns.wait(owner)
         return chunk
 
     def copied(self, chunk: Chunk) -> None:
@@ -185,19 +178,8 @@ class HostPool:
         self._flushing.discard(id(chunk))
         self._copying.discard(id(chunk))
         self._copies_changed()
-        while self._queues:
-            owner = next(iter(self._queues))
-            queue = self._queues.pop(owner)
-            while queue and queue[0].done():  # cancelled: its job failed
-                queue.popleft()
-            if not queue:
-                continue
-            fut = queue.popleft()
-            if queue:
-                self._queues[owner] = queue  # to the back of the line
-            fut.set_result(chunk)
-            return
-        self._free.append(chunk)
+        if not self._turns.hand(chunk):
+            self._free.append(chunk)
 
     def status(self) -> dict[str, int | str]:
         """The pool by what its chunks do: every chunk is copying, flushing or free (mapped or not yet)."""
@@ -212,5 +194,5 @@ class HostPool:
             "chunks_pinned": sum(c.pinned for c in self._all),
             "pin_error": self.pin_error,
             "peak_in_use_bytes": self.peak_in_use * self.chunk_size,
-            "waiting_copies": sum(1 for q in self._queues.values() for f in q if not f.done()),
+            "waiting_copies": self._turns.waiting(),
         }

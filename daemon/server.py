@@ -130,7 +130,7 @@ class Daemon:
     async def _ready_ahead(self, path: str, size: int, done: Callable[[BaseException | None], None]) -> None:
         """A spare's pages readied on a flush thread (``ready_pages``), then ``done`` here with what it raised."""
         try:
-            await self.engine.flush(self.engine.writer(path).ready_pages, path, size)
+            await self.engine.write(self.engine.writer(path).ready_pages, path, size)
         except Exception as exc:
             done(exc)
         else:

@@ -1,12 +1,13 @@
 """The one write sequence of a checkpoint file: create → pieces → header → finalize, or abort.
 
 The engine (a snapshot), the local fallback, and the tier transfers all write files
-this way, through a StorageWriter, on a flush thread. A sink may also feed replicas:
+this way, through a StorageWriter, off the event loop (the pieces, head and finalize on a
+flush thread, create and abort on a thread for small file work). A sink may also feed replicas:
 secondary files written with the same bytes (the daemon's in-memory replica of a
 snapshot). A replica's failure is contained: it drops that replica, logs why, and never
 fails the primary file.
 
-Call order (every call from one flush thread at a time, pieces in any order):
+Call order (one call at a time, pieces in any order):
 1. ``create()``, then ``in_place(size)`` at most once; 2. ``write(offset, data)`` any number of times
 (``in_place=True`` for data already in the pages ``in_place`` handed out; ``replicas=False`` for the file alone,
 then ``write_replicas(offset, data)`` for the same bytes before step 3); 3. ``header(head,

@@ -246,9 +246,9 @@ class TierTransfers:
             try:
                 for offset in range(0, size, TRANSFER_PIECE):
                     length = min(TRANSFER_PIECE, size - offset)
-                    await self._engine.flush(_transfer_range, src_fd, sink, buf, offset, length)
+                    await self._engine.write(_transfer_range, src_fd, sink, buf, offset, length)
                     transfer.bytes_done += length
-                await self._engine.flush(sink.finalize)
+                await self._engine.write(sink.finalize)
             except BaseException:
                 await self._engine.flush(sink.abort)
                 raise
