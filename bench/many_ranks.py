@@ -282,7 +282,8 @@ def main() -> None:
                   flush=True)
             sampler = Sampler(endpoints, pids)
 
-            # 1. Training: fences and snapshot calls, the sampler watching.
+            # 1. Training: fences and snapshot calls, the sampler watching; the daemons' metadata operations.
+            ops_before = [daemon_status(ep)["daemon"]["metadata_ops"] for ep in endpoints]
             fences: dict[int, list[float]] = {r: [] for r in range(world)}
             rounds: list[list[float]] = []
             snaps: list[float] = []
@@ -301,6 +302,9 @@ def main() -> None:
             errors = all_ask(ranks, "drain")
             assert not any(errors), errors
             sampler.read_jobs()
+            saves = args.steps // args.every
+            ops = [{k: (v - b[k]) / saves for k, v in daemon_status(ep)["daemon"]["metadata_ops"].items()}
+                   for ep, b in zip(endpoints, ops_before)]
 
             # 2. Throughput: every rank at once, against a raw write, torch.save and dcp.save of the same bytes.
             rates: dict[str, list[float]] = {"datastates durable": [], "torch.save": [], "dcp.save": [],
@@ -352,6 +356,9 @@ def main() -> None:
                                                                       for k, v in sampler.parts[node].items())
               + f", and its replicas' files; VmRSS peak {sampler.vmrss[node] / 2**20:.0f} MiB "
                 f"(a replica mapped twice counts twice there)")
+    for node, per in enumerate(ops):
+        print(f"daemon {node} metadata operations a checkpoint ({args.ranks} files): {sum(per.values()):.0f}, "
+              f"{sum(per.values()) / args.ranks:.1f} a file: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
     print(f"\nevery rank at once, {total / 1e9:.2f} GB, medians of {args.bursts}:")
     for name, seconds in med.items():
         print(f"  {name:<20} {seconds:7.2f} s  {total / seconds / 1e9:5.2f} GB/s")

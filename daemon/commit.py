@@ -44,7 +44,7 @@ from datastates.protocol.tags import listing, next_sequence, tag_files, unlisted
 from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .events import CommitEvent, CommitListener
-from .gather import NodeGather
+from .gather import NodeGather, still_reported
 from .job import SnapshotJob
 from .versions import Staging, Versions
 
@@ -501,16 +501,13 @@ class CommitLedger:
         mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank, commit.snapshots)
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
-            try:
-                marker = await self._nodes.await_marker(tag, folder, mine.committed_ns, nodes)
-                return m.Committed(tag=tag, marker=os.path.join(folder, marker_name(tag)), files=tag_files(folder, marker)), \
-                    marker.sequence
-            except CommitError:
-                await self._nodes.withdraw(tag, folder, ranks.node_rank)
-                raise
+            marker = await self._nodes.await_marker(tag, folder, mine.committed_ns, nodes, ranks.node_rank)
+            return m.Committed(tag=tag, marker=os.path.join(folder, marker_name(tag)), files=tag_files(folder, marker)), \
+                marker.sequence
         everyone, snapshots = await self._nodes.gather(tag, folder, nodes)
         committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, sequence, nodes,
-                                                                    snapshots=snapshots), folder, order)
+                                                                    snapshots=snapshots), folder, order,
+                                        wanted=functools.partial(still_reported, tag, folder, nodes))
         await self._nodes.tidy(tag, folder, nodes)
         return committed, sequence
 

@@ -36,7 +36,7 @@ from .turns import Slots
 
 log = logging.getLogger(__name__)
 
-FILE_THREADS = 2
+FILE_THREADS = 4
 """Threads for the small file-system work (``Engine.flush``): it waits on the metadata server, not on bandwidth."""
 
 

@@ -33,18 +33,24 @@ EVENTS = {
 CATEGORIES = ("open", "stat", "list", "rename", "unlink", "mkdir", "fsync")
 
 _counts = dict.fromkeys(CATEGORIES, 0)
-_lock = threading.Lock()
+_lock = threading.RLock()
+"""Reentrant: a collection inside ``counts`` may run a finalizer that opens a file, on the same thread."""
 
 
-def count(category: str) -> None:
-    with _lock:
-        _counts[category] += 1
+def count(category: str, counts: dict[str, int] = _counts, lock: Any = _lock) -> None:
+    with lock:
+        counts[category] += 1
 
 
-def _hook(event: str, args: tuple[Any, ...]) -> None:
-    category = EVENTS.get(event)
-    if category is not None:
-        count(category)
+def _hook(event: str, args: tuple[Any, ...], events: dict[str, str] = EVENTS, count: Callable[[str], None] = count) -> None:
+    """Bound to its names as defaults: at interpreter shutdown module globals are gone, and a hook that raised
+    would fail the open it was told of (a finalizer's)."""
+    try:
+        category = events.get(event)
+        if category is not None:
+            count(category)
+    except Exception:  # never fail the operation being counted
+        pass
 
 
 def _counted(category: str, func: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,11 +63,19 @@ def _counted(category: str, func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> None:
-    """Count from now on, for the rest of the process (an audit hook cannot be removed): the daemon's start only."""
+    """Count from now on, for the rest of the process (an audit hook cannot be removed): the daemon's start only,
+    once. Each wrapper joins the ``os.supports_*`` sets its function is in, so ``shutil`` and others that ask them
+    still pass descriptors and ``follow_symlinks``."""
+    if getattr(os.stat, "__wrapped__", None) is not None:
+        return
     sys.addaudithook(_hook)
-    os.stat = _counted("stat", os.stat)
-    os.lstat = _counted("stat", os.lstat)
-    os.fsync = _counted("fsync", os.fsync)
+    for name, category in (("stat", "stat"), ("lstat", "stat"), ("fsync", "fsync")):
+        func = getattr(os, name)
+        wrapper = _counted(category, func)
+        for supports in (os.supports_dir_fd, os.supports_fd, os.supports_follow_symlinks, os.supports_effective_ids):
+            if func in supports:
+                supports.add(wrapper)
+        setattr(os, name, wrapper)
 
 
 def counts() -> dict[str, int]:

@@ -6,21 +6,28 @@ it goes through the shared file system, whose metadata server is what a large jo
 short of first (docs/scale.md), so every wait is frugal with it:
 
 - node 0 lists the tag's folder once a look and opens only the done markers that have
-  appeared, never one per missing node;
+  appeared, never one per missing node (up to ``FEW_MISSING`` missing, it opens those);
 - the other nodes look for the one marker less often the more nodes there are, so that
   all of them together ask at most ``LOOKS_PER_S`` a second, however many wait;
 - each wait starts short (a commit whose nodes are all done costs a look or two) and
   grows, so a node that is late by minutes costs a look a second, not a storm;
 - node 0 removes the done markers through one descriptor of the folder.
+
+A node that gives up waiting (``commit_timeout``) withdraws its done marker before it tells
+its ranks, and node 0 checks that every done marker is still there right before its marker
+is renamed in, so a tag never commits on node 0 after another node said it failed (but
+for the instant between that check and the rename, which a last look closes from the
+other side: see ``await_marker``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from datastates.protocol.errors import CommitError
 from datastates.protocol.fileio import remove, remove_names
@@ -28,11 +35,16 @@ from datastates.protocol.format import CommitMarker, done_name, marker_name
 
 from .engine import Engine
 
+log = logging.getLogger(__name__)
+
 FIRST_LOOK_S = 0.05
 """The wait before the second look; each later wait is ``LOOK_GROWTH`` times the one before."""
 LOOK_GROWTH = 1.5
 LONGEST_LOOK_S = 1.0
 """The longest wait between two looks of node 0 (one listing each, whatever the number of nodes)."""
+FEW_MISSING = 2
+"""Up to this many done markers missing, node 0 opens each by name; more, it lists the folder instead (a folder of
+16,384 rank files is a long listing: worth it only where it saves several opens)."""
 LOOKS_PER_S = 1000
 """What the nodes other than node 0 ask the metadata server at most a second, together, while they await the tag's
 marker: each waits at least ``(nodes - 1) / LOOKS_PER_S`` s between looks (2,048 nodes: 2 s), spread at random."""
@@ -40,10 +52,10 @@ marker: each waits at least ``(nodes - 1) / LOOKS_PER_S`` s between looks (2,048
 
 def _pauses(least: float, longest: float) -> Iterator[float]:
     """Seconds to wait before each next look: from ``FIRST_LOOK_S``, growing to ``longest``, never under ``least``;
-    each within 20 % either way, so nodes that began together do not keep looking together."""
+    each within 20 % either way (never under ``least``), so nodes that began together do not keep looking together."""
     pause = FIRST_LOOK_S
     while True:
-        yield max(least, pause) * random.uniform(0.8, 1.2)
+        yield max(least, pause * random.uniform(0.8, 1.2))
         pause = min(pause * LOOK_GROWTH, longest)
 
 
@@ -62,7 +74,10 @@ class NodeGather:
         found: dict[int, CommitMarker] = {}
         pauses = _pauses(0.0, LONGEST_LOOK_S)
         while True:
-            for name in await self._engine.flush(_present, folder, names.keys() - {done_name(tag, n) for n in found}):
+            missing = sorted(names.keys() - {done_name(tag, n) for n in found})
+            if len(missing) > FEW_MISSING:  # one listing rather than an open each
+                missing = await self._engine.flush(_present, folder, missing)
+            for name in missing:
                 marker = await self._engine.flush(CommitMarker.read, os.path.join(folder, name))
                 if marker is not None and marker.tag == tag:
                     found[names[name]] = marker
@@ -70,42 +85,78 @@ class NodeGather:
                 listed = [(os.path.join(folder, f.path), f) for mk in found.values() for f in mk.files]
                 return {p: f.size for p, f in listed}, {p: f.snapshot for p, f in listed}
             if time.monotonic() > deadline:
-                missing = [n for n in range(nodes) if n not in found]
+                missing_nodes = [n for n in range(nodes) if n not in found]
                 raise CommitError(
-                    f"tag {tag!r} not committed: node(s) {missing} wrote no done marker in {folder} within "
-                    f"{self._timeout:.0f} s (their daemon or ranks may have died)", tag=tag, missing=str(missing),
+                    f"tag {tag!r} not committed: node(s) {missing_nodes} wrote no done marker in {folder} within "
+                    f"{self._timeout:.0f} s (their daemon or ranks may have died)", tag=tag, missing=str(missing_nodes),
                 )
             await asyncio.sleep(next(pauses))
 
-    async def await_marker(self, tag: str, folder: str, since_ns: int, nodes: int) -> CommitMarker:
-        """A node other than 0: the tag's marker, once node 0 has written it (after this node's done marker)."""
+    async def await_marker(self, tag: str, folder: str, since_ns: int, nodes: int, node: int) -> CommitMarker:
+        """A node other than 0: the tag's marker, once node 0 has written it (after this node's done marker).
+
+        Past the timeout this node withdraws its done marker, then looks once more: node 0
+        commits only while every done marker is in place (``still_reported``, right before its
+        marker is renamed in), so a marker found now stands, and none found now never will be.
+        """
         path = os.path.join(folder, marker_name(tag))
         deadline = time.monotonic() + self._timeout
         least = (nodes - 1) / LOOKS_PER_S
         pauses = _pauses(least, max(LONGEST_LOOK_S, least))
         await asyncio.sleep(least * random.random())  # the nodes' looks spread over the interval from the first
-        while time.monotonic() <= deadline:
-            marker = await self._engine.flush(CommitMarker.read, path)
-            if marker is not None and marker.committed_ns >= since_ns:
+        while True:
+            marker = await self._engine.flush(_newer_marker, path, since_ns)
+            if marker is not None:
                 return marker
+            if time.monotonic() > deadline:
+                break
             await asyncio.sleep(next(pauses))
+        await self._engine.flush(_best_effort, remove, os.path.join(folder, done_name(tag, node)))
+        marker = await self._engine.flush(_newer_marker, path, since_ns)
+        if marker is not None:
+            return marker
         raise CommitError(f"tag {tag!r} not committed: node 0 wrote no marker in {folder} within {self._timeout:.0f} s", tag=tag)
 
-    async def withdraw(self, tag: str, folder: str, node: int) -> None:
-        """This node's done marker goes: its ranks are told the tag failed, so node 0 must not commit it later."""
-        try:
-            await self._engine.flush(remove, os.path.join(folder, done_name(tag, node)))
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-
     async def tidy(self, tag: str, folder: str, nodes: int) -> None:
-        """Node 0, once the tag's marker is in place: every node's done marker goes."""
-        await self._engine.flush(remove_names, folder, [done_name(tag, node) for node in range(nodes)])
+        """Node 0, once the tag's marker is in place: every node's done marker goes (what cannot go is only logged:
+        the tag is committed)."""
+        await self._engine.flush(_best_effort, remove_names, folder, [done_name(tag, node) for node in range(nodes)])
 
 
-def _present(folder: str, wanted: set[str]) -> list[str]:
-    """Which of ``wanted`` are entries of ``folder`` now: one listing, however many are wanted."""
+def still_reported(tag: str, folder: str, nodes: int) -> None:
+    """Node 0, right before its marker is renamed in: every node's done marker is still there (one listing); a node
+    that gave up waiting took its own back and told its ranks the tag failed, so the tag must not commit now."""
     try:
-        return sorted(wanted.intersection(os.listdir(folder)))
-    except (FileNotFoundError, NotADirectoryError):
+        there = set(os.listdir(folder))
+    except OSError as exc:
+        raise CommitError(f"tag {tag!r} not committed: cannot list {folder} to check every node's done marker is "
+                          f"there: {exc}", tag=tag) from None
+    gone = [n for n in range(nodes) if done_name(tag, n) not in there]
+    if gone:
+        raise CommitError(f"tag {tag!r} not committed: node(s) {gone} gave up waiting for it and withdrew their done "
+                          f"marker from {folder}", tag=tag, missing=str(gone))
+
+
+def _newer_marker(path: str, since_ns: int) -> CommitMarker | None:
+    marker = CommitMarker.read(path)
+    return marker if marker is not None and marker.committed_ns >= since_ns else None
+
+
+def _present(folder: str, wanted: list[str]) -> list[str]:
+    """Which of ``wanted`` are entries of ``folder`` now: one listing, however many are wanted (none where the
+    listing fails: the next look tries again)."""
+    try:
+        return sorted(set(wanted).intersection(os.listdir(folder)))
+    except OSError:
         return []
+
+
+def _best_effort(fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)``; a failure is logged, not raised: a done marker left behind is tidied by the next daemon's
+    start-up (its leftovers) and changes no commit."""
+    try:
+        fn(*args)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("removing done markers: %s", exc)

@@ -141,17 +141,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "node-commits-without-node0",
         "a node other than node 0 answers COMMIT without waiting for node 0's marker",
         (Edit("daemon/commit.py",
-              "                marker = await self._nodes.await_marker(tag, folder, mine.committed_ns, nodes)\n",
-              "                marker = mine  # MUTATION: never waits for node 0's\n"),),
+              "            marker = await self._nodes.await_marker(tag, folder, mine.committed_ns, nodes, ranks.node_rank)\n",
+              "            marker = mine  # MUTATION: never waits for node 0's\n"),),
         ("tests/test_multirank.py::test_a_node_other_than_0_confirms_a_commit_only_once_node_0s_marker_exists",),
     ),
     Mutation(
         "gather-opens-every-missing-marker",
         "node 0 opens each missing node's done marker at every look instead of listing the folder once",
         (Edit("daemon/gather.py",
-              "        return sorted(wanted.intersection(os.listdir(folder)))\n",
-              "        return sorted(wanted)  # MUTATION: a poll per missing node\n"),),
+              "            if len(missing) > FEW_MISSING:  # one listing rather than an open each\n",
+              "            if False:  # MUTATION: an open per missing node\n"),),
         ("tests/test_many_nodes.py::test_a_late_node_costs_node_0_a_listing_a_look_not_an_open_per_missing_node",),
+    ),
+    Mutation(
+        "node0-commits-after-a-node-gave-up",
+        "node 0 publishes from the done markers it read, without checking they are all still there",
+        (Edit("daemon/commit.py",
+              "                                        wanted=functools.partial(still_reported, tag, folder, nodes))\n",
+              "                                        )  # MUTATION: no check\n"),),
+        ("tests/test_many_nodes.py::test_a_node_that_gave_up_waiting_is_never_committed_by_node_0_afterwards",),
     ),
     Mutation(
         "gather-looks-never-grow-apart",
@@ -1043,10 +1051,12 @@ def copy_tree(dest: Path) -> None:
 
 
 def environment(tree: Path) -> dict[str, str]:
-    """The environment of the test run: the copy first on every process's import path."""
+    """The environment of the test run: the copy first on every process's import path, and heavy tests run (a test
+    named to catch a mutation must never be skipped as too slow)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(tree)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["DATASTATES_HEAVY"] = "1"
     return env
 
 

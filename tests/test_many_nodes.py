@@ -136,3 +136,33 @@ def test_a_late_node_costs_node_0_a_listing_a_look_not_an_open_per_missing_node(
             c.close()
     assert datastates.latest(root) == "global_step1"
     assert not list((root / "global_step1").glob("datastates-done.*"))
+
+
+@pytest.mark.heavy
+def test_a_node_that_gave_up_waiting_is_never_committed_by_node_0_afterwards(
+        start_daemons: Callable[..., list[DaemonProc]]) -> None:
+    """Three nodes: node 1 reports and waits 2 s (its commit_timeout); node 0 has read node 1's done marker but waits
+    for node 2, which commits only after node 1 gave up and told its rank the tag failed. Node 0 must not commit
+    the tag then (node 1's rank was told it failed): every rank's commit fails and no marker appears."""
+    nodes = start_daemons({"commit_timeout": 60}, {"commit_timeout": 2}, {"commit_timeout": 4})
+    root: Path = nodes[0].root
+    clients = [Client(d.endpoint, timeout=60, ranks=Ranks(rank=i, local_rank=0, world_size=3, local_world_size=1,
+                                                          node_rank=i, num_nodes=3, job="gaveup"))
+               for i, d in enumerate(nodes)]
+    try:
+        for i, c in enumerate(clients):
+            c.snapshot({"w": torch.full((64,), float(i))}, root / "global_step1" / f"rank{i}.pt", tag="global_step1")
+            c.wait()
+        second = clients[1].commit("global_step1")
+        first = clients[0].commit("global_step1")
+        with pytest.raises(CommitError, match="node 0 wrote no marker"):
+            second.result(timeout=120)  # node 1 gave up: its rank is told the tag failed
+        third = clients[2].commit("global_step1")  # node 2 reports only now: node 0 has every node's report read
+        for fut in (first, third):
+            with pytest.raises(CommitError, match="global_step1"):
+                fut.result(timeout=120)
+    finally:
+        for c in clients:
+            c.close()
+    assert not (root / "global_step1" / marker_name("global_step1")).exists()
+    assert datastates.latest(root) is None
