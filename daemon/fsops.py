@@ -47,7 +47,7 @@ def _hook(event: str, args: tuple[Any, ...], events: dict[str, str] = EVENTS, co
     would fail the open it was told of (a finalizer's)."""
     try:
         category = events.get(event)
-        if category is not None:
+        if category is not None and not (event == "open" and isinstance(args[0], int)):  # a descriptor: no lookup
             count(category)
     except Exception:  # never fail the operation being counted
         pass
