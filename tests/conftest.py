@@ -492,6 +492,16 @@ def save(client: Any, state: Any, path: str | os.PathLike, tag: str | None = Non
     return client.commit(handle.tag).result(timeout=120)
 
 
+def rank_client(d: DaemonProc, rank: int, world: int, local_world: int, nodes: int, job: str = "j1") -> Any:
+    """A client of ``d`` as rank ``rank`` of a job of ``world`` ranks, ``local_world`` a node, on ``nodes`` nodes."""
+    from datastates.client import Client
+    from datastates.protocol.descriptors import Ranks
+
+    ranks = Ranks(rank=rank, local_rank=rank % local_world, world_size=world, local_world_size=local_world,
+                  node_rank=rank // local_world, num_nodes=nodes, job=job)
+    return Client(d.endpoint, timeout=60, ranks=ranks)
+
+
 def element_bytes(t: Any) -> Any:
     """The raw bytes of every element ``t`` views, as a uint8 tensor of shape ``t.shape + (itemsize,)``.
 

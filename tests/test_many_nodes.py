@@ -17,12 +17,11 @@ import pytest
 import torch
 
 import datastates
-from datastates.client import Client, daemon_status
-from datastates.protocol.descriptors import Ranks
+from datastates.client import daemon_status
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import marker_name
 
-from conftest import DaemonProc
+from conftest import DaemonProc, rank_client
 
 RANK2 = (
     "import sys, time, torch\n"
@@ -60,17 +59,13 @@ def copying(d: DaemonProc, tag: str) -> dict:
     raise AssertionError(f"no snapshot of {tag} was admitted in 12 s")
 
 
-def rank(d: DaemonProc, r: int) -> Client:
-    return Client(d.endpoint, timeout=60, ranks=Ranks(rank=r, local_rank=r, world_size=3, local_world_size=3, job="j1"))
-
-
 def test_a_rank_killed_mid_snapshot_fails_the_tag_for_every_rank_and_its_restart_commits_the_next(
         start_daemon: Callable[..., DaemonProc]) -> None:
     """Three ranks on one daemon; rank 2 is killed with kill -9 while the daemon still copies its 512 MiB: the other
     ranks' commits of the tag fail (rank 2 never committed it, and its memory went mid-copy), nothing of the tag is
     committed, and once rank 2 is back (a new process, as torchrun's restart) the job's next tag commits whole."""
     d = start_daemon(host_memory="4MiB", chunk_size="1MiB", flush_threads=1, client_timeout=1.5)
-    with rank(d, 0) as c0, rank(d, 1) as c1:
+    with rank_client(d, 0, 3, 3, 1) as c0, rank_client(d, 1, 3, 3, 1) as c1:
         victim = rank2(d, "global_step1", 512)
         job = copying(d, "global_step1")
         victim.kill()
@@ -109,9 +104,7 @@ def test_a_late_node_costs_node_0_a_listing_a_look_not_an_open_per_missing_node(
     missing markers again and again, as a poll per missing node would (3 opens a look). Then the tag commits."""
     nodes = start_daemons(*[{"commit_timeout": 30}] * 4)  # a failure here ends the gathering soon, not in 600 s
     root: Path = nodes[0].root
-    clients = [Client(d.endpoint, timeout=60, ranks=Ranks(rank=i, local_rank=0, world_size=4, local_world_size=1,
-                                                          node_rank=i, num_nodes=4, job="late"))
-               for i, d in enumerate(nodes)]
+    clients = [rank_client(d, i, 4, 1, 4, job="late") for i, d in enumerate(nodes)]
     try:
         for i, c in enumerate(clients):
             c.snapshot({"w": torch.full((64,), float(i))}, root / "global_step1" / f"rank{i}.pt", tag="global_step1")
@@ -146,9 +139,7 @@ def test_a_node_that_gave_up_waiting_is_never_committed_by_node_0_afterwards(
     the tag then (node 1's rank was told it failed): every rank's commit fails and no marker appears."""
     nodes = start_daemons({"commit_timeout": 60}, {"commit_timeout": 2}, {"commit_timeout": 4})
     root: Path = nodes[0].root
-    clients = [Client(d.endpoint, timeout=60, ranks=Ranks(rank=i, local_rank=0, world_size=3, local_world_size=1,
-                                                          node_rank=i, num_nodes=3, job="gaveup"))
-               for i, d in enumerate(nodes)]
+    clients = [rank_client(d, i, 3, 1, 3, job="gaveup") for i, d in enumerate(nodes)]
     try:
         for i, c in enumerate(clients):
             c.snapshot({"w": torch.full((64,), float(i))}, root / "global_step1" / f"rank{i}.pt", tag="global_step1")

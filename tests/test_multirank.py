@@ -23,19 +23,12 @@ import torch
 
 import datastates
 from datastates.client import Client, daemon_status
-from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import CommitError, PathNotAllowedError
 from datastates.protocol.format import TRACKER, done_name, marker_name
 
-from conftest import BIN, DaemonProc, assert_state_equal, save
+from conftest import BIN, DaemonProc, assert_state_equal, rank_client, save
 
 HERE = Path(__file__).parent
-
-
-def rank_client(d: DaemonProc, rank: int, world: int, local_world: int, nodes: int, job: str = "j1") -> Client:
-    ranks = Ranks(rank=rank, local_rank=rank % local_world, world_size=world, local_world_size=local_world,
-                  node_rank=rank // local_world, num_nodes=nodes, job=job)
-    return Client(d.endpoint, timeout=60, ranks=ranks)
 
 
 def gathering_tags(d: DaemonProc) -> list[dict]:
