@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from datastates.protocol.format import CommitMarker, marker_name
+from datastates.protocol.objectstore import is_object, list_keys
 from datastates.protocol.tags import committed_tags, tag_files
 
 
@@ -30,9 +31,11 @@ class TagEntry:
 
 def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
     """The tag folders directly under ``root``, newest first; ``in_memory``: tags the daemon holds a replica of."""
+    now = time.time()
+    if is_object(root):
+        return _object_tags(root.rstrip("/"), now, in_memory)
     root = os.path.abspath(root)
     out = []
-    now = time.time()
     committed = {c.folder: c.marker for c in committed_tags(root, own_folder=True)}
     for name in sorted(os.listdir(root)):
         folder = os.path.join(root, name)
@@ -52,4 +55,22 @@ def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
             age, order = now - mtime, int(mtime * 1e9)
         out.append(TagEntry(name, folder, state, size, len(files), age, order,
                             in_memory=state == "committed" and name in in_memory))
+    return sorted(out, key=lambda e: e.order_ns, reverse=True)
+
+
+def _object_tags(root: str, now: float, in_memory: set[str]) -> list[TagEntry]:
+    """``list_tags`` of an object store folder, from one listing: objects with no marker are ``uncommitted``."""
+    sizes: dict[str, list[int]] = {}
+    for url, size in list_keys(root):
+        name = url[len(root) + 1:].split("/", 1)[0]
+        if "/" in url[len(root) + 1:] and not name.startswith("."):
+            sizes.setdefault(name, []).append(size)
+    committed = {c.tag: c.marker for c in committed_tags(root, own_folder=True)}
+    out = []
+    for name, found in sizes.items():
+        marker = committed.get(name)
+        state = "committed" if marker is not None else "uncommitted"
+        age, order = (now - marker.committed_ns / 1e9, marker.requested_ns or marker.committed_ns) if marker else (0.0, 0)
+        out.append(TagEntry(name, f"{root}/{name}", state, sum(found), len(marker.files) if marker else len(found),
+                            age, order, in_memory=marker is not None and name in in_memory))
     return sorted(out, key=lambda e: e.order_ns, reverse=True)

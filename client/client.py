@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from datastates.protocol import objectstore
+from datastates.protocol.objectstore import is_object
 from datastates.protocol import messages as m
 from datastates.protocol import outcome
 from datastates.protocol.descriptors import CUDA_IPC, VM, Ranks, Tier
@@ -250,6 +252,9 @@ class Client:
         self.client_id = welcome.client_id
         self.roots = welcome.roots
         self.tiers = welcome.tiers
+        for tier in self.tiers:
+            if is_object(tier.path):
+                objectstore.register(tier.path, tier.endpoint, tier.region)
         self.in_place = self._probe is not None and not welcome.vm_refused
         if self._probe is not None and welcome.vm_refused:
             log.info("datastatesd cannot read this process's memory in place (%s): CPU tensors go through %s",
@@ -587,7 +592,8 @@ class Client:
         """``restore`` through the caller's own ``read(path)`` of the file (say, of a few slices of it): given the
         path of the daemon's replica where it holds one of that very tag, else of the file in storage.
         ``Restored.state`` is what ``read`` returned."""
-        root = os.path.abspath(os.fspath(root))
+        root = os.fspath(root)
+        root = root.rstrip("/") if is_object(root) else os.path.abspath(root)
         tag = check_tag(tag) if tag is not None else None
         return again_if_deleted(lambda: self._restore(root, name, tag, read), root)
 

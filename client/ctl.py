@@ -15,6 +15,7 @@ from datastates.protocol.descriptors import Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DaemonNotRunning, DatastatesError
 from datastates.protocol.fileio import read_regular
+from datastates.protocol.objectstore import is_object
 from datastates.protocol.format import CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import prune
 from datastates.protocol.tags import distrust, marker_paths, tag_files
@@ -86,6 +87,7 @@ def render(status: dict[str, Any]) -> str:
         lines += ["", "tiers: " + ", ".join(f"{t['name']} {t['path']}" + ("" if t["shared"] else " (node-local)")
                                             for t in tiers["tiers"]), f"  {'tag':<24} " + "  ".join(
             f"{t['name']:<22}" for t in tiers["tiers"])]
+        lines[-2:-2] = [f"  tier {name} cannot be written: {why}" for name, why in tiers.get("problems", {}).items()]
         for e in tiers["tags"]:
             cells = {c["tier"]: c for c in e["tiers"]}
             lines.append(f"  {e['tag']:<24} " + "  ".join(f"{_tier_cell(cells.get(t['name'])):<22}" for t in tiers["tiers"]))
@@ -146,14 +148,14 @@ def _verify(target: str, root: str) -> int:
 
 def _ls(root: str, endpoint: str | None, timeout: float) -> int:
     """Tags of ``root``, on every storage tier it spans; the daemon, when one answers, names the tiers and its replicas."""
-    root = os.path.abspath(root)
+    root = root if is_object(root) else os.path.abspath(root)
     try:
         status = daemon_status(endpoint, timeout)
         replicas = [r for r in status["replicas"]["replicas"] if r["committed"]]
         tiers = [Tier(**t) for t in status["tier_transfers"]["tiers"]]
     except DatastatesError:
         replicas, tiers = [], []
-    places = [(t, p) for t, p in tier_roots(root, tiers) if os.path.isdir(p)]
+    places = [(t, p) for t, p in tier_roots(root, tiers) if is_object(p) or os.path.isdir(p)]
     if not places:
         raise FileNotFoundError(f"no folder {root}")
     entries = []

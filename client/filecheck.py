@@ -7,14 +7,18 @@ same header and data region through these functions and only then hands them to 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
 
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError
 from datastates.protocol.fileio import MADV_POPULATE_READ, on_tmpfs, open_for_reading
+from datastates.protocol.objectstore import ObjectFile, is_object
 from datastates.protocol.format import (
     ARCHIVE,
     DATA_ALIGN,
@@ -55,12 +59,14 @@ def read_region(path: str, start: int, end: int) -> mmap.mmap | None:
     if on_tmpfs(path):
         return buf
     view = memoryview(buf)
-    fd = open_for_reading(path)
+    source = ObjectFile(path) if is_object(path) else None
+    fd = open_for_reading(path) if source is None else -1
+    preadv = source.preadv if source is not None else functools.partial(os.preadv, fd)
 
     def read(pos: int) -> None:
         stop = min(end, pos + READ_PIECE)
         while pos < stop:
-            n = os.preadv(fd, [view[pos - start:stop - start]], pos)
+            n = preadv([view[pos - start:stop - start]], pos)
             if n == 0:
                 raise CorruptCheckpointError(f"{path}: file ends at byte {pos}, inside its data region", path=path)
             pos += n
@@ -70,14 +76,15 @@ def read_region(path: str, start: int, end: int) -> mmap.mmap | None:
             list(pool.map(read, range(start, end, READ_PIECE)))
     finally:
         view.release()
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     return buf
 
 
 def region_buffer(path: str, start: int, end: int) -> mmap.mmap:
     """Where bytes ``start..end`` of the file are read to: for a file on tmpfs, its own pages mapped copy-on-write,
     holding them already; else one fresh page-aligned buffer (O_DIRECT needs the alignment), to be read into."""
-    if on_tmpfs(path):
+    if not is_object(path) and on_tmpfs(path):
         return _map_private(path, start, end)
     buf = mmap.mmap(-1, end - start)
     if FRESH_HUGEPAGES:
@@ -133,19 +140,28 @@ def _advise(buf: mmap.mmap, advice: int) -> None:
         pass
 
 
+@contextlib.contextmanager
+def opened(path: str) -> Iterator[tuple[int, Callable[[int, int], bytes]]]:
+    """(size, pread(length, at)) of a file, or of an object (protocol/objectstore.py): for small reads, a head or a tail."""
+    if is_object(path):
+        yield (source := ObjectFile(path)).size, source.pread
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield os.fstat(fd).st_size, functools.partial(os.pread, fd)
+    finally:
+        os.close(fd)
+
+
 def read_header(path: str) -> tuple[FileHeader, int, int, ZipLayout | None]:
     """The checked header of ``path``, where its data region starts and ends (padded to DATA_ALIGN), and
     its zip layout (None for format 1)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        container, at = index_at(os.pread(fd, INDEX_AT, 0), path)
-        version, header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, at), path, container)
+    with opened(path) as (size, pread):
+        container, at = index_at(pread(INDEX_AT, 0), path)
+        version, header_len, header_hash = parse_preamble(pread(PREAMBLE_SIZE, at), path, container)
         if at + PREAMBLE_SIZE + header_len > size:
             raise CorruptCheckpointError(f"{path}: file is truncated inside its header ({size} bytes)", path=path)
-        header = parse_header(os.pread(fd, header_len, at + PREAMBLE_SIZE), header_hash, path)
-    finally:
-        os.close(fd)
+        header = parse_header(pread(header_len, at + PREAMBLE_SIZE), header_hash, path)
     layout = None
     if version == 1:
         base, expected = data_offset(header_len), header.file_size(data_offset(header_len))
@@ -260,12 +276,9 @@ def check_zip(path: str, header: FileHeader, layout: ZipLayout, data: memoryview
         return CorruptCheckpointError(f"{path}: {what} is not what its index implies (torch.load would misread it)",
                                       path=path)
 
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        head = os.pread(fd, layout.data_offset, 0)
-        tail = os.pread(fd, len(layout.tail), layout.tail_at)
-    finally:
-        os.close(fd)
+    with opened(path) as (_, pread):
+        head = pread(layout.data_offset, 0)
+        tail = pread(len(layout.tail), layout.tail_at)
     try:
         expected = data_pkl(header.entries, header.root, [rec.nbytes for rec in header.storages])
     except InvalidRequestError as exc:

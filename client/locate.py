@@ -19,6 +19,7 @@ from datastates.protocol.paths import home_tier
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import CheckpointGoneError, CommitError
 from datastates.protocol.format import CommitMarker, marker_name
+from datastates.protocol.objectstore import is_object
 from datastates.protocol.tags import newest, trusted_marker
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def latest(root: str | os.PathLike) -> str | None:
 
 def tier_roots(root: str, tiers: list[Tier]) -> list[tuple[Tier | None, str]]:
     """``root`` as it lies on each tier, fastest first; just ``root`` if it is in no tier."""
-    real = os.path.realpath(root)
+    real = root.rstrip("/") if is_object(root) else os.path.realpath(root)
     home = home_tier(tiers, real)
     if home is None:
         return [(None, root)]

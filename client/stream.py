@@ -46,6 +46,7 @@ import torch
 
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.fileio import forget_cached, on_tmpfs, open_for_reading, open_sequential
+from datastates.protocol.objectstore import ObjectFile, is_object
 from datastates.protocol.format import DATA_ALIGN, FileHeader, ZipLayout, align_up, checksummer
 
 from .filecheck import READ_PIECE, READ_THREADS, check_bounds, check_local_headers, storage_error
@@ -208,6 +209,10 @@ class Stream:
         """
         if not self.pieces:
             return
+        if is_object(self.path):  # ranged GETs, each straight into the buffers a preadv would fill
+            self.scatter = region is None
+            self._threads(ObjectFile(self.path), region, fill=region is not None)
+            return
         tmpfs = on_tmpfs(self.path)
         if region is not None and tmpfs:
             self._threads(-1, region, fill=False)
@@ -223,7 +228,7 @@ class Stream:
             else:
                 os.close(fd)
 
-    def _threads(self, fd: int, source: np.ndarray | None, fill: bool) -> None:
+    def _threads(self, fd: int | ObjectFile, source: np.ndarray | None, fill: bool) -> None:
         """The pieces on READ_THREADS threads: from ``source`` (the region in memory; read into it first if
         ``fill``), or, without one, each read into the thread's bounce buffer."""
         todo = iter(self.pieces)
@@ -260,7 +265,7 @@ class Stream:
         if failed:
             raise failed[0]
 
-    def _piece(self, piece: Piece, fd: int, source: np.ndarray | None, fill: bool, bounce: _Bounce | None) -> None:
+    def _piece(self, piece: Piece, fd: int | ObjectFile, source: np.ndarray | None, fill: bool, bounce: _Bounce | None) -> None:
         """Piece ``piece`` in STEP reads (or found in ``source``), each hashed and copied out."""
         hashes = [checksummer() for _ in piece.segments]
         step = READ_PIECE if fill else STEP  # a fresh load copies nothing out: large reads serve the disk better
@@ -317,7 +322,7 @@ class Stream:
                 spans.append((lo, hi))
         return spans
 
-    def _scatter(self, fd: int, piece: Piece, at: int, stop: int, bounce: _Bounce) -> dict[int, Straight] | None:
+    def _scatter(self, fd: int | ObjectFile, piece: Piece, at: int, stop: int, bounce: _Bounce) -> dict[int, Straight] | None:
         """Bytes ``at..stop`` read in one preadv: each CPU target's part straight into it (with O_DIRECT, a
         ``matched`` target's whole blocks), the rest (zip headers, GPU targets' bytes, a target's ends) into the
         bounce buffer at its place. The storages read straight; None where any two targets' bytes overlap (a
@@ -367,11 +372,11 @@ class Stream:
             for stream, event in bounce.streams.values():
                 event.record(stream)
 
-    def _read(self, fd: int, buffers: list[memoryview], at: int) -> None:
+    def _read(self, fd: int | ObjectFile, buffers: list[memoryview], at: int) -> None:
         """Fill ``buffers``, in order, from byte ``at`` of the file (IOV_MAX of them a call)."""
         buffers = [b for b in buffers if len(b)]
         while buffers:
-            got = os.preadv(fd, buffers[:IOV_MAX], at)
+            got = fd.preadv(buffers, at) if isinstance(fd, ObjectFile) else os.preadv(fd, buffers[:IOV_MAX], at)
             if got == 0:
                 raise CorruptCheckpointError(f"{self.path}: file ends at byte {at}, inside its data region",
                                              path=self.path)

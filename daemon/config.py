@@ -17,6 +17,7 @@ import yaml
 from datastates.protocol import security
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.descriptors import Tier
+from datastates.protocol.objectstore import ObjectPath, is_object
 from datastates.protocol.errors import ConfigError
 from datastates.protocol.fileio import PAGE
 
@@ -74,6 +75,11 @@ class StorageConfig:
     """After each commit, keep only this many newest committed tags beside it (None: keep all)."""
     tiers: list[Tier] = field(default_factory=list)
     """Fastest first; empty: no tiers, every root is its own single level."""
+
+    @property
+    def written(self) -> list[str]:
+        """Everywhere this daemon writes: the roots, and the object store tiers."""
+        return self.roots + [t.path for t in self.tiers if is_object(t.path)]
 
     def tier_of(self, path: str) -> int | None:
         """The index of the tier ``path`` (resolved) lies in, if any."""
@@ -236,14 +242,14 @@ def _storage(value: Any) -> StorageConfig:
         raise ConfigError("storage: must be a mapping with 'roots' and/or 'tiers'", key="storage")
     _check_keys(value, StorageConfig, "storage: ")
     tiers = _tiers(value.get("tiers", []))
-    roots = value.get("roots", [t.path for t in tiers] or _default_roots())
+    roots = value.get("roots", [t.path for t in tiers if not is_object(t.path)] or _default_roots())
     if not isinstance(roots, list) or not roots or not all(isinstance(r, str) and os.path.isabs(r) for r in roots):
         raise ConfigError(f"storage.roots: {roots!r} must be a non-empty list of absolute paths", key="storage.roots")
     keep_last = value.get("keep_last")
     if keep_last is not None:
         keep_last = _positive_int(keep_last, "storage.keep_last")
     roots = [os.path.realpath(r) for r in roots]
-    roots += [t.path for t in tiers if t.path not in roots]
+    roots += [t.path for t in tiers if t.path not in roots and not is_object(t.path)]
     return StorageConfig(roots=roots, keep_last=keep_last, tiers=tiers)
 
 
@@ -259,13 +265,17 @@ def _tiers(value: Any) -> list[Tier]:
         if not isinstance(name, str) or not _TIER_NAME_RE.match(name):
             raise ConfigError(f"{where}.name: {name!r} must be a short name of letters, digits, '_' or '-'",
                               key=f"{where}.name")
-        if not isinstance(path, str) or not os.path.isabs(path):
-            raise ConfigError(f"{where}.path: {path!r} must be an absolute path", key=f"{where}.path")
+        path = _tier_path(path, i, f"{where}.path")
         keep_last = raw.get("keep_last")
         shared = raw.get("shared", True)
         if not isinstance(shared, bool):
             raise ConfigError(f"{where}.shared: {shared!r} is not true or false", key=f"{where}.shared")
-        tier = Tier(name=name, path=os.path.realpath(path), shared=shared,
+        place = {k: raw.get(k, "") for k in ("endpoint", "region")}
+        for key, value in place.items():
+            if value and not is_object(path) or not isinstance(value, str) or "\n" in value:
+                raise ConfigError(f"{where}.{key}: {value!r} must be a string, and only an s3:// tier has one",
+                                  key=f"{where}.{key}")
+        tier = Tier(name=name, path=path, shared=shared, **place,
                     keep_last=None if keep_last is None else _positive_int(keep_last, f"{where}.keep_last"))
         for other in tiers:
             if other.name == tier.name:
@@ -273,8 +283,26 @@ def _tiers(value: Any) -> list[Tier]:
             if within(tier.path, other.path) or within(other.path, tier.path):
                 raise ConfigError(f"{where}.path: {tier.path} and tier {other.name!r} ({other.path}) lie inside one "
                                   "another; each tier needs its own folder", key=f"{where}.path")
+        if tiers and is_object(tiers[-1].path) and not is_object(path):
+            raise ConfigError(f"{where}.path: {path!r} comes after the object store tier {tiers[-1].name!r}; object "
+                              "store tiers come last (each tier is written from the first)", key=f"{where}.path")
         tiers.append(tier)
     return tiers
+
+
+def _tier_path(path: Any, index: int, key: str) -> str:
+    """A tier's path: an absolute folder, resolved; or, below the first tier, an object store address."""
+    if isinstance(path, str) and "://" in path:
+        if index == 0:
+            raise ConfigError(f"{key}: {path!r}: the first tier is where snapshots land, a folder; an object store "
+                              "can only be a later tier", key=key)
+        try:
+            return ObjectPath.parse(path).url
+        except ConfigError as exc:
+            raise ConfigError(f"{key}: {exc.message}", key=key) from None
+    if not isinstance(path, str) or not os.path.isabs(path):
+        raise ConfigError(f"{key}: {path!r} must be an absolute path or s3://bucket/prefix", key=key)
+    return os.path.realpath(path)
 
 
 def _curve(value: Any) -> CurveConfig:

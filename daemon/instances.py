@@ -46,6 +46,11 @@ def _before_boot(path: str) -> bool:
     return mtime < btime
 
 
+def daemons_folder() -> str:
+    """This user's folder of daemon locks on this node (and what each daemon journals beside its lock)."""
+    return os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-daemons")
+
+
 class Instance:
     def __init__(self, roots: list[str] | None = None) -> None:
         """``roots``: where this writer leaves temporary files, recorded in its lock file so that a later daemon
@@ -53,7 +58,7 @@ class Instance:
         self.host = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
         self.owner = self.host + secrets.token_hex(4)
         self.roots = roots or []
-        self.folder = os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-daemons")
+        self.folder = daemons_folder()
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         self._fd = os.open(self._lock(self.owner), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -106,7 +111,8 @@ class Instance:
                 roots = text.split("\n") if text else []
                 old = time.time() - os.stat(self._lock(owner)).st_mtime > FORGET_AFTER_S
                 if old or (roots and all(r in self.roots for r in roots)):
-                    os.unlink(self._lock(owner))
+                    for leftover in [n for n in os.listdir(self.folder) if n.startswith(owner + ".")]:  # its lock, its journal
+                        os.unlink(os.path.join(self.folder, leftover))
             except FileNotFoundError:
                 pass
 

@@ -24,6 +24,8 @@ import zmq.asyncio
 
 from datastates.protocol import messages as m
 from datastates.protocol import outcome
+from datastates.protocol import objectstore
+from datastates.protocol.objectstore import is_object
 from datastates.protocol.errors import (
     DatastatesError,
     InvalidRequestError,
@@ -65,7 +67,10 @@ class Daemon:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.pool = HostPool(cfg.chunk_size, cfg.chunks, pinned=cfg.pin_host_memory and torch.cuda.is_available())
-        self.instance = Instance(self.cfg.storage.roots)
+        self.instance = Instance(self.cfg.storage.written)
+        for tier in cfg.storage.tiers:
+            if is_object(tier.path):
+                objectstore.register(tier.path, tier.endpoint, tier.region)
         owner = self.instance.owner
         self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads, cfg.direct_io, owner)
         self.leftovers: list[str] | None = None
@@ -74,7 +79,7 @@ class Daemon:
         self.jobs = JobTable()
         self.versions = Versions(self.instance.owner)
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions)
-        self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger)
+        self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger, owner)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
                                      on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed(),
                                      ready_ahead=lambda path, size, done: self._spawn(self._ready_ahead(path, size, done)))
@@ -253,7 +258,7 @@ class Daemon:
             removed: list[str] = []  # staging folders first: removing a temp file inside one renews its mtime
             for root in self.cfg.storage.roots:
                 removed += await self.engine.flush(Versions.remove_leftovers, root, gone)
-            self.leftovers = removed + await self.engine.remove_leftovers(self.cfg.storage.roots, gone)
+            self.leftovers = removed + await self.engine.remove_leftovers(self.cfg.storage.written, gone)
             self.leftovers += await self.engine.flush(remove_gone, gone)
             if self.instance.alone():  # no other daemon may still need a dead client's "abandoned" decisions
                 self.leftovers += await self.engine.flush(outcome.remove_dead_client_folders)

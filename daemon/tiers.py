@@ -31,12 +31,14 @@ from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.fileio import PAGE, open_for_reading
 from datastates.protocol.format import align_up, marker_name
+from datastates.protocol.objectstore import is_object
 from datastates.protocol.tags import CommittedTag, committed_tags, read_marker
 
 from .commit import CommitLedger
 from .events import CommitEvent
 from .config import HISTORY, StorageConfig
 from .engine import Engine
+from .objects import PARTS_AT_ONCE, ObjectTiers
 from .sink import FileSink
 
 log = logging.getLogger(__name__)
@@ -106,11 +108,12 @@ def _newest_per_run(root: str) -> list[CommittedTag]:
 class TierTransfers:
     """The ledger's listener that carries each committed tag down the tiers; owned by the daemon."""
 
-    def __init__(self, engine: Engine, storage: StorageConfig, ledger: CommitLedger) -> None:
+    def __init__(self, engine: Engine, storage: StorageConfig, ledger: CommitLedger, owner: str) -> None:
         self._engine = engine
         self._storage = storage
         self.tiers = storage.tiers
         self._ledger = ledger
+        self.objects = ObjectTiers(self.tiers, owner)
         self._queue: collections.deque[TagTransfers] = collections.deque()
         """Tags whose transfers are not over: the head is being transferred, the rest wait."""
         self._wake = asyncio.Event()
@@ -166,9 +169,11 @@ class TierTransfers:
         lacks it committed (older ones stay as they are: a later tag supersedes them). A
         multi-node tag resumes from a node-local tier only, where the marker names its node.
         """
+        if self.objects.tiers:
+            await asyncio.get_running_loop().run_in_executor(None, self.objects.check)
         try:
             undone = await self._engine.flush(self._undone)
-        except OSError as exc:
+        except (OSError, DatastatesError) as exc:
             log.warning("cannot look for tier transfers an earlier run left undone: %s", exc)
             undone = []
         finally:
@@ -223,9 +228,16 @@ class TierTransfers:
             lower = commit.moved(lambda p, t=tier: t.place(p, home))
             transfer.state = TransferState.TRANSFERRING
             try:
+                if is_object(tier.path):
+                    self.objects.refuse(commit, tier)
                 for (src, size), path in zip(commit.files.items(), lower.files):
-                    await self._transfer_file(src, path, size, transfer, f"tier-{commit.order}")
-                await self._ledger.settle(lower)
+                    await self._transfer_file(src, path, size, transfer, f"tier-{commit.order}", is_object(tier.path))
+                if is_object(tier.path):
+                    gone = await asyncio.wrap_future(self.objects.run(
+                        self.objects.commit, lower, tier, self._storage.keep_last_at(tier.path), self.holds()))
+                    self.pruned(gone)
+                else:
+                    await self._ledger.settle(lower)
             except (DatastatesError, OSError) as exc:
                 transfer.state = TransferState.FAILED
                 transfer.error = getattr(exc, "message", None) or str(exc)
@@ -234,32 +246,58 @@ class TierTransfers:
             transfer.state = TransferState.COMMITTED
             log.info("tag %s committed on tier %s", commit.tag, tier.name)
 
-    async def _transfer_file(self, src: str, dest: str, size: int, transfer: TierTransfer, token: str) -> None:
-        sink = FileSink(self._engine.writer(dest), dest, token)
+    async def _transfer_file(self, src: str, dest: str, size: int, transfer: TierTransfer, token: str,
+                             to_object: bool) -> None:
+        """``src`` to ``dest`` piece by piece: one at a time on the flush threads to a file; PARTS_AT_ONCE at a time
+        on the upload threads to an object store (``ObjectTiers.run``), each piece with a buffer of its own."""
+        if to_object:
+            sink, window = FileSink(self.objects.writer, dest, token), PARTS_AT_ONCE
+            run = lambda fn, *args: asyncio.wrap_future(self.objects.run(fn, *args))  # noqa: E731
+        else:
+            sink, window, run = FileSink(self._engine.writer(dest), dest, token), 1, self._engine.write
         src_fd = await self._engine.flush(open_for_reading, src)
+        buffers = [mmap.mmap(-1, TRANSFER_PIECE) for _ in range(min(window, max(1, -(-size // TRANSFER_PIECE))))]
+        free = list(buffers)
+
+        async def piece(offset: int) -> None:
+            buf, length = free.pop(), min(TRANSFER_PIECE, size - offset)
+            try:
+                await run(_transfer_range, src_fd, sink, buf, offset, length)
+                transfer.bytes_done += length
+            finally:
+                free.append(buf)
+
         try:
             if os.fstat(src_fd).st_size != size:
                 raise StorageError(f"cannot transfer {src}: it is {os.fstat(src_fd).st_size} bytes, its marker says "
                                    f"{size}", path=src)
-            await self._engine.flush(sink.create)
-            buf = mmap.mmap(-1, TRANSFER_PIECE)
+            await (run if to_object else self._engine.flush)(sink.create)
+            pending: set[asyncio.Future] = set()
             try:
                 for offset in range(0, size, TRANSFER_PIECE):
-                    length = min(TRANSFER_PIECE, size - offset)
-                    await self._engine.write(_transfer_range, src_fd, sink, buf, offset, length)
-                    transfer.bytes_done += length
-                await self._engine.write(sink.finalize)
+                    if len(pending) >= len(buffers):
+                        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                        for d in done:
+                            d.result()
+                    pending.add(asyncio.ensure_future(piece(offset)))
+                for d in await asyncio.gather(*pending, return_exceptions=True):
+                    if isinstance(d, BaseException):
+                        raise d
+                pending = set()
+                await run(sink.finalize)
             except BaseException:
-                await self._engine.flush(sink.abort)
+                await asyncio.gather(*pending, return_exceptions=True)  # no thread still writes when it is aborted
+                await (run if to_object else self._engine.flush)(sink.abort)
                 raise
-            finally:
-                buf.close()
         finally:
+            for buf in buffers:
+                buf.close()
             os.close(src_fd)
 
     def status(self) -> dict[str, Any]:
         return {
             "tiers": [dataclasses.asdict(t) for t in self.tiers],
+            "problems": dict(self.objects.problems),
             "pending": self.pending(),
             "tags": [{"tag": e.commit.tag, "run": e.run, "tiers": [dataclasses.asdict(t) for t in e.tiers]}
                      for e in self.history],
@@ -268,3 +306,4 @@ class TierTransfers:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
+        self.objects.close()

@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Sequence
 from .errors import DatastatesError
 from .format import (INDEX_AT, MARKER_PREFIX, MARKER_SUFFIX, PREAMBLE_SIZE, CommitMarker, MarkerFile, index_at,
                      header_snapshot, marker_name, parse_preamble)
+from .objectstore import is_object, list_keys, read_object
 from .paths import within
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ def tag_files(folder: str, marker: CommitMarker) -> list[str]:
 
 def read_marker(path: str) -> CommitMarker | None:
     """The marker at ``path`` if it is whole and every file it lists has the size it lists."""
+    if is_object(path):
+        return _object_marker(path, dict(list_keys(os.path.dirname(path))))
     marker = CommitMarker.read(path)
     if marker is None or unlisted(os.path.dirname(path), marker):
         return None
@@ -178,6 +181,8 @@ def trusted_marker(path: str, whole: bool = True) -> CommitMarker | None:
     ``whole`` False: the marker as it reads, whether or not its files are all there (what a
     reader checking one file against its tag needs).
     """
+    if is_object(path):  # who may write the bucket is its policy's to say
+        return read_marker(path) if whole else _decoded(read_object(path))
     why = distrust(path)
     if why:
         log.warning("skipping the commit marker %s: %s", path, why)
@@ -192,6 +197,8 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
     ``own_folder``: only tags whose marker is in a folder named after the tag (below
     ``root``, never ``root`` itself), the ones retention and the tier resume deal with.
     """
+    if is_object(root):
+        return _committed_objects(root, depth, own_folder, accept)
     found = []
     for path in marker_paths(root, depth):
         marker = trusted_marker(path)
@@ -199,6 +206,42 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
             continue
         tag = CommittedTag(marker.tag, os.path.dirname(path), marker)
         if own_folder and (not tag.own_folder or tag.folder == root.rstrip("/")):
+            continue
+        found.append(tag)
+    return sorted(found, key=lambda c: c.marker.newness, reverse=True)
+
+
+def _decoded(raw: bytes | None) -> CommitMarker | None:
+    try:
+        return CommitMarker.decode(raw) if raw is not None else None
+    except (ValueError, DatastatesError):
+        return None
+
+
+def _object_marker(path: str, sizes: dict[str, int]) -> CommitMarker | None:
+    """The marker object at ``path``, if whole and every object it lists is in ``sizes`` (one listing) at its size."""
+    marker = _decoded(read_object(path))
+    folder = os.path.dirname(path)
+    if marker is None or any(sizes.get(f"{folder}/{f.path}") != f.size for f in marker.files):
+        return None
+    return marker
+
+
+def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable[[str], bool]) -> list[CommittedTag]:
+    """``committed_tags`` of an object store folder: one listing of it, and a GET of each marker object there."""
+    root = root.rstrip("/")
+    sizes = dict(list_keys(root))
+    found = []
+    for path in sizes:
+        folder, name = path.rsplit("/", 1)
+        if not (name.startswith(MARKER_PREFIX) and name.endswith(MARKER_SUFFIX)) or \
+                folder[len(root):].count("/") > depth:
+            continue
+        marker = _object_marker(path, sizes)
+        if marker is None or name != marker_name(marker.tag) or not accept(marker.tag):
+            continue
+        tag = CommittedTag(marker.tag, folder, marker)
+        if own_folder and (not tag.own_folder or folder == root):
             continue
         found.append(tag)
     return sorted(found, key=lambda c: c.marker.newness, reverse=True)
@@ -219,6 +262,12 @@ def listing(path: str, depth: int = 3, roots: Sequence[str] | None = None) -> li
     counts, whatever its folder's trust (a setgid 2775 run folder, one made under umask
     002); the climb still stops at a root, so a marker planted above one changes nothing.
     """
+    if is_object(path):  # a tag's objects lie in its own folder, its marker beside them
+        folder = os.path.dirname(path)
+        marker_path = f"{folder}/{marker_name(os.path.basename(folder))}"
+        marker = _decoded(read_object(marker_path))
+        entry = next((f for f in marker.files if f.path == os.path.basename(path)), None) if marker else None
+        return [(marker_path, marker, entry)] if marker is not None and entry is not None else []
     out = []
     folder = os.path.dirname(os.path.abspath(path))
     for _ in range(depth):

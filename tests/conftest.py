@@ -184,8 +184,9 @@ class DaemonFactory:
             owner = re.search(r" owner ([0-9a-f]{16}),", d.log_text())
             if owner is not None:
                 shutil.rmtree(SHM / f"datastates-{os.geteuid()}-{owner.group(1)}", ignore_errors=True)
-                with contextlib.suppress(FileNotFoundError):
-                    (DAEMON_LOCKS / f"{owner.group(1)}.lock").unlink()
+                for leftover in (f"{owner.group(1)}.lock", f"{owner.group(1)}.uploads"):
+                    with contextlib.suppress(FileNotFoundError):
+                        (DAEMON_LOCKS / leftover).unlink()
         shutil.rmtree(self.sockdir, ignore_errors=True)
 
     def stop_all_later(self) -> None:

@@ -1,0 +1,236 @@
+"""Object storage (S3 and its API's other servers): addresses, the client, and reading, for both sides.
+
+A tier or a checkpoint path may be ``s3://bucket/prefix``: a tag lies at
+``<prefix>/<run>/<tag>/<file>``, the layout of a file tier, with its commit marker object
+written last. The daemon writes there (daemon/storage/s3.py); the client reads
+(``latest``, ``load``, ``Client.restore``) through ``ObjectFile``.
+
+The client is botocore's (boto3), chosen by measurement on this machine against a local
+S3 server (docs/performance.md): it reads as fast as obstore from the same server, and it
+alone lists and aborts multipart uploads, which the clean-up after a killed daemon needs.
+Its own chain finds the endpoint, region and credentials: the ``AWS_*`` environment
+variables (``AWS_ENDPOINT_URL`` included), profile files, instance metadata. A tier's
+``endpoint`` and ``region`` keys override the first two; secrets are never in the node
+config. Path-style addressing wherever an endpoint is given (a local server's buckets are
+not host names). Retries: botocore's standard mode, exponential backoff with jitter on 5xx,
+throttling and dropped connections.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .errors import ConfigError, CorruptCheckpointError, StorageError
+
+SCHEME = "s3://"
+ATTEMPTS = 6
+"""Tries of one request (botocore's standard retry mode: backoff with jitter, at most 20 s apart)."""
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 60.0
+"""A server silent this long on an open request fails that try (then retried)."""
+POOL = 32
+"""Connections per client: the parallel part uploads and ranged reads of every file at once."""
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def is_object(path: str) -> bool:
+    """Whether ``path`` is an object store address rather than a file system path."""
+    return path.startswith(SCHEME)
+
+
+@dataclass(frozen=True)
+class ObjectPath:
+    """``s3://bucket/key``: the bucket, and the key with no leading or trailing slash."""
+
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, url: str) -> ObjectPath:
+        """The address, or ConfigError saying what is wrong with it (a scheme, a bucket name, an odd key)."""
+        if not is_object(url):
+            scheme = url.split("://", 1)[0] if "://" in url else ""
+            raise ConfigError(f"{url!r}: unknown scheme {scheme!r}; an object store address is s3://bucket/prefix")
+        bucket, _, key = url[len(SCHEME):].partition("/")
+        if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
+            raise ConfigError(f"{url!r}: {bucket!r} is not a bucket name (3-63 lowercase letters, digits, '.' or '-')")
+        key = key.strip("/")
+        if any(part in ("", ".", "..") for part in key.split("/")) and key:
+            raise ConfigError(f"{url!r}: the key has an empty, '.' or '..' part")
+        return cls(bucket, key)
+
+    @property
+    def url(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
+
+    def join(self, *parts: str) -> ObjectPath:
+        return ObjectPath(self.bucket, "/".join(p.strip("/") for p in (self.key, *parts) if p.strip("/")))
+
+    @property
+    def prefix(self) -> str:
+        """The key as a folder: what every object below it starts with."""
+        return self.key + "/" if self.key else ""
+
+
+_PLACES: dict[str, tuple[str, str]] = {}
+"""Tier address → its (endpoint, region) keys: what every address below it is reached through."""
+
+
+def register(url: str, endpoint: str = "", region: str = "") -> None:
+    """Reach the objects below ``url`` (a tier's path) through ``endpoint`` and ``region`` ('': boto3's chain)."""
+    _PLACES[url.rstrip("/") + "/"] = (endpoint, region)
+
+
+def client_for(url: str) -> Any:
+    """The client for ``url``: its tier's endpoint and region where registered, else boto3's chain."""
+    return client(*next((v for k, v in _PLACES.items() if (url.rstrip("/") + "/").startswith(k)), ("", "")))
+
+
+@functools.lru_cache(maxsize=None)
+def client(endpoint: str = "", region: str = "") -> Any:
+    """The shared botocore client for this endpoint and region ('': found by boto3's chain); thread-safe."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise ConfigError("an s3:// path needs boto3: pip install 'datastates[s3]'") from None
+    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    config = Config(retries={"mode": "standard", "max_attempts": ATTEMPTS}, max_pool_connections=POOL,
+                    connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                    s3={"addressing_style": "path"} if endpoint else {},
+                    request_checksum_calculation="when_required", response_checksum_validation="when_required")
+    session = boto3.session.Session()
+    return session.client("s3", endpoint_url=endpoint or None, region_name=region or session.region_name or "us-east-1",
+                          config=config)
+
+
+_REFUSED = {
+    "NoSuchBucket": "the bucket does not exist",
+    "AccessDenied": "access denied (a bucket policy, or credentials without the right)",
+    "AllAccessDisabled": "access denied (a bucket policy, or credentials without the right)",
+    "InvalidAccessKeyId": "the credentials were refused (unknown access key)",
+    "SignatureDoesNotMatch": "the credentials were refused (wrong secret key)",
+    "ExpiredToken": "the credentials were refused (expired token)",
+    "InvalidToken": "the credentials were refused (invalid token)",
+    "NoSuchKey": "no such object",
+    "404": "no such object",
+    "403": "access denied (a bucket policy, or the credentials)",
+    "PreconditionFailed": "the object changed while it was being read (another save of the same path)",
+    "412": "the object changed while it was being read (another save of the same path)",
+    "SlowDown": "the server is throttling requests (still after every retry)",
+    "ServiceUnavailable": "the server is unavailable (503, still after every retry)",
+    "503": "the server is unavailable (503, still after every retry)",
+}
+
+
+def object_error(what: str, url: str, exc: Exception) -> StorageError:
+    """The StorageError for a botocore failure met doing ``what`` to ``url``: its cause in words, never a secret."""
+    response = getattr(exc, "response", None)
+    code = ""
+    if isinstance(response, dict):
+        code = str(response.get("Error", {}).get("Code", "")) or str(
+            response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+        cause = _REFUSED.get(code, f"{code}: {response.get('Error', {}).get('Message', '')}".strip(": "))
+    else:
+        cause = f"{type(exc).__name__}: {exc}"
+    return StorageError(f"{what} {url}: {cause}", path=url, code=code)
+
+
+def missing(exc: Exception) -> bool:
+    """Whether a botocore failure says the object (or upload) is not there."""
+    response = getattr(exc, "response", None)
+    return isinstance(response, dict) and response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NoSuchUpload")
+
+
+def is_client_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is botocore's (a refusal, a timeout, a lost connection): what object calls turn into StorageError."""
+    return type(exc).__module__.startswith(("botocore", "urllib3", "boto3"))
+
+
+def read_object(url: str) -> bytes | None:
+    """A small object whole (a marker, a tracker), or None if there is none."""
+    where = ObjectPath.parse(url)
+    try:
+        return client_for(url).get_object(Bucket=where.bucket, Key=where.key)["Body"].read()
+    except Exception as exc:
+        if missing(exc):
+            return None
+        if is_client_error(exc):
+            raise object_error("cannot read", url, exc) from None
+        raise
+
+
+def list_keys(url: str, suffix: str = "") -> Iterator[tuple[str, int]]:
+    """(url, size) of every object below the folder ``url`` whose key ends with ``suffix``."""
+    where = ObjectPath.parse(url)
+    pages = client_for(url).get_paginator("list_objects_v2").paginate(Bucket=where.bucket, Prefix=where.prefix)
+    try:
+        for page in pages:
+            for item in page.get("Contents", []):
+                if item["Key"].endswith(suffix):
+                    yield f"{SCHEME}{where.bucket}/{item['Key']}", item["Size"]
+    except Exception as exc:
+        if is_client_error(exc):
+            raise object_error("cannot list", url, exc) from None
+        raise
+
+
+class ObjectFile:
+    """A committed object read by ranges, as a file by ``os.preadv``: each range one GET, the bytes read straight into
+    the caller's buffers. Every GET asks for the ETag seen at open: an object replaced meanwhile fails the read rather
+    than mix two saves' bytes."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._where = ObjectPath.parse(url)
+        self._client = client_for(url)
+        try:
+            head = self._client.head_object(Bucket=self._where.bucket, Key=self._where.key)
+        except Exception as exc:
+            if missing(exc):
+                raise FileNotFoundError(2, "no such object", url) from None
+            if is_client_error(exc):
+                raise object_error("cannot read", url, exc) from None
+            raise
+        self.size: int = head["ContentLength"]
+        self._etag: str = head["ETag"]
+
+    def pread(self, length: int, at: int) -> bytes:
+        buf = bytearray(max(0, min(length, self.size - at)))
+        self.preadv([memoryview(buf)], at)
+        return bytes(buf)
+
+    def preadv(self, buffers: list[memoryview], at: int) -> int:
+        """Fill ``buffers`` in order from byte ``at``, in one ranged GET; the bytes read (short only at the end)."""
+        total = min(sum(len(b) for b in buffers), self.size - at)
+        if total <= 0:
+            return 0
+        try:
+            body = self._client.get_object(Bucket=self._where.bucket, Key=self._where.key, IfMatch=self._etag,
+                                       Range=f"bytes={at}-{at + total - 1}")["Body"]
+            got = 0
+            with body:
+                for buf in buffers:
+                    view = buf.cast("B")[:total - got]
+                    while len(view):
+                        n = body.readinto(view)
+                        if not n:
+                            raise CorruptCheckpointError(f"{self.url}: the object ended at byte {at + got}", path=self.url)
+                        got += n
+                        view = view[n:]
+                    if got >= total:
+                        break
+            return got
+        except Exception as exc:
+            if missing(exc):
+                raise FileNotFoundError(2, "the object was deleted while it was read", self.url) from None
+            if is_client_error(exc):
+                raise object_error("cannot read", self.url, exc) from None
+            raise
+
+    def close(self) -> None:
+        """Nothing is held between reads (the client's connections are shared)."""
