@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.node_config)
         logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s datastatesd %(levelname)s %(message)s")
+        for chatty in ("botocore", "boto3", "urllib3", "s3transfer"):  # their debug lines hold signed request headers
+            logging.getLogger(chatty).setLevel(max(logging.INFO, logging.getLogger().level))
         config.make_roots(cfg)
         lock = _prepare_endpoint(cfg.endpoint)
     except DatastatesError as exc:

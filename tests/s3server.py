@@ -1,0 +1,177 @@
+"""A real S3 server for the tests (moto_server, a process of its own) and a fault proxy in front of it.
+
+``Moto`` starts ``moto_server`` on a free port and waits until it answers. ``FaultProxy`` is a small
+threaded HTTP server that forwards every request to a server as it came (the body, the headers, the
+signature: nothing is re-signed) and, for the requests a rule matches, delays the answer or answers
+503 with S3's XML error body instead of forwarding; ``down()`` makes it refuse every connection, as
+a server that stopped.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable
+
+MOTO_SERVER = str(Path(sys.executable).parent / "moto_server")
+
+UNAVAILABLE = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ServiceUnavailable</Code>'
+               b'<Message>Please reduce your request rate.</Message><RequestId>fault</RequestId></Error>')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class Moto:
+    """One moto_server process; ``env``: variables of its own (INITIAL_NO_AUTH_ACTION_COUNT: IAM auth)."""
+
+    def __init__(self, log: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.proc = subprocess.Popen([MOTO_SERVER, "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 60
+        while not _answers(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"moto_server did not start ({self.proc.poll()}):\n{log.read_text()}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+@dataclass
+class Rule:
+    """What to do to the requests ``match`` (method, path, query) accepts: ``delay`` seconds before forwarding,
+    503 to the first ``fail`` of them (-1: all)."""
+
+    match: Callable[[str, str, str], bool]
+    delay: float = 0.0
+    fail: int = 0
+    seen: int = 0
+    failed: int = 0
+
+
+def upload_part(method: str, path: str, query: str) -> bool:
+    return method == "PUT" and "partNumber=" in query and "uploadId=" in query
+
+
+def any_request(method: str, path: str, query: str) -> bool:
+    return True
+
+
+class FaultProxy:
+    """Forwards to ``upstream`` (host, port); ``rules`` apply in order, the first that matches."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.rules: list[Rule] = []
+        self.lock = threading.Lock()
+        self.requests: list[tuple[str, str, str, int]] = []
+        """(method, path, query, status) of every request answered."""
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _handle(self) -> None:
+                path, _, query = self.path.partition("?")
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                rule = proxy._rule(self.command, path, query)
+                if rule is not None and rule.delay:
+                    time.sleep(rule.delay)
+                if rule is not None and (rule.fail < 0 or rule.failed < rule.fail):
+                    with proxy.lock:
+                        rule.failed += 1
+                    self._answer(503, {"Content-Type": "application/xml"}, UNAVAILABLE, path, query)
+                    return
+                try:
+                    conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=120)
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive", "expect")}
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    reply = conn.getresponse()
+                    data = reply.read()
+                    dropped = ("transfer-encoding", "connection", "keep-alive") + (() if self.command == "HEAD" else ("content-length",))
+                    out = {k: v for k, v in reply.getheaders() if k.lower() not in dropped}
+                    conn.close()
+                except OSError:  # the server is gone: so is this connection, as a dead server's would be
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self._answer(reply.status, out, data, path, query, head=self.command == "HEAD")
+
+            def _answer(self, status: int, headers: dict[str, str], data: bytes, path: str, query: str,
+                        head: bool = False) -> None:
+                with proxy.lock:
+                    proxy.requests.append((self.command, path, query, status))
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if not head or "content-length" not in {k.lower() for k in headers}:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def _rule(self, method: str, path: str, query: str) -> Rule | None:
+        with self.lock:
+            for rule in self.rules:
+                if rule.match(method, path, query):
+                    rule.seen += 1
+                    return rule
+        return None
+
+    def add(self, rule: Rule) -> Rule:
+        with self.lock:
+            self.rules.append(rule)
+        return rule
+
+    def clear(self) -> None:
+        with self.lock:
+            self.rules.clear()
+
+    def count(self, match: Callable[[str, str, str], bool], status: int | None = None) -> int:
+        with self.lock:
+            return sum(1 for m, p, q, s in self.requests if match(m, p, q) and (status is None or s == status))
+
+    def down(self) -> None:
+        """Stop listening: every new connection is refused, as to a server that stopped."""
+        self.server.shutdown()
+        self.server.server_close()
