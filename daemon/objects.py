@@ -66,11 +66,14 @@ class ObjectTiers:
                 log.error("storage tier %s (%s) cannot be written: %s; tags committed on faster tiers stay there",
                           tier.name, tier.path, exc.message)
 
-    def refuse(self, commit: CommitEvent, tier: Tier) -> None:
-        """StorageError where the tag cannot go to object tier ``tier`` at all, before any byte is uploaded."""
-        if commit.ranks.num_nodes > 1:
-            raise StorageError(f"tier {tier.name}: a job of {commit.ranks.num_nodes} nodes cannot commit to an object "
+    def begin(self, lower: CommitEvent, tier: Tier) -> None:
+        """Before any byte of ``lower`` is uploaded to ``tier``: StorageError where it cannot go there at all; and the
+        marker of an earlier version of the tag deleted, so that no reader takes the tag as committed while its
+        objects are replaced one by one (a tag saved again): it is uncommitted there until its new marker."""
+        if lower.ranks.num_nodes > 1:
+            raise StorageError(f"tier {tier.name}: a job of {lower.ranks.num_nodes} nodes cannot commit to an object "
                                "store tier yet (docs/deploy.md)", path=tier.path)
+        self.writer.remove(f"{os.path.dirname(next(iter(lower.files)))}/{marker_name(lower.tag)}")
 
     def commit(self, lower: CommitEvent, tier: Tier, keep_last: int | None, spare: set[str]) -> list[str]:
         """Commit ``lower`` (its objects uploaded) on ``tier``: the marker last; then retention. The tag folders pruned."""

@@ -229,7 +229,7 @@ class TierTransfers:
             transfer.state = TransferState.TRANSFERRING
             try:
                 if is_object(tier.path):
-                    self.objects.refuse(commit, tier)
+                    await asyncio.wrap_future(self.objects.run(self.objects.begin, lower, tier))
                 for (src, size), path in zip(commit.files.items(), lower.files):
                     await self._transfer_file(src, path, size, transfer, f"tier-{commit.order}", is_object(tier.path))
                 if is_object(tier.path):
