@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
@@ -26,6 +26,10 @@ MOTO_SERVER = str(Path(sys.executable).parent / "moto_server")
 
 UNAVAILABLE = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ServiceUnavailable</Code>'
                b'<Message>Please reduce your request rate.</Message><RequestId>fault</RequestId></Error>')
+
+
+HOLD_MAX_S = 45.0
+"""The longest a held request waits (under the clients' 60 s read timeout), should a test never release it."""
 
 
 def free_port() -> int:
@@ -72,8 +76,14 @@ class Rule:
     match: Callable[[str, str, str], bool]
     delay: float = 0.0
     fail: int = 0
+    hold: bool = False
+    """Keep each matching request waiting (unanswered, in flight) until ``release``."""
     seen: int = 0
     failed: int = 0
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        self.released.set()
 
 
 def upload_part(method: str, path: str, query: str) -> bool:
@@ -106,6 +116,8 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 rule = proxy._rule(self.command, path, query)
+                if rule is not None and rule.hold:
+                    rule.released.wait(HOLD_MAX_S)
                 if rule is not None and rule.delay:
                     time.sleep(rule.delay)
                 if rule is not None and (rule.fail < 0 or rule.failed < rule.fail):
@@ -163,7 +175,14 @@ class FaultProxy:
             self.rules.append(rule)
         return rule
 
+    def release(self) -> None:
+        """Let every held request go on."""
+        with self.lock:
+            for rule in self.rules:
+                rule.release()
+
     def clear(self) -> None:
+        self.release()
         with self.lock:
             self.rules.clear()
 
@@ -173,5 +192,7 @@ class FaultProxy:
 
     def down(self) -> None:
         """Stop listening: every new connection is refused, as to a server that stopped."""
+        if self.server.socket.fileno() < 0:
+            return
         self.server.shutdown()
         self.server.server_close()

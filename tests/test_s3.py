@@ -1,0 +1,430 @@
+"""The S3 tier: a tag committed on the fast tier is uploaded to an object store, committed there by its marker last.
+
+Real processes only: a real S3 server (moto_server, its own process), real daemons, real files.
+Faults the server cannot make (503s, slow answers, a server that dies mid-upload) come from a
+threaded HTTP proxy in front of it (tests/s3server.py) that forwards the signed requests as they came.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import boto3
+import pytest
+import torch
+
+import datastates
+from datastates.client import Client, daemon_status
+from datastates.protocol import objectstore
+from datastates.protocol.errors import CorruptCheckpointError
+from datastates.protocol.format import marker_name
+
+from conftest import DaemonProc, assert_state_equal, refused_run, run_datastatesd_many, save
+from s3server import FaultProxy, Moto, Rule, any_request, upload_part
+from test_tiers import settle, tier_states
+
+REGION = "us-east-1"
+SECRET = "testing-secret"
+CLOUD = "cloud"
+
+
+def state(step: int, numel: int = 1 << 16) -> dict[str, Any]:
+    torch.manual_seed(step)
+    return {"w": torch.randn(numel), "h": torch.randn(8, 8).to(torch.bfloat16), "step": step, "note": f"step {step}"}
+
+
+def tiers(tmp: Path, url: str, keep_last: int | None = None, fast: str = "fast") -> dict[str, Any]:
+    cloud: dict[str, Any] = {"name": CLOUD, "path": url}
+    if keep_last:
+        cloud["keep_last"] = keep_last
+    return {"storage": {"tiers": [{"name": "fast", "path": str(tmp / fast)}, cloud]}, "memory_restore": "none"}
+
+
+def use_endpoint(monkeypatch: pytest.MonkeyPatch, url: str, key: str = "testing", secret: str = SECRET) -> None:
+    """Point boto3's chain (this process's and the daemons it starts next) at ``url``."""
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+    objectstore.client.cache_clear()
+
+
+def s3_client(url: str, key: str = "testing", secret: str = SECRET) -> Any:
+    return boto3.client("s3", endpoint_url=url, region_name=REGION, aws_access_key_id=key, aws_secret_access_key=secret)
+
+
+def keys(s3: Any, bucket: str, prefix: str = "") -> dict[str, int]:
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
+
+
+def uploads(s3: Any, bucket: str) -> list[str]:
+    return [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def transfer(status: dict[str, Any], tag: str) -> dict[str, Any]:
+    """The S3 tier's row of ``tag`` in the daemon's status."""
+    rows = [e for e in status["tier_transfers"]["tags"] if e["tag"] == tag]
+    assert rows, f"{tag} is not in status: {status['tier_transfers']}"
+    return next(t for t in rows[-1]["tiers"] if t["tier"] == CLOUD)
+
+
+def wait_for(what: str, cond: Callable[[], Any], timeout: float = 60) -> Any:
+    """A hang guard, not a timed assertion: ``cond()`` once it is true."""
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        assert time.monotonic() < deadline, f"not {what} after {timeout} s"
+        time.sleep(0.05)
+    return got
+
+
+_buckets = iter(range(1, 1 << 30))
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moto]:
+    server = Moto(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def bucket(moto: Moto) -> str:
+    """A fresh bucket of the module's S3 server."""
+    name = f"ckpt-{next(_buckets)}"
+    s3_client(moto.url).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3(moto: Moto, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The module's S3 server, straight: this process and its daemons reach it through the environment."""
+    use_endpoint(monkeypatch, moto.url)
+    return s3_client(moto.url)
+
+
+@pytest.fixture
+def proxy(moto: Moto, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    """A fault proxy in front of the module's S3 server, which this process and its daemons reach through it."""
+    p = FaultProxy(moto.port)
+    use_endpoint(monkeypatch, p.url)
+    yield p
+    p.release()
+    p.down()
+
+
+# -- a tag reaches the S3 tier ------------------------------------------------------------------------------------------
+
+
+def test_a_committed_tag_reaches_s3_whole_and_keep_last_prunes_the_older(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, s3: Any, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url, keep_last=2))
+    status = daemon_status(d.endpoint)
+    assert status["tier_transfers"]["problems"] == {}, status["tier_transfers"]
+    fast = tmp_path / "fast" / "run"
+    big = 5 << 20  # 20 MiB: two parts
+    with Client(d.endpoint, timeout=60) as c:
+        for step in (1, 2, 3):
+            save(c, state(step, big), fast / f"step{step}" / "rank0.pt")
+            status = settle(d)  # one at a time: none superseded
+    for step in (1, 2, 3):
+        assert tier_states(status, f"step{step}")["fast"] == "committed"
+    assert tier_states(status, "step1")[CLOUD] == "pruned"
+    for step in (2, 3):
+        assert tier_states(status, f"step{step}")[CLOUD] == "committed"
+    held = keys(s3, bucket, "jobs/run/")
+    assert not [k for k in held if k.startswith("jobs/run/step1/")], sorted(held)  # marker and objects gone
+    for step in (2, 3):
+        tag = f"step{step}"
+        assert f"jobs/run/{tag}/{marker_name(tag)}" in held
+        raw = s3.get_object(Bucket=bucket, Key=f"jobs/run/{tag}/rank0.pt")["Body"].read()
+        local = (fast / tag / "rank0.pt").read_bytes()
+        assert len(raw) == len(local) and raw == local, f"{tag}: the object differs from the fast tier's file"
+        assert_state_equal(state(step, big), datastates.load(f"{url}/run/{tag}/rank0.pt"))
+    assert datastates.latest(f"{url}/run") == "step3"
+    assert s3.get_object(Bucket=bucket, Key="jobs/run/latest")["Body"].read().decode().strip() == "step3"
+    assert uploads(s3, bucket) == [] and not [k for k in keys(s3, bucket) if ".datastates-probe-" in k]
+    listed = d.ctl("ls", f"{url}/run")
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()[1:]]
+    assert sorted(r[0] for r in rows if r[1] == "committed") == ["step2", "step3"], listed.stdout
+
+
+def test_restore_falls_back_to_s3_when_no_faster_tier_holds_the_tag(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, s3: Any, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    fast = tmp_path / "fast" / "run"
+    saved = state(1, 3 << 20)
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, saved, fast / "step1" / "rank0.pt")
+        assert tier_states(settle(d), "step1") == {"fast": "committed", CLOUD: "committed"}
+        for p in (fast / "step1").iterdir():  # the node lost its local disk
+            p.unlink()
+        (fast / "step1").rmdir()
+        for root in (fast, f"{url}/run"):
+            into = state(99, 3 << 20)
+            got = c.restore(root, "rank0.pt", into=into)
+            assert (got.tag, got.tier) == ("step1", CLOUD), (root, got.tag, got.tier)
+            assert_state_equal(saved, into)
+    into = state(98, 3 << 20)
+    datastates.load(f"{url}/run/step1/rank0.pt", into=into)
+    assert_state_equal(saved, into)
+
+
+def test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, s3: Any, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    fast = tmp_path / "fast" / "run"
+    with Client(d.endpoint, timeout=60) as c:
+        for step in (1, 2):
+            save(c, state(step), fast / f"step{step}" / "rank0.pt")
+    settle(d)
+    # a later tag's objects, all there, but never its marker: not committed, so never the newest
+    for k in keys(s3, bucket, "jobs/run/step2/"):
+        if not k.endswith(marker_name("step2")):
+            s3.copy_object(Bucket=bucket, Key=k.replace("/step2/", "/step3/"), CopySource={"Bucket": bucket, "Key": k})
+    assert keys(s3, bucket, "jobs/run/step3/")
+    assert datastates.latest(f"{url}/run") == "step2"
+    with Client(d.endpoint, timeout=60) as c:
+        got = c.restore(f"{url}/run", "rank0.pt")
+        assert got.tag == "step2"
+        assert_state_equal(state(2), got.state)
+    # a byte flipped in an object, at the same size
+    key = "jobs/run/step1/rank0.pt"
+    raw = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    raw[len(raw) // 2] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
+    with pytest.raises(CorruptCheckpointError):
+        datastates.load(f"{url}/run/step1/rank0.pt")
+
+
+# -- faults of the server -----------------------------------------------------------------------------------------------
+
+
+def test_the_first_503s_are_retried_and_the_tag_commits(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    fail = proxy.add(Rule(upload_part, fail=3))
+    slow = proxy.add(Rule(any_request, delay=0.2))  # every other request answered late, well within the read timeout
+    saved = state(1, 9 << 20)  # 36 MiB: three parts
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, saved, tmp_path / "fast" / "run" / "step1" / "rank0.pt")
+    status = settle(d)
+    assert tier_states(status, "step1") == {"fast": "committed", CLOUD: "committed"}, transfer(status, "step1")
+    assert fail.failed == 3 and proxy.count(upload_part, 503) == 3 and proxy.count(upload_part, 200) >= 3
+    assert slow.seen > 0
+    proxy.clear()
+    assert datastates.latest(f"{url}/run") == "step1"
+    assert_state_equal(saved, datastates.load(f"{url}/run/step1/rank0.pt"))
+
+
+def test_a_server_that_answers_only_503_fails_the_transfer_and_the_fast_tier_stands(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    proxy.add(Rule(any_request, fail=-1))
+    fast = tmp_path / "fast" / "run"
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(1), fast / "step1" / "rank0.pt")
+        status = settle(d)
+        row = transfer(status, "step1")
+        assert row["state"] == "failed", row
+        assert url in row["error"] and "503" in row["error"] and "unavailable" in row["error"], row["error"]
+        assert tier_states(status, "step1")["fast"] == "committed"
+        got = c.restore(fast, "rank0.pt")
+        assert (got.tag, got.tier) == ("step1", "fast")
+        assert_state_equal(state(1), got.state)
+    assert proxy.count(any_request, 503) > 1  # retried before giving up
+    proxy.clear()
+    assert datastates.latest(f"{url}/run") is None
+    s3 = s3_client(proxy.url)
+    assert keys(s3, bucket, "jobs/run/") == {} and uploads(s3, bucket) == []
+
+
+def test_a_server_that_stops_mid_upload_fails_the_transfer_and_the_daemon_keeps_serving(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bucket: str) -> None:
+    own = Moto(tmp_path / "moto.log")  # this test kills it
+    p = FaultProxy(own.port)
+    try:
+        use_endpoint(monkeypatch, p.url)
+        s3_client(own.url).create_bucket(Bucket=bucket)
+        url = f"s3://{bucket}/jobs"
+        d = start_daemon(**tiers(tmp_path, url))
+        held = p.add(Rule(upload_part, hold=True))
+        fast = tmp_path / "fast" / "run"
+        with Client(d.endpoint, timeout=60) as c:
+            save(c, state(1, 5 << 20), fast / "step1" / "rank0.pt")
+            wait_for("uploading a part", lambda: held.seen)
+            own.kill()  # the server dies with parts in flight
+            p.down()
+            p.release()
+            status = settle(d)
+            row = transfer(status, "step1")
+            assert row["state"] == "failed" and url in row["error"], row
+            assert tier_states(status, "step1")["fast"] == "committed"
+            save(c, state(2), fast / "step2" / "rank0.pt")  # the daemon still serves: the next tag commits on the fast tier
+            status = settle(d)
+            assert tier_states(status, "step2")["fast"] == "committed"
+            assert transfer(status, "step2")["state"] == "failed"
+            for step, saved in ((1, state(1, 5 << 20)), (2, state(2))):
+                got = c.restore(fast, "rank0.pt", tag=f"step{step}")
+                assert (got.tag, got.tier) == (f"step{step}", "fast")
+                assert_state_equal(saved, got.state)
+        assert d.proc.poll() is None
+    finally:
+        p.release()
+        own.kill()
+
+
+# -- a daemon killed mid-upload -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.heavy
+def test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons(
+        start_daemons: Callable[..., list[DaemonProc]], start_daemon: Callable[..., DaemonProc], tmp_path: Path,
+        proxy: FaultProxy, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    s3 = s3_client(proxy.url)
+    cfg_a, cfg_b = tiers(tmp_path, url, fast="fast-a"), tiers(tmp_path, url, fast="fast-b")
+    live, doomed = start_daemons(cfg_a, cfg_b)
+    hold_a = proxy.add(Rule(lambda m, p, q: upload_part(m, p, q) and "/runa/" in p, hold=True))
+    hold_b = proxy.add(Rule(lambda m, p, q: upload_part(m, p, q) and "/runb/" in p, hold=True))
+    big = 10 << 20  # 40 MiB: three parts
+    with Client(live.endpoint, timeout=60) as a, Client(doomed.endpoint, timeout=60) as b:
+        save(a, state(1, big), tmp_path / "fast-a" / "runa" / "step1" / "rank0.pt")
+        save(b, state(2, big), tmp_path / "fast-b" / "runb" / "step1" / "rank0.pt")
+        wait_for("uploading both tags", lambda: hold_a.seen and hold_b.seen)
+        doomed.proc.send_signal(signal.SIGKILL)
+        doomed.proc.wait()
+    hold_b.release()  # the killed daemon's parts reach the server, its upload stays open
+    open_uploads = uploads(s3, bucket)
+    assert "jobs/runb/step1/rank0.pt" in open_uploads and "jobs/runa/step1/rank0.pt" in open_uploads, open_uploads
+    assert f"jobs/runb/step1/{marker_name('step1')}" not in keys(s3, bucket)
+    assert datastates.latest(f"{url}/runb") is None
+    again = start_daemon(**cfg_b)  # the same node config as the killed one
+    settle(again)
+    left = uploads(s3, bucket)
+    assert "jobs/runb/step1/rank0.pt" not in left, left  # the killed daemon's upload: aborted
+    assert "jobs/runa/step1/rank0.pt" in left, left  # the live one's: still open, still its own
+    marker = f"jobs/runb/step1/{marker_name('step1')}"
+    if marker in keys(s3, bucket):  # the next daemon finished the transfer
+        assert datastates.latest(f"{url}/runb") == "step1"
+        assert_state_equal(state(2, big), datastates.load(f"{url}/runb/step1/rank0.pt"))
+    else:
+        assert datastates.latest(f"{url}/runb") is None
+    hold_a.release()
+    status = settle(live)
+    assert tier_states(status, "step1") == {"fast": "committed", CLOUD: "committed"}, transfer(status, "step1")
+    assert_state_equal(state(1, big), datastates.load(f"{url}/runa/step1/rank0.pt"))
+    assert uploads(s3, bucket) == []
+
+
+# -- refusals: credentials, policies, buckets, addresses ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def iam_moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Moto, dict[str, str]]]:
+    """An S3 server that checks signatures and policies: a user allowed s3:*, a bucket `open-bucket`, and a bucket
+    `deny-bucket` whose policy denies every PutObject."""
+    server = Moto(tmp_path_factory.mktemp("moto-iam") / "moto.log", env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
+    try:
+        iam = boto3.client("iam", endpoint_url=server.url, region_name=REGION, aws_access_key_id="setup",
+                           aws_secret_access_key="setup")
+        iam.create_user(UserName="trainer")  # the three unauthenticated actions
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        s3 = s3_client(server.url, key["AccessKeyId"], key["SecretAccessKey"])
+        s3.create_bucket(Bucket="open-bucket")
+        s3.create_bucket(Bucket="deny-bucket")
+        s3.put_bucket_policy(Bucket="deny-bucket", Policy=json.dumps({"Version": "2012-10-17", "Statement": [{
+            "Effect": "Deny", "Principal": "*", "Action": "s3:PutObject", "Resource": "arn:aws:s3:::deny-bucket/*"}]}))
+        yield server, {"key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+    finally:
+        server.kill()
+
+
+def test_wrong_credentials_are_named_at_start_and_the_fast_tier_keeps_the_tag(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        iam_moto: tuple[Moto, dict[str, str]]) -> None:
+    server, user = iam_moto
+    wrong = "WRONGsecretKEY-4f1c9b2e77d0"
+    use_endpoint(monkeypatch, server.url, user["key"], wrong)
+    url = "s3://open-bucket/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    problems = daemon_status(d.endpoint)["tier_transfers"]["problems"]
+    assert list(problems) == [CLOUD] and "credentials were refused" in problems[CLOUD], problems
+    fast = tmp_path / "fast" / "run"
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(1), fast / "step1" / "rank0.pt")
+        status = settle(d)
+        row = transfer(status, "step1")
+        assert row["state"] == "failed" and "credentials were refused" in row["error"] and url in row["error"], row
+        got = c.restore(fast, "rank0.pt")
+        assert (got.tag, got.tier) == ("step1", "fast")
+        assert_state_equal(state(1), got.state)
+    shown = d.ctl("status")
+    assert f"tier {CLOUD} cannot be written" in shown.stdout and "credentials were refused" in shown.stdout, shown.stdout
+    for where, text in (("status", json.dumps(status)), ("ctl status", shown.stdout + shown.stderr),
+                        ("daemon log", d.log_text())):
+        assert wrong not in text, f"the secret key is in the {where}"
+    assert keys(s3_client(server.url, user["key"], user["secret"]), "open-bucket", "jobs/") == {}
+
+
+def test_a_policy_refusal_and_a_missing_bucket_are_named(
+        start_daemons: Callable[..., list[DaemonProc]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        iam_moto: tuple[Moto, dict[str, str]]) -> None:
+    server, user = iam_moto
+    use_endpoint(monkeypatch, server.url, user["key"], user["secret"])
+    denied, missing = start_daemons(tiers(tmp_path, "s3://deny-bucket/jobs", fast="fast-a"),
+                                    tiers(tmp_path, "s3://no-such-bucket/jobs", fast="fast-b"))
+    problems = daemon_status(denied.endpoint)["tier_transfers"]["problems"]
+    assert "access denied" in problems.get(CLOUD, ""), problems
+    problems = daemon_status(missing.endpoint)["tier_transfers"]["problems"]
+    assert "the bucket does not exist" in problems.get(CLOUD, ""), problems
+    for d, fast, url in ((denied, "fast-a", "s3://deny-bucket/jobs"), (missing, "fast-b", "s3://no-such-bucket/jobs")):
+        with Client(d.endpoint, timeout=60) as c:
+            save(c, state(1), tmp_path / fast / "run" / "step1" / "rank0.pt")
+            status = settle(d)
+            row = transfer(status, "step1")
+            cause = "access denied" if d is denied else "the bucket does not exist"
+            assert row["state"] == "failed" and cause in row["error"] and url in row["error"], row
+            got = c.restore(tmp_path / fast / "run", "rank0.pt")
+            assert (got.tag, got.tier) == ("step1", "fast")
+    s3 = s3_client(server.url, user["key"], user["secret"])
+    assert f"jobs/run/step1/{marker_name('step1')}" not in keys(s3, "deny-bucket")
+    assert datastates.latest("s3://deny-bucket/jobs/run") is None
+
+
+def test_bad_object_store_tiers_stop_the_daemon_with_a_clear_error(tmp_path: Path) -> None:
+    fast = {"name": "fast", "path": str(tmp_path / "fast")}
+    cases = {
+        "upper": ([fast, {"name": CLOUD, "path": "s3://UPPER/x"}], "storage.tiers[1].path", "not a bucket name"),
+        "empty": ([fast, {"name": CLOUD, "path": "s3://"}], "storage.tiers[1].path", "not a bucket name"),
+        "scheme": ([fast, {"name": CLOUD, "path": "gs://b/p"}], "storage.tiers[1].path", ""),
+        "first": ([{"name": CLOUD, "path": "s3://okay-bucket/x"}, fast], "storage.tiers[0].path", ""),
+        "alone": ([{"name": CLOUD, "path": "s3://okay-bucket/x"}], "storage.tiers[0].path", ""),
+    }
+    argvs = {}
+    for case, (tier_list, _, _) in cases.items():
+        config = tmp_path / f"{case}.yaml"
+        config.write_text(json.dumps({"endpoint": f"ipc://{tmp_path}/{case}.sock", "storage": {"tiers": tier_list}}))
+        argvs[case] = ["--node-config", str(config)]
+    runs = run_datastatesd_many(argvs)
+    for case, (_, key, message) in cases.items():
+        out = refused_run(runs[case])
+        assert out.returncode == 2 and key in out.stderr and message in out.stderr, (case, out.returncode, out.stderr)
