@@ -87,7 +87,8 @@ def render(status: dict[str, Any]) -> str:
         lines += ["", "tiers: " + ", ".join(f"{t['name']} {t['path']}" + ("" if t["shared"] else " (node-local)")
                                             for t in tiers["tiers"]), f"  {'tag':<24} " + "  ".join(
             f"{t['name']:<22}" for t in tiers["tiers"])]
-        lines[-2:-2] = [f"  tier {name} cannot be written: {why}" for name, why in tiers.get("problems", {}).items()]
+        lines[-2:-2] = [f"  tier {name} cannot be written: {why}" for name, why in tiers.get("problems", {}).items()] + \
+            ([] if tiers.get("checked", True) else ["  object store tiers: start-up check under way"])
         for e in tiers["tags"]:
             cells = {c["tier"]: c for c in e["tiers"]}
             lines.append(f"  {e['tag']:<24} " + "  ".join(f"{_tier_cell(cells.get(t['name'])):<22}" for t in tiers["tiers"]))

@@ -47,6 +47,8 @@ class ObjectTiers:
         self.writer = S3Writer(owner=owner)
         self.problems: dict[str, str] = {}
         """Tier name → why its start-up check failed (shown in status); transfers there are still tried."""
+        self.checked = not self.tiers
+        """Whether that check is over (status says it is under way until then)."""
         self._threads = ThreadPoolExecutor(PARTS_AT_ONCE, thread_name_prefix="ds-upload") if self.tiers else None
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -65,6 +67,7 @@ class ObjectTiers:
                 self.problems[tier.name] = exc.message
                 log.error("storage tier %s (%s) cannot be written: %s; tags committed on faster tiers stay there",
                           tier.name, tier.path, exc.message)
+        self.checked = True
 
     def begin(self, lower: CommitEvent, tier: Tier) -> None:
         """Before any byte of ``lower`` is uploaded to ``tier``: StorageError where it cannot go there at all; and the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -97,6 +98,11 @@ def _transfer_range(src_fd: int, sink: FileSink, buf: mmap.mmap, offset: int, le
     sink.write(offset, view[:length])
 
 
+def _newness(entry: TagTransfers) -> tuple[int, int]:
+    """Which of two tags of a run is newer (``CommitMarker.newness``, less the clock of the commit's end)."""
+    return entry.commit.sequence, entry.commit.requested_ns
+
+
 def _newest_per_run(root: str) -> list[CommittedTag]:
     """The newest committed tag of each run (folder of tag folders) under ``root``."""
     newest: dict[str, CommittedTag] = {}
@@ -137,7 +143,7 @@ class TierTransfers:
         entry.tiers[0].state, entry.tiers[0].bytes_done = TransferState.COMMITTED, size
         if commit.ranks.num_nodes == 1:
             for older in [q for q in self._queue if q.run == entry.run and q.source == source
-                          and all(t.state == TransferState.QUEUED for t in q.tiers[1:])]:
+                          and all(t.state == TransferState.QUEUED for t in q.tiers[1:]) and _newness(q) < _newness(entry)]:
                 for t in older.tiers[1:]:
                     t.state, t.error = TransferState.SUPERSEDED, f"tag {commit.tag!r} was committed before this transfer began"
                 self._queue.remove(older)
@@ -180,6 +186,8 @@ class TierTransfers:
             self._scanning = False
         for found in undone:
             marker = found.marker
+            if any(e.run == found.run and _newness(e) >= (marker.sequence, marker.requested_ns) for e in self.history):
+                continue  # this daemon's own commits since it started announced it, or a newer tag of its run
             ranks = Ranks() if marker.nodes == 1 else Ranks(
                 rank=max(0, marker.node), world_size=marker.nodes, num_nodes=marker.nodes, node_rank=max(0, marker.node))
             files = {os.path.join(found.folder, f.path): f.size for f in marker.files}
@@ -290,14 +298,16 @@ class TierTransfers:
                 await (run if to_object else self._engine.flush)(sink.abort)
                 raise
         finally:
-            for buf in buffers:
-                buf.close()
             os.close(src_fd)
+            for buf in buffers:
+                with contextlib.suppress(BufferError):  # a failed piece's traceback still holds a view: freed with it
+                    buf.close()
 
     def status(self) -> dict[str, Any]:
         return {
             "tiers": [dataclasses.asdict(t) for t in self.tiers],
             "problems": dict(self.objects.problems),
+            "checked": self.objects.checked,
             "pending": self.pending(),
             "tags": [{"tag": e.commit.tag, "run": e.run, "tiers": [dataclasses.asdict(t) for t in e.tiers]}
                      for e in self.history],
