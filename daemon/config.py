@@ -270,6 +270,8 @@ def _tiers(value: Any) -> list[Tier]:
         shared = raw.get("shared", True)
         if not isinstance(shared, bool):
             raise ConfigError(f"{where}.shared: {shared!r} is not true or false", key=f"{where}.shared")
+        if not shared and is_object(path):
+            raise ConfigError(f"{where}.shared: an object store tier is seen by every node", key=f"{where}.shared")
         place = {k: raw.get(k, "") for k in ("endpoint", "region")}
         for key, value in place.items():
             if value and not is_object(path) or not isinstance(value, str) or "\n" in value:

@@ -10,25 +10,35 @@ takes a tag as committed only if its marker lists objects that all are there at 
 
 Retention deletes a tag's marker first (the tag is then invisible), then its objects.
 
-Multi-node jobs: not on an object store tier yet (each node would need node 0 to gather its
-done marker there, as on a shared file system); their transfers fail with that reason.
+A job of several nodes commits there as on a shared file system (docs/format.md), with objects:
+each node uploads its own files and PUTs its done marker object; node 0 lists the tag's
+folder, one listing a look (50 ms apart, growing to 1 s), until every node's done marker is
+there, reads them, checks every node's objects in one listing, and PUTs the tag's marker
+listing them all, then deletes the done markers. The other nodes look for that marker (at
+least ``(N - 1) / LOOKS_PER_S`` s apart); past ``commit_timeout`` a node deletes its done
+marker and fails the transfer. Node 0 lists the done markers once more right before its PUT,
+so a node that gave up before then is never committed; one that gives up in the few
+milliseconds between is (an object store has no rename to close that window).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import StorageError
-from datastates.protocol.format import marker_name
+from datastates.protocol.format import done_name, marker_name
 from datastates.protocol.objectstore import is_object, list_keys
-from datastates.protocol.tags import committed_tags
+from datastates.protocol.tags import committed_tags, read_marker_object, safe_name
 
 from .commit import make_marker, trackers
 from .events import CommitEvent
+from .gather import FIRST_LOOK_S, LONGEST_LOOK_S, LOOKS_PER_S
 from .storage.s3 import S3Writer
 
 log = logging.getLogger(__name__)
@@ -41,9 +51,11 @@ PROBE = ".datastates-probe-"
 class ObjectTiers:
     """The object store tiers of the node config; owned by the tier transfers."""
 
-    def __init__(self, tiers: list[Tier], owner: str) -> None:
+    def __init__(self, tiers: list[Tier], owner: str, timeout: float) -> None:
         self.tiers = [t for t in tiers if is_object(t.path)]
         self._owner = owner
+        self._timeout = timeout
+        """``commit_timeout``: how long node 0 waits for the other nodes' done markers, and they for its marker."""
         self.writer = S3Writer(owner=owner)
         self.problems: dict[str, str] = {}
         """Tier name → why its start-up check failed (shown in status); transfers there are still tried."""
@@ -69,29 +81,86 @@ class ObjectTiers:
                           tier.name, tier.path, exc.message)
         self.checked = True
 
-    def begin(self, lower: CommitEvent, tier: Tier) -> None:
-        """Before any byte of ``lower`` is uploaded to ``tier``: StorageError where it cannot go there at all; and the
-        marker of an earlier version of the tag deleted, so that no reader takes the tag as committed while its
-        objects are replaced one by one (a tag saved again): it is uncommitted there until its new marker."""
-        if lower.ranks.num_nodes > 1:
-            raise StorageError(f"tier {tier.name}: a job of {lower.ranks.num_nodes} nodes cannot commit to an object "
-                               "store tier yet (docs/deploy.md)", path=tier.path)
+    def begin(self, lower: CommitEvent) -> None:
+        """Before any byte of ``lower`` is uploaded: the marker of an earlier version of the tag deleted, so that no
+        reader takes the tag as committed while its objects are replaced one by one (a tag saved again): it is
+        uncommitted there until its new marker."""
         self.writer.remove(f"{os.path.dirname(next(iter(lower.files)))}/{marker_name(lower.tag)}")
 
     def commit(self, lower: CommitEvent, tier: Tier, keep_last: int | None, spare: set[str]) -> list[str]:
         """Commit ``lower`` (its objects uploaded) on ``tier``: the marker last; then retention. The tag folders pruned."""
         folder = os.path.dirname(next(iter(lower.files)))
-        sizes = dict(list_keys(folder))
-        for path, size in lower.files.items():
-            if sizes.get(path) != size:
-                raise StorageError(f"tier {tier.name}: tag {lower.tag!r} not committed: {path} is "
-                                   f"{'missing' if path not in sizes else f'{sizes[path]} bytes, not {size}'}", path=path)
-        marker = make_marker(lower.tag, lower.files, folder, lower.requested_ns, lower.sequence,
-                             snapshots=lower.snapshots)
-        self.writer.publish(f"{folder}/{marker_name(lower.tag)}", marker.encode())
-        for tracker, data in trackers(lower.tag, folder).items():
+        tag, ranks = lower.tag, lower.ranks
+        files, snapshots = lower.files, lower.snapshots
+        if ranks.num_nodes > 1:
+            if os.path.basename(folder) != tag:
+                raise StorageError(f"tier {tier.name}: tag {tag!r}: in a multi-node job a tag's files must live under "
+                                   f"a folder named {tag!r}", path=folder)
+            mine = make_marker(tag, files, folder, lower.requested_ns, lower.sequence, ranks.num_nodes,
+                               ranks.node_rank, snapshots)
+            self.writer.publish(f"{folder}/{done_name(tag, ranks.node_rank)}", mine.encode())
+            if ranks.node_rank != 0:
+                self._await_marker(folder, lower, tier)
+                return []
+            files, snapshots = self._gather(folder, lower, tier)
+        _check_sizes(folder, files, tier, tag)
+        if ranks.num_nodes > 1:
+            _check_sizes(folder, {f"{folder}/{done_name(tag, k)}": -1 for k in range(ranks.num_nodes)}, tier, tag)
+        marker = make_marker(tag, files, folder, lower.requested_ns, lower.sequence, ranks.num_nodes,
+                             snapshots=snapshots)
+        self.writer.publish(f"{folder}/{marker_name(tag)}", marker.encode())
+        for k in range(ranks.num_nodes if ranks.num_nodes > 1 else 0):
+            self.writer.remove(f"{folder}/{done_name(tag, k)}")
+        for tracker, data in trackers(tag, folder).items():
             self.writer.publish(tracker, data)
         return self.prune(os.path.dirname(folder), keep_last, spare) if keep_last is not None else []
+
+    def _gather(self, folder: str, lower: CommitEvent, tier: Tier) -> tuple[dict[str, int], dict[str, str]]:
+        """Node 0: every node's files and snapshots, from their done markers, once all are there."""
+        nodes, tag = lower.ranks.num_nodes, lower.tag
+        names = {done_name(tag, k): k for k in range(nodes)}
+        deadline, pause = time.monotonic() + self._timeout, FIRST_LOOK_S
+        while True:
+            there = {url.rsplit("/", 1)[1] for url, _ in list_keys(folder)}
+            missing = sorted(k for name, k in names.items() if name not in there)
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: node(s) {missing[:16]} did not "
+                                   f"upload their files within {self._timeout:.0f} s", path=folder)
+            time.sleep(pause)
+            pause = min(pause * 1.5, LONGEST_LOOK_S)
+        files: dict[str, int] = {}
+        snapshots: dict[str, str] = {}
+        for name, k in names.items():
+            done = read_marker_object(f"{folder}/{name}")
+            if done is None or done.tag != tag or done.node != k or done.sequence != lower.sequence:
+                raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: {folder}/{name} is not node {k}'s "
+                                   "done marker of this commit", path=folder)
+            for f in done.files:
+                if not safe_name(f.path):
+                    raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: node {k} lists {f.path!r}, "
+                                       "not a file of the tag's folder", path=folder)
+                files[f"{folder}/{f.path}"] = f.size
+                snapshots[f"{folder}/{f.path}"] = f.snapshot
+        return files, snapshots
+
+    def _await_marker(self, folder: str, lower: CommitEvent, tier: Tier) -> None:
+        """A node other than 0: until node 0 has committed the tag; past ``commit_timeout`` its done marker is taken
+        back and the transfer fails."""
+        nodes, tag = lower.ranks.num_nodes, lower.tag
+        floor = (nodes - 1) / LOOKS_PER_S
+        deadline, pause = time.monotonic() + self._timeout, max(FIRST_LOOK_S, floor) * (0.5 + random.random())
+        while True:
+            marker = read_marker_object(f"{folder}/{marker_name(tag)}")
+            if marker is not None and marker.tag == tag and marker.sequence == lower.sequence:
+                return
+            if time.monotonic() > deadline:
+                self.writer.remove(f"{folder}/{done_name(tag, lower.ranks.node_rank)}")
+                raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: node 0 did not commit it within "
+                                   f"{self._timeout:.0f} s", path=folder)
+            time.sleep(pause)
+            pause = max(floor, min(pause * 1.5, LONGEST_LOOK_S))
 
     def prune(self, run: str, keep_last: int, spare: set[str]) -> list[str]:
         """Delete the committed tags of ``run`` older than its ``keep_last`` newest: each one's marker, then its objects."""
@@ -112,3 +181,12 @@ class ObjectTiers:
     def close(self) -> None:
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_sizes(folder: str, files: dict[str, int], tier: Tier, tag: str) -> None:
+    """Every object of ``files`` is in ``folder`` (one listing) at its size (-1: any); else StorageError."""
+    sizes = dict(list_keys(folder))
+    for path, size in files.items():
+        if path not in sizes or size not in (-1, sizes[path]):
+            raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: {path} is "
+                               f"{'missing' if path not in sizes else f'{sizes[path]} bytes, not {size}'}", path=path)

@@ -79,7 +79,7 @@ class Daemon:
         self.jobs = JobTable()
         self.versions = Versions(self.instance.owner)
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions)
-        self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger, owner)
+        self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger, owner, cfg.commit_timeout)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
                                      on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed(),
                                      ready_ahead=lambda path, size, done: self._spawn(self._ready_ahead(path, size, done)))

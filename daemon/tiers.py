@@ -114,12 +114,13 @@ def _newest_per_run(root: str) -> list[CommittedTag]:
 class TierTransfers:
     """The ledger's listener that carries each committed tag down the tiers; owned by the daemon."""
 
-    def __init__(self, engine: Engine, storage: StorageConfig, ledger: CommitLedger, owner: str) -> None:
+    def __init__(self, engine: Engine, storage: StorageConfig, ledger: CommitLedger, owner: str,
+                 commit_timeout: float) -> None:
         self._engine = engine
         self._storage = storage
         self.tiers = storage.tiers
         self._ledger = ledger
-        self.objects = ObjectTiers(self.tiers, owner)
+        self.objects = ObjectTiers(self.tiers, owner, commit_timeout)
         self._queue: collections.deque[TagTransfers] = collections.deque()
         """Tags whose transfers are not over: the head is being transferred, the rest wait."""
         self._wake = asyncio.Event()
@@ -237,7 +238,7 @@ class TierTransfers:
             transfer.state = TransferState.TRANSFERRING
             try:
                 if is_object(tier.path):
-                    await asyncio.wrap_future(self.objects.run(self.objects.begin, lower, tier))
+                    await asyncio.wrap_future(self.objects.run(self.objects.begin, lower))
                 for (src, size), path in zip(commit.files.items(), lower.files):
                     await self._transfer_file(src, path, size, transfer, f"tier-{commit.order}", is_object(tier.path))
                 if is_object(tier.path):

@@ -182,7 +182,7 @@ def trusted_marker(path: str, whole: bool = True) -> CommitMarker | None:
     reader checking one file against its tag needs).
     """
     if is_object(path):  # who may write the bucket is its policy's to say
-        return read_marker(path) if whole else _decoded(read_object(path))
+        return read_marker(path) if whole else read_marker_object(path)
     why = distrust(path)
     if why:
         log.warning("skipping the commit marker %s: %s", path, why)
@@ -211,16 +211,26 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
     return sorted(found, key=lambda c: c.marker.newness, reverse=True)
 
 
-def _decoded(raw: bytes | None) -> CommitMarker | None:
+def safe_name(path: str) -> bool:
+    """Whether a marker's file entry names an object inside the marker's folder: a relative key, no '.', '..' or
+    empty part (an object store resolves none of them: ``a/../b`` is a key of its own)."""
+    return bool(path) and not path.startswith("/") and all(p not in ("", ".", "..") for p in path.split("/"))
+
+
+def read_marker_object(path: str) -> CommitMarker | None:
+    """The marker (or done marker) object at ``path`` as it reads, or None: absent, not a marker, or listing a file
+    outside its folder."""
+    raw = read_object(path)
     try:
-        return CommitMarker.decode(raw) if raw is not None else None
+        marker = CommitMarker.decode(raw) if raw is not None else None
     except (ValueError, DatastatesError):
         return None
+    return marker if marker is not None and all(safe_name(f.path) for f in marker.files) else None
 
 
 def _object_marker(path: str, sizes: dict[str, int]) -> CommitMarker | None:
     """The marker object at ``path``, if whole and every object it lists is in ``sizes`` (one listing) at its size."""
-    marker = _decoded(read_object(path))
+    marker = read_marker_object(path)
     folder = os.path.dirname(path)
     if marker is None or any(sizes.get(f"{folder}/{f.path}") != f.size for f in marker.files):
         return None
@@ -265,7 +275,7 @@ def listing(path: str, depth: int = 3, roots: Sequence[str] | None = None) -> li
     if is_object(path):  # a tag's objects lie in its own folder, its marker beside them
         folder = os.path.dirname(path)
         marker_path = f"{folder}/{marker_name(os.path.basename(folder))}"
-        marker = _decoded(read_object(marker_path))
+        marker = read_marker_object(marker_path)
         entry = next((f for f in marker.files if f.path == os.path.basename(path)), None) if marker else None
         return [(marker_path, marker, entry)] if marker is not None and entry is not None else []
     out = []

@@ -25,7 +25,7 @@ from datastates.protocol import objectstore
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.format import marker_name
 
-from conftest import DaemonProc, assert_state_equal, refused_run, run_datastatesd_many, save
+from conftest import DaemonProc, assert_state_equal, rank_client, refused_run, run_datastatesd_many, save
 from s3server import FaultProxy, Moto, Rule, any_request, upload_part
 from test_tiers import settle, tier_states
 
@@ -350,6 +350,62 @@ def test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons(
     assert tier_states(status, "step1") == {"fast": "committed", CLOUD: "committed"}, transfer(status, "step1")
     assert_state_equal(state(1, big), datastates.load(f"{url}/runa/step1/rank0.pt"))
     assert uploads(s3, bucket) == []
+
+
+# -- jobs of several nodes ----------------------------------------------------------------------------------------------
+
+
+def node_tiers(tmp: Path, url: str, node: int, **extra: Any) -> dict[str, Any]:
+    """Node ``node``'s config: a fast tier of its own (node-local), the bucket shared."""
+    cfg = tiers(tmp, url, fast=f"node{node}-fast")
+    cfg["storage"]["tiers"][0]["shared"] = False
+    cfg["storage"]["tiers"][1].update(extra)
+    return cfg
+
+
+def save_on_nodes(nodes: list[DaemonProc], tmp: Path, tag: str, states: list[dict[str, Any]]) -> None:
+    """Four ranks, two a node, each saving its own file of ``tag`` on its node's fast tier, then all committing."""
+    clients = [rank_client(nodes[r // 2], r, 4, 2, 2, job="s3") for r in range(4)]
+    try:
+        for r, c in enumerate(clients):
+            c.snapshot(states[r], tmp / f"node{r // 2}-fast" / "run" / tag / f"rank{r}.pt")
+            c.wait()
+        for fut in [c.commit(tag) for c in clients]:
+            fut.result(timeout=120)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_two_nodes_commit_together_on_the_bucket_and_restore_from_it(
+        start_daemons: Callable[..., list[DaemonProc]], tmp_path: Path, s3: Any, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    nodes = start_daemons(*(node_tiers(tmp_path, url, n) for n in range(2)))
+    states = [state(20 + r) for r in range(4)]
+    save_on_nodes(nodes, tmp_path, "global_step5", states)
+    for d in nodes:
+        assert tier_states(settle(d), "global_step5") == {"fast": "committed", CLOUD: "committed"}
+    folder = "jobs/run/global_step5/"
+    marker = json.loads(s3.get_object(Bucket=bucket, Key=folder + marker_name("global_step5"))["Body"].read())
+    assert sorted(f["path"] for f in marker["files"]) == [f"rank{r}.pt" for r in range(4)] and marker["node"] == -1
+    assert not [k for k in keys(s3, bucket, folder) if "datastates-done." in k]  # node 0 took the done markers away
+    assert datastates.latest(f"{url}/run") == "global_step5"
+    for r in range(4):  # a new node finds nothing on its disk: every rank's file comes from the bucket, whole
+        got = datastates.load(f"{url}/run/global_step5/rank{r}.pt")
+        assert_state_equal(states[r], got)
+
+
+@pytest.mark.heavy
+def test_a_node_whose_upload_fails_leaves_the_tag_uncommitted_on_the_bucket(
+        start_daemons: Callable[..., list[DaemonProc]], tmp_path: Path, s3: Any, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    nodes = start_daemons(dict(node_tiers(tmp_path, url, 0), commit_timeout=3),
+                          node_tiers(tmp_path, url, 1, endpoint="http://127.0.0.1:9"))  # node 1 reaches no server
+    save_on_nodes(nodes, tmp_path, "global_step6", [state(30 + r) for r in range(4)])
+    rows = [transfer(settle(d), "global_step6") for d in nodes]
+    assert [r["state"] for r in rows] == ["failed", "failed"], rows
+    assert "did not upload" in rows[0]["error"] and "[1]" in rows[0]["error"], rows[0]
+    assert marker_name("global_step6") not in " ".join(keys(s3, bucket))  # nothing of the tag is committed there
 
 
 # -- refusals: credentials, policies, buckets, addresses ----------------------------------------------------------------
