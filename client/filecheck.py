@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError
 from datastates.protocol.fileio import MADV_POPULATE_READ, on_tmpfs, open_for_reading
-from datastates.protocol.objectstore import ObjectFile, is_object
+from datastates.protocol.objectstore import ObjectFile, is_object, one_read
 from datastates.protocol.format import (
     ARCHIVE,
     DATA_ALIGN,
@@ -59,7 +59,7 @@ def read_region(path: str, start: int, end: int) -> mmap.mmap | None:
     if on_tmpfs(path):
         return buf
     view = memoryview(buf)
-    source = ObjectFile(path) if is_object(path) else None
+    source = ObjectFile.open(path) if is_object(path) else None
     fd = open_for_reading(path) if source is None else -1
     preadv = source.preadv if source is not None else functools.partial(os.preadv, fd)
 
@@ -144,7 +144,7 @@ def _advise(buf: mmap.mmap, advice: int) -> None:
 def opened(path: str) -> Iterator[tuple[int, Callable[[int, int], bytes]]]:
     """(size, pread(length, at)) of a file, or of an object (protocol/objectstore.py): for small reads, a head or a tail."""
     if is_object(path):
-        yield (source := ObjectFile(path)).size, source.pread
+        yield (source := ObjectFile.open(path)).size, source.pread
         return
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -231,10 +231,11 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     Returns (entries, data bytes); raises CorruptCheckpointError or UnsupportedFormatError.
     """
     path = os.fspath(path)
-    header, base, end, layout = read_header(path)
-    check_identity(path, header)
-    check_views(path, header)
-    buf = read_region(path, base, end)
+    with one_read():
+        header, base, end, layout = read_header(path)
+        check_identity(path, header)
+        check_views(path, header)
+        buf = read_region(path, base, end)
     data = memoryview(buf if buf is not None else b"")
     try:
         for index in range(len(header.storages)):

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from datastates.protocol.format import FileHeader, ZipLayout
+from datastates.protocol.objectstore import one_read
 
 from .entries import Entries
 from .filecheck import (  # noqa: F401  (verify: re-exported)
@@ -94,7 +95,12 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, into: Any
     which runs code the file's author chose: only for files you trust.
     """
     path = os.fspath(path)
-    device = torch.device(map_location) if map_location is not None else None
+    with one_read():  # an object's reads share one HEAD, one ETag, one read of its head
+        return _load(path, torch.device(map_location) if map_location is not None else None, into, strict, verify,
+                     weights_only)
+
+
+def _load(path: str, device: torch.device | None, into: Any, strict: bool, verify: bool, weights_only: bool) -> Any:
     if into is not None:
         return load_into(path, into, device, new_key=lambda _: not strict, verify=verify, weights_only=weights_only)
     header, base, end, layout = read_header(path)

@@ -211,7 +211,7 @@ class Stream:
             return
         if is_object(self.path):  # ranged GETs, each straight into the buffers a preadv would fill
             self.scatter = region is None
-            self._threads(ObjectFile(self.path), region, fill=region is not None)
+            self._threads(ObjectFile.open(self.path), region, fill=region is not None)
             return
         tmpfs = on_tmpfs(self.path)
         if region is not None and tmpfs:

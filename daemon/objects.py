@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -46,6 +47,18 @@ log = logging.getLogger(__name__)
 PARTS_AT_ONCE = 8
 """Parts of one file uploaded at a time: each holds a 16 MiB buffer, 128 MiB in all."""
 PROBE = ".datastates-probe-"
+UPLOAD_NICE = 10
+"""How much lower the upload threads' CPU priority is than the daemon's: on a node whose cores the trainer keeps busy,
+an upload (its CRC32s, its TLS) takes what the trainer leaves, and never slows a step or the fast tier's commit."""
+
+
+def _background() -> None:
+    """An upload thread's start: its own priority lowered by UPLOAD_NICE (Linux: a thread's nice value is its own)."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + UPLOAD_NICE))
+    except OSError as exc:
+        log.info("upload threads keep the daemon's CPU priority: %s", exc)
 
 
 class ObjectTiers:
@@ -61,7 +74,8 @@ class ObjectTiers:
         """Tier name → why its start-up check failed (shown in status); transfers there are still tried."""
         self.checked = not self.tiers
         """Whether that check is over (status says it is under way until then)."""
-        self._threads = ThreadPoolExecutor(PARTS_AT_ONCE, thread_name_prefix="ds-upload") if self.tiers else None
+        self._threads = ThreadPoolExecutor(PARTS_AT_ONCE, thread_name_prefix="ds-upload",
+                                           initializer=_background) if self.tiers else None
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Where a part upload (or any other object store call) runs: not on the flush threads."""

@@ -13,14 +13,19 @@ variables (``AWS_ENDPOINT_URL`` included), profile files, instance metadata. A t
 ``endpoint`` and ``region`` keys override the first two; secrets are never in the node
 config. Path-style addressing wherever an endpoint is given (a local server's buckets are
 not host names). Retries: botocore's standard mode, exponential backoff with jitter on 5xx,
-throttling and dropped connections.
+throttling and dropped connections. Every uploaded part carries a CRC32 the server checks
+(botocore's ``when_supported``), which also spares the SHA-256 of each part that signing its
+payload would cost the node's CPU; downloads are checked against the file's own checksums.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -102,7 +107,7 @@ def client(endpoint: str = "", region: str = "") -> Any:
     config = Config(retries={"mode": "standard", "max_attempts": ATTEMPTS}, max_pool_connections=POOL,
                     connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
                     s3={"addressing_style": "path"} if endpoint else {},
-                    request_checksum_calculation="when_required", response_checksum_validation="when_required")
+                    request_checksum_calculation="when_supported", response_checksum_validation="when_required")
     session = boto3.session.Session()
     return session.client("s3", endpoint_url=endpoint or None, region_name=region or session.region_name or "us-east-1",
                           config=config)
@@ -179,10 +184,41 @@ def list_keys(url: str, suffix: str = "") -> Iterator[tuple[str, int]]:
         raise
 
 
+HEAD_BYTES = 1 << 20
+"""The object's first bytes, read in one GET at the first small read there: a checkpoint's index, header and zip
+head are read in a few small reads, each a round trip (and, on some servers, a read of the whole object) of its own."""
+AHEAD_BYTES = 64 << 20
+"""A GET asks for this much past the bytes wanted, and a thread's next read that starts where its last ended goes on
+reading the same response: a piece's steps (client/stream.py) cost one request, not one each."""
+_SHARED: contextvars.ContextVar[dict[str, ObjectFile] | None] = contextvars.ContextVar("datastates_objects",
+                                                                                     default=None)
+
+
+@contextlib.contextmanager
+def one_read() -> Iterator[None]:
+    """Within it, ``ObjectFile.open`` of one address is one ObjectFile: the reads of one load share one HEAD, one
+    ETag (so every read is of the same object) and one read of its head."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 class ObjectFile:
     """A committed object read by ranges, as a file by ``os.preadv``: each range one GET, the bytes read straight into
     the caller's buffers. Every GET asks for the ETag seen at open: an object replaced meanwhile fails the read rather
     than mix two saves' bytes."""
+
+    @classmethod
+    def open(cls, url: str) -> ObjectFile:
+        """The object at ``url``: the one opened already within ``one_read``, else a new one."""
+        shared = _SHARED.get()
+        if shared is None:
+            return cls(url)
+        if url not in shared:
+            shared[url] = cls(url)
+        return shared[url]
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -198,32 +234,58 @@ class ObjectFile:
             raise
         self.size: int = head["ContentLength"]
         self._etag: str = head["ETag"]
+        self._head: bytes | None = None
+        self._head_lock = threading.Lock()
+        self._streams = threading.local()
+        """Per thread: the response it reads on, and the byte it is at."""
 
     def pread(self, length: int, at: int) -> bytes:
-        buf = bytearray(max(0, min(length, self.size - at)))
+        length = max(0, min(length, self.size - at))
+        if at + length <= HEAD_BYTES:
+            with self._head_lock:
+                if self._head is None:
+                    buf = bytearray(min(self.size, HEAD_BYTES))
+                    self._get([memoryview(buf)], 0, len(buf), len(buf))
+                    self._head = bytes(buf)
+            return self._head[at:at + length]
+        buf = bytearray(length)
         self.preadv([memoryview(buf)], at)
         return bytes(buf)
 
     def preadv(self, buffers: list[memoryview], at: int) -> int:
-        """Fill ``buffers`` in order from byte ``at``, in one ranged GET; the bytes read (short only at the end)."""
+        """Fill ``buffers`` in order from byte ``at``; the bytes read (short only at the object's end). On the response
+        this thread's last read left off at ``at``, else on a new ranged GET."""
         total = min(sum(len(b) for b in buffers), self.size - at)
         if total <= 0:
             return 0
+        return self._get(buffers, at, total, min(self.size - at, total + AHEAD_BYTES))
+
+    def _get(self, buffers: list[memoryview], at: int, total: int, ahead: int) -> int:
+        stream = getattr(self._streams, "open", None)
         try:
-            body = self._client.get_object(Bucket=self._where.bucket, Key=self._where.key, IfMatch=self._etag,
-                                       Range=f"bytes={at}-{at + total - 1}")["Body"]
+            if stream is None or stream[1] != at or stream[2] < at + total:
+                if stream is not None:
+                    stream[0].close()
+                body = self._client.get_object(Bucket=self._where.bucket, Key=self._where.key, IfMatch=self._etag,
+                                               Range=f"bytes={at}-{at + ahead - 1}")["Body"]
+                stream = (body, at, at + ahead)
+            body, _, end = stream
+            self._streams.open = None
             got = 0
-            with body:
-                for buf in buffers:
-                    view = buf.cast("B")[:total - got]
-                    while len(view):
-                        n = body.readinto(view)
-                        if not n:
-                            raise CorruptCheckpointError(f"{self.url}: the object ended at byte {at + got}", path=self.url)
-                        got += n
-                        view = view[n:]
-                    if got >= total:
-                        break
+            for buf in buffers:
+                view = buf.cast("B")[:total - got]
+                while len(view):
+                    n = body.readinto(view)
+                    if not n:
+                        raise CorruptCheckpointError(f"{self.url}: the object ended at byte {at + got}", path=self.url)
+                    got += n
+                    view = view[n:]
+                if got >= total:
+                    break
+            if at + got < end:
+                self._streams.open = (body, at + got, end)
+            else:
+                body.close()
             return got
         except Exception as exc:
             if missing(exc):
@@ -231,6 +293,3 @@ class ObjectFile:
             if is_client_error(exc):
                 raise object_error("cannot read", self.url, exc) from None
             raise
-
-    def close(self) -> None:
-        """Nothing is held between reads (the client's connections are shared)."""
