@@ -1027,6 +1027,27 @@ MUTATIONS: tuple[Mutation, ...] = (
               "            if key not in names:  # MUTATION\n"),),
         ("tests/faults/test_fuzz_protocol.py::test_a_peer_cannot_make_the_daemon_decode_another_clients_state_as_its_own",),
     ),
+    Mutation(
+        "s3-marker-ignores-missing-objects",
+        "a marker object counts as committed whatever its objects: a tag with an object gone is restored",
+        (Edit("protocol/tags.py", "    if marker is None or any(sizes.get(f\"{folder}/{f.path}\") != f.size for f in marker.files):",
+              "    if marker is None:  # MUTATION"),),
+        ("tests/test_s3.py::test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored",),
+    ),
+    Mutation(
+        "s3-old-marker-kept-while-a-tag-is-uploaded-again",
+        "a tag saved again keeps its old marker on the bucket while its objects are replaced one by one",
+        (Edit("daemon/objects.py", "        self.writer.remove(f\"{os.path.dirname(next(iter(lower.files)))}/{marker_name(lower.tag)}\")",
+              "        pass  # MUTATION"),),
+        ("tests/test_s3.py::test_a_tag_saved_again_is_uncommitted_on_the_bucket_until_its_new_version_is_whole",),
+    ),
+    Mutation(
+        "s3-aborts-every-journaled-upload",
+        "the next daemon aborts the uploads every daemon of the node journaled, a live one's too",
+        (Edit("daemon/storage/s3.py", "                    if owner is not None and gone(owner, None):",
+              "                    if owner is not None:  # MUTATION"),),
+        ("tests/test_s3.py::test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

@@ -210,6 +210,31 @@ def test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored(
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
     with pytest.raises(CorruptCheckpointError):
         datastates.load(f"{url}/run/step1/rank0.pt")
+    # an object a marker lists, deleted: that tag is no longer committed, and the one before is the newest
+    s3.delete_object(Bucket=bucket, Key="jobs/run/step2/rank0.pt")
+    assert datastates.latest(f"{url}/run") == "step1"
+
+
+def test_a_tag_saved_again_is_uncommitted_on_the_bucket_until_its_new_version_is_whole(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    fast = tmp_path / "fast" / "run"
+    old, new = state(1), state(101)
+    with Client(d.endpoint, timeout=60) as c:
+        for r in range(2):
+            save(c, old, fast / "step1" / f"rank{r}.pt", tag="step1")
+        assert tier_states(settle(d), "step1") == {"fast": "committed", CLOUD: "committed"}
+        held = proxy.add(Rule(upload_part, hold=True))
+        for r in range(2):
+            save(c, new, fast / "step1" / f"rank{r}.pt", tag="step1")
+        wait_for("the new version's upload", lambda: held.seen)
+        assert datastates.latest(f"{url}/run") is None  # never the old marker over a half-replaced tag
+        proxy.release()
+        assert tier_states(settle(d), "step1") == {"fast": "committed", CLOUD: "committed"}
+    assert datastates.latest(f"{url}/run") == "step1"
+    for r in range(2):
+        assert_state_equal(new, datastates.load(f"{url}/run/step1/rank{r}.pt"))
 
 
 # -- faults of the server -----------------------------------------------------------------------------------------------
