@@ -24,7 +24,8 @@ from datastates.protocol import outcome
 from datastates.protocol.descriptors import CUDA_IPC, VM, Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
-from datastates.protocol.format import check_tag
+from datastates.protocol.format import check_tag, marker_name
+from datastates.protocol.tags import trusted_marker
 from datastates.protocol.liveness import pid_namespace, process_start
 from datastates.protocol.paths import check_derived, check_path
 
@@ -33,7 +34,7 @@ from .cuda import GpuRoute
 from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
 from .inplace import Probe, allow_reader, yama_scope
 from .shm import Staging
-from .locate import again_if_deleted, locate
+from .locate import again_if_deleted, locate, readable
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
 
@@ -621,9 +622,14 @@ class Client:
                 why_not = reply.why_not
             except DatastatesError as exc:  # the replica went, or the daemon: storage still has it
                 why_not = f"{exc.code}: {exc}"
+        state = read(path)
+        if is_object(path):  # no rename there: a tag saved again has its objects replaced one by one, under no marker
+            now = readable(trusted_marker, os.path.join(folder, marker_name(tag)))
+            if now is None or now.sequence != marker.sequence or \
+                    next((f.snapshot for f in now.files if f.path == name), None) != entry.snapshot:
+                raise FileNotFoundError(2, "the tag was saved again while it was read", path)  # picked anew
         log.info("restored %s (tag %s) from storage%s: %s", path, tag, f" tier {found.tier}" * bool(found.tier), why_not)
-        return Restored(tag=tag, path=path, source="storage", state=read(path),
-                        why_not_memory=why_not, tier=found.tier)
+        return Restored(tag=tag, path=path, source="storage", state=state, why_not_memory=why_not, tier=found.tier)
 
     def status(self) -> dict[str, Any]:
         return self._daemon().call(m.Status(), self.timeout).status

@@ -41,6 +41,7 @@ import torch
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import StateMismatchError
 from datastates.protocol.format import FileHeader, ZipLayout
+from datastates.protocol.objectstore import one_read
 
 from .entries import Entries
 from .filecheck import check_bounds, check_identity, check_views, check_zip, read_header
@@ -310,6 +311,11 @@ def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_
     format around it). A slice that does not fit (a key the file lacks, out of bounds, another shape) raises
     StateMismatchError naming it before anything is written. A storage two slices share is read once.
     """
+    with one_read():  # an object's reads share one HEAD and one ETag: its header and data are of one version
+        return _load_slices(path, slices, verify, weights_only)
+
+
+def _load_slices(path: str, slices: list[Slice], verify: bool, weights_only: bool) -> dict[str, Any]:
     header, base, end, _, plan = _opened(path, verify, weights_only)
     root = plan.entry(header.root)
     spans: dict[int, list[tuple[Slice, int, int, dict, torch.dtype]]] = {}

@@ -17,7 +17,7 @@ from typing import Callable, TypeVar
 
 from datastates.protocol.paths import home_tier
 from datastates.protocol.descriptors import Tier
-from datastates.protocol.errors import CheckpointGoneError, CommitError, StorageError
+from datastates.protocol.errors import CheckpointGoneError, CommitError, DatastatesError
 from datastates.protocol.format import CommitMarker, marker_name
 from datastates.protocol.objectstore import is_object
 from datastates.protocol.tags import newest, trusted_marker
@@ -60,25 +60,25 @@ def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: boo
     places = tier_roots(root, tiers)
     if tag is None:
         deciding = [(t, r) for t, r in places if t is None or t.shared or not multi_node] or places
-        found = [c.marker for c in (_readable(newest, r) for _, r in deciding) if c is not None]
+        found = [c.marker for c in (readable(newest, r) for _, r in deciding) if c is not None]
         if not found:
             return None
         tag = max(found, key=lambda mk: mk.newness).tag
     for tier, place in places:
         folder = os.path.join(place, tag)
-        marker = _readable(trusted_marker, os.path.join(folder, marker_name(tag)))
+        marker = readable(trusted_marker, os.path.join(folder, marker_name(tag)))
         if marker is not None:
             return Located(tag, folder, marker, tier.name if tier else "", os.path.join(places[0][1], tag))
     where = ", ".join(r for _, r in places)
     raise CommitError(f"tag {tag!r} is not committed under {where} (no valid {marker_name(tag)})", tag=tag)
 
 
-def _readable(read: Callable[[str], T], place: str) -> T | None:
+def readable(read: Callable[[str], T], place: str) -> T | None:
     """``read(place)``; None, logged, where ``place`` is an object store that cannot be read now (down, refusing): a
     restore then takes what the other tiers hold."""
     try:
         return read(place)
-    except StorageError as exc:
+    except DatastatesError as exc:  # StorageError; ConfigError with no boto3 here
         if not is_object(place):
             raise
         log.warning("cannot read %s, restoring from the other tiers: %s", place, exc.message)

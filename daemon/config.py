@@ -17,7 +17,7 @@ import yaml
 from datastates.protocol import security
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.descriptors import Tier
-from datastates.protocol.objectstore import ObjectPath, is_object
+from datastates.protocol.objectstore import ObjectPath, check_endpoint, check_region, is_object
 from datastates.protocol.errors import ConfigError
 from datastates.protocol.fileio import PAGE
 
@@ -274,9 +274,12 @@ def _tiers(value: Any) -> list[Tier]:
             raise ConfigError(f"{where}.shared: an object store tier is seen by every node", key=f"{where}.shared")
         place = {k: raw.get(k, "") for k in ("endpoint", "region")}
         for key, value in place.items():
-            if value and not is_object(path) or not isinstance(value, str) or "\n" in value:
+            if value and not is_object(path) or not isinstance(value, str):
                 raise ConfigError(f"{where}.{key}: {value!r} must be a string, and only an s3:// tier has one",
                                   key=f"{where}.{key}")
+            why = (check_endpoint if key == "endpoint" else check_region)(value)
+            if why:
+                raise ConfigError(f"{where}.{key}: {why}", key=f"{where}.{key}")
         tier = Tier(name=name, path=path, shared=shared, **place,
                     keep_last=None if keep_last is None else _positive_int(keep_last, f"{where}.keep_last"))
         for other in tiers:

@@ -32,9 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from datastates.protocol.descriptors import Tier
-from datastates.protocol.errors import StorageError
+from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.format import done_name, marker_name
-from datastates.protocol.objectstore import is_object, list_keys
+from datastates.protocol.objectstore import is_object, list_etags, list_keys
+from datastates.protocol.paths import within
 from datastates.protocol.tags import committed_tags, read_marker_object, safe_name
 
 from .commit import make_marker, trackers
@@ -89,7 +90,7 @@ class ObjectTiers:
             try:
                 self.writer.publish(probe, b"datastates start-up check")
                 self.writer.remove(probe)
-            except StorageError as exc:
+            except DatastatesError as exc:
                 self.problems[tier.name] = exc.message
                 log.error("storage tier %s (%s) cannot be written: %s; tags committed on faster tiers stay there",
                           tier.name, tier.path, exc.message)
@@ -106,6 +107,7 @@ class ObjectTiers:
         folder = os.path.dirname(next(iter(lower.files)))
         tag, ranks = lower.tag, lower.ranks
         files, snapshots = lower.files, lower.snapshots
+        self._check_own(folder, lower, tier)
         if ranks.num_nodes > 1:
             if os.path.basename(folder) != tag:
                 raise StorageError(f"tier {tier.name}: tag {tag!r}: in a multi-node job a tag's files must live under "
@@ -123,11 +125,30 @@ class ObjectTiers:
         marker = make_marker(tag, files, folder, lower.requested_ns, lower.sequence, ranks.num_nodes,
                              snapshots=snapshots)
         self.writer.publish(f"{folder}/{marker_name(tag)}", marker.encode())
-        for k in range(ranks.num_nodes if ranks.num_nodes > 1 else 0):
-            self.writer.remove(f"{folder}/{done_name(tag, k)}")
-        for tracker, data in trackers(tag, folder).items():
-            self.writer.publish(tracker, data)
-        return self.prune(os.path.dirname(folder), keep_last, spare) if keep_last is not None else []
+        try:  # committed: what follows only tidies, and a failure of it is logged, never the commit's
+            for k in range(ranks.num_nodes if ranks.num_nodes > 1 else 0):
+                self.writer.remove(f"{folder}/{done_name(tag, k)}")
+            run = os.path.dirname(folder)
+            if os.path.basename(folder) != tag or not within(run, tier.path):
+                return []  # files with no folder of their own: no run folder of theirs to track or prune in
+            for tracker, data in trackers(tag, folder).items():
+                self.writer.publish(tracker, data)
+            return self.prune(run, keep_last, spare) if keep_last is not None else []
+        except DatastatesError as exc:
+            log.warning("tag %s committed on tier %s, but its trackers or retention failed: %s", tag, tier.name,
+                        exc.message)
+            return []
+
+    def _check_own(self, folder: str, lower: CommitEvent, tier: Tier) -> None:
+        """Each object this node uploaded for ``lower`` is still the one its upload made (by ETag): another writer of
+        the same keys (a job saving the same path, another node's stale transfer) fails the commit, never
+        has its bytes committed as this tag's."""
+        etags = list_etags(folder)
+        for path in lower.files:
+            made = self.writer.completed.pop(path, None)
+            if made is None or etags.get(path) != made:
+                raise StorageError(f"tier {tier.name}: tag {lower.tag!r} not committed: {path} is not the object this "
+                                   "daemon uploaded (another writer replaced it)", path=path)
 
     def _gather(self, folder: str, lower: CommitEvent, tier: Tier) -> tuple[dict[str, int], dict[str, str]]:
         """Node 0: every node's files and snapshots, from their done markers, once all are there."""
@@ -186,7 +207,7 @@ class ObjectTiers:
                 self.writer.remove(tag.marker_path)
                 for url, _ in list(list_keys(tag.folder)):
                     self.writer.remove(url)
-            except StorageError as exc:
+            except DatastatesError as exc:  # a refusal, or a key no address can name (``a//b``): left as it is
                 log.warning("keep_last: cannot delete tag %s from %s: %s", tag.tag, run, exc.message)
                 continue
             gone.append(tag.folder)

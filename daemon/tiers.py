@@ -40,6 +40,7 @@ from .events import CommitEvent
 from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .objects import PARTS_AT_ONCE, ObjectTiers
+from .storage.s3 import MAX_PARTS
 from .sink import FileSink
 
 log = logging.getLogger(__name__)
@@ -176,9 +177,9 @@ class TierTransfers:
         lacks it committed (older ones stay as they are: a later tag supersedes them). A
         multi-node tag resumes from a node-local tier only, where the marker names its node.
         """
-        if self.objects.tiers:
-            await asyncio.get_running_loop().run_in_executor(None, self.objects.check)
         try:
+            if self.objects.tiers:
+                await asyncio.get_running_loop().run_in_executor(None, self.objects.check)
             undone = await self._engine.flush(self._undone)
         except (OSError, DatastatesError) as exc:
             log.warning("cannot look for tier transfers an earlier run left undone: %s", exc)
@@ -260,6 +261,9 @@ class TierTransfers:
         """``src`` to ``dest`` piece by piece: one at a time on the flush threads to a file; PARTS_AT_ONCE at a time
         on the upload threads to an object store (``ObjectTiers.run``), each piece with a buffer of its own."""
         if to_object:
+            if size > MAX_PARTS * TRANSFER_PIECE:
+                raise StorageError(f"cannot upload {src}: {size} bytes is more than {MAX_PARTS} parts of "
+                                   f"{TRANSFER_PIECE} bytes, the most an object store takes", path=dest)
             sink, window = FileSink(self.objects.writer, dest, token), PARTS_AT_ONCE
             run = lambda fn, *args: asyncio.wrap_future(self.objects.run(fn, *args))  # noqa: E731
         else:

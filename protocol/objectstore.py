@@ -40,6 +40,8 @@ READ_TIMEOUT_S = 60.0
 POOL = 32
 """Connections per client: the parallel part uploads and ranged reads of every file at once."""
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_ENDPOINT_RE = re.compile(r"https?://[A-Za-z0-9.\[\]:-]+(:[0-9]{1,5})?/?")
+_REGION_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
 
 def is_object(path: str) -> bool:
@@ -106,11 +108,27 @@ def client(endpoint: str = "", region: str = "") -> Any:
     endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
     config = Config(retries={"mode": "standard", "max_attempts": ATTEMPTS}, max_pool_connections=POOL,
                     connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                    s3={"addressing_style": "path"} if endpoint else {},
-                    request_checksum_calculation="when_supported", response_checksum_validation="when_required")
-    session = boto3.session.Session()
-    return session.client("s3", endpoint_url=endpoint or None, region_name=region or session.region_name or "us-east-1",
-                          config=config)
+                    s3={"addressing_style": "path"} if endpoint else {}, response_checksum_validation="when_required")
+    try:
+        session = boto3.session.Session()
+        return session.client("s3", endpoint_url=endpoint or None,
+                              region_name=region or session.region_name or "us-east-1", config=config)
+    except Exception as exc:  # a malformed endpoint or region, an unreadable profile: botocore's own words
+        raise ConfigError(f"cannot reach an object store at {endpoint or 'AWS'!r}: {exc}") from None
+
+
+def check_endpoint(endpoint: str) -> str:
+    """Why ``endpoint`` (a tier's key) is no object store server's URL, or "": ``http(s)://host[:port]``."""
+    if endpoint and not _ENDPOINT_RE.fullmatch(endpoint):
+        return f"{endpoint!r} is not http://HOST[:PORT] or https://HOST[:PORT]"
+    return ""
+
+
+def check_region(region: str) -> str:
+    """Why ``region`` (a tier's key) is no region name, or ""."""
+    if region and not _REGION_RE.fullmatch(region):
+        return f"{region!r} is not a region name (letters, digits and '-', as us-east-1)"
+    return ""
 
 
 _REFUSED = {
@@ -169,19 +187,29 @@ def read_object(url: str) -> bytes | None:
         raise
 
 
-def list_keys(url: str, suffix: str = "") -> Iterator[tuple[str, int]]:
-    """(url, size) of every object below the folder ``url`` whose key ends with ``suffix``."""
+def _listing(url: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(url, the listing's entry) of every object below the folder ``url``."""
     where = ObjectPath.parse(url)
-    pages = client_for(url).get_paginator("list_objects_v2").paginate(Bucket=where.bucket, Prefix=where.prefix)
     try:
+        pages = client_for(url).get_paginator("list_objects_v2").paginate(Bucket=where.bucket, Prefix=where.prefix)
         for page in pages:
             for item in page.get("Contents", []):
-                if item["Key"].endswith(suffix):
-                    yield f"{SCHEME}{where.bucket}/{item['Key']}", item["Size"]
+                yield f"{SCHEME}{where.bucket}/{item['Key']}", item
     except Exception as exc:
         if is_client_error(exc):
             raise object_error("cannot list", url, exc) from None
         raise
+
+
+def list_keys(url: str) -> Iterator[tuple[str, int]]:
+    """(url, size) of every object below the folder ``url``."""
+    for found, item in _listing(url):
+        yield found, item["Size"]
+
+
+def list_etags(url: str) -> dict[str, str]:
+    """url → ETag of every object below the folder ``url``: which upload made each."""
+    return {found: item.get("ETag", "") for found, item in _listing(url)}
 
 
 HEAD_BYTES = 1 << 20
@@ -198,11 +226,14 @@ _SHARED: contextvars.ContextVar[dict[str, ObjectFile] | None] = contextvars.Cont
 def one_read() -> Iterator[None]:
     """Within it, ``ObjectFile.open`` of one address is one ObjectFile: the reads of one load share one HEAD, one
     ETag (so every read is of the same object) and one read of its head."""
-    token = _SHARED.set({})
+    opened: dict[str, ObjectFile] = {}
+    token = _SHARED.set(opened)
     try:
         yield
     finally:
         _SHARED.reset(token)
+        for f in opened.values():
+            f.close()
 
 
 class ObjectFile:
@@ -233,11 +264,15 @@ class ObjectFile:
                 raise object_error("cannot read", url, exc) from None
             raise
         self.size: int = head["ContentLength"]
-        self._etag: str = head["ETag"]
+        self._etag: str = head.get("ETag", "")
+        if not self._etag:
+            raise StorageError(f"cannot read {url}: the server names no ETag for it, so its reads cannot be pinned to "
+                               "one version of it", path=url)
         self._head: bytes | None = None
         self._head_lock = threading.Lock()
-        self._streams = threading.local()
-        """Per thread: the response it reads on, and the byte it is at."""
+        self._lock = threading.Lock()
+        self._streams: dict[int, tuple[Any, int, int]] = {}
+        """Per thread: the response it reads on, the byte it is at, and where that response ends."""
 
     def pread(self, length: int, at: int) -> bytes:
         length = max(0, min(length, self.size - at))
@@ -261,7 +296,9 @@ class ObjectFile:
         return self._get(buffers, at, total, min(self.size - at, total + AHEAD_BYTES))
 
     def _get(self, buffers: list[memoryview], at: int, total: int, ahead: int) -> int:
-        stream = getattr(self._streams, "open", None)
+        thread = threading.get_ident()
+        with self._lock:
+            stream = self._streams.pop(thread, None)
         try:
             if stream is None or stream[1] != at or stream[2] < at + total:
                 if stream is not None:
@@ -270,7 +307,6 @@ class ObjectFile:
                                                Range=f"bytes={at}-{at + ahead - 1}")["Body"]
                 stream = (body, at, at + ahead)
             body, _, end = stream
-            self._streams.open = None
             got = 0
             for buf in buffers:
                 view = buf.cast("B")[:total - got]
@@ -283,13 +319,23 @@ class ObjectFile:
                 if got >= total:
                     break
             if at + got < end:
-                self._streams.open = (body, at + got, end)
+                with self._lock:
+                    self._streams[thread] = (body, at + got, end)
             else:
                 body.close()
             return got
         except Exception as exc:
+            if stream is not None:
+                stream[0].close()
             if missing(exc):
                 raise FileNotFoundError(2, "the object was deleted while it was read", self.url) from None
             if is_client_error(exc):
                 raise object_error("cannot read", self.url, exc) from None
             raise
+
+    def close(self) -> None:
+        """Let go of the responses the reading threads left open (read ahead, not needed)."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for body, _, _ in streams:
+            body.close()

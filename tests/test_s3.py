@@ -215,6 +215,36 @@ def test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored(
     assert datastates.latest(f"{url}/run") == "step1"
 
 
+def listing(method: str, path: str, query: str) -> bool:
+    return method == "GET" and "list-type=2" in query
+
+
+def test_an_object_another_writer_replaced_before_the_marker_fails_the_commit(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    s3 = s3_client(proxy.url)
+    mine, theirs = state(1), state(201)
+    settle(d)  # its start-up look for transfers left undone is over: the next listing is the commit's
+    held = proxy.add(Rule(listing, hold=True))  # the commit's check, once every part is up
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, mine, tmp_path / "fast" / "run" / "step1" / "rank0.pt")
+    wait_for("the commit's listing", lambda: held.seen)
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, theirs, tmp_path / "fast" / "other" / "step1" / "rank0.pt")
+    key = "jobs/run/step1/rank0.pt"  # the same key, the same size, another writer's bytes
+    body = (tmp_path / "fast" / "other" / "step1" / "rank0.pt").read_bytes()
+    assert len(body) == s3.head_object(Bucket=bucket, Key=key)["ContentLength"], "the test needs equal sizes"
+    s3.put_object(Bucket=bucket, Key=key, Body=body)
+    proxy.clear()
+    proxy.release()
+    status = settle(d)
+    row = next(t for e in status["tier_transfers"]["tags"] for t in e["tiers"] if t["folder"] == f"{url}/run/step1")
+    assert row["state"] == "failed" and "another writer replaced it" in row["error"], row
+    assert marker_name("step1") not in " ".join(keys(s3, bucket, "jobs/run/"))
+    assert datastates.latest(f"{url}/run") is None
+
+
 def test_a_tag_saved_again_is_uncommitted_on_the_bucket_until_its_new_version_is_whole(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
     url = f"s3://{bucket}/jobs"
@@ -516,9 +546,15 @@ def test_bad_object_store_tiers_stop_the_daemon_with_a_clear_error(tmp_path: Pat
     cases = {
         "upper": ([fast, {"name": CLOUD, "path": "s3://UPPER/x"}], "storage.tiers[1].path", "not a bucket name"),
         "empty": ([fast, {"name": CLOUD, "path": "s3://"}], "storage.tiers[1].path", "not a bucket name"),
-        "scheme": ([fast, {"name": CLOUD, "path": "gs://b/p"}], "storage.tiers[1].path", ""),
-        "first": ([{"name": CLOUD, "path": "s3://okay-bucket/x"}, fast], "storage.tiers[0].path", ""),
-        "alone": ([{"name": CLOUD, "path": "s3://okay-bucket/x"}], "storage.tiers[0].path", ""),
+        "scheme": ([fast, {"name": CLOUD, "path": "gs://b/p"}], "storage.tiers[1].path", "unknown scheme 'gs'"),
+        "first": ([{"name": CLOUD, "path": "s3://okay-bucket/x"}, fast], "storage.tiers[0].path", "the first tier"),
+        "alone": ([{"name": CLOUD, "path": "s3://okay-bucket/x"}], "storage.tiers[0].path", "the first tier"),
+        "endpoint": ([fast, {"name": CLOUD, "path": "s3://okay-bucket/x", "endpoint": "localhost:9000"}],
+                     "storage.tiers[1].endpoint", "is not http://HOST[:PORT]"),
+        "region": ([fast, {"name": CLOUD, "path": "s3://okay-bucket/x", "region": "us east 1"}],
+                   "storage.tiers[1].region", "is not a region name"),
+        "local": ([fast, {"name": CLOUD, "path": "s3://okay-bucket/x", "shared": False}],
+                  "storage.tiers[1].shared", "seen by every node"),
     }
     argvs = {}
     for case, (tier_list, _, _) in cases.items():

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from datastates.protocol.errors import StorageError
+from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.objectstore import ObjectPath, client_for, is_client_error, missing, object_error
 
 from ..instances import Gone, daemons_folder
@@ -28,7 +28,9 @@ from .base import StorageWriter, register_writer
 log = logging.getLogger(__name__)
 
 PART = 16 << 20
-"""Bytes of one uploaded part: a tier transfer's piece. 10,000 parts (the S3 limit) make a 160 GiB file at most."""
+"""Bytes of one uploaded part: a tier transfer's piece."""
+MAX_PARTS = 10_000
+"""The most parts of one upload (the S3 limit): a file of 160 GiB at most."""
 JOURNAL_SUFFIX = ".uploads"
 
 
@@ -55,6 +57,9 @@ class S3Writer(StorageWriter):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._journal_lock = threading.Lock()
+        self.completed: dict[str, str] = {}
+        """url → the ETag of the object this writer's last upload there made: the commit checks the object is still
+        that one (``ObjectTiers.commit``), then forgets it."""
 
     def _call(self, what: str, url: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
         try:
@@ -71,7 +76,7 @@ class S3Writer(StorageWriter):
                            Key=where.key, Metadata={"datastates-owner": self.owner, "datastates-token": token[:128]})
         upload = _Upload(path, where, reply["UploadId"])
         with self._journal_lock, open(journal_path(self.owner), "a") as f:
-            f.write(f"{where.bucket} {upload.upload_id} {where.key}\n")
+            f.write(f"{where.bucket} {upload.upload_id}\n")  # not the key: a key may hold any character
         return upload
 
     def write(self, handle: _Upload, offset: int, data: memoryview) -> None:
@@ -93,13 +98,17 @@ class S3Writer(StorageWriter):
         s3 = client_for(handle.url)
         if not parts:  # an empty file: a multipart upload needs a part, so an empty object instead
             self.abort(handle)
-            self._call("cannot write", handle.url, s3.put_object, Bucket=handle.where.bucket, Key=handle.where.key,
-                       Body=b"")
+            reply = self._call("cannot write", handle.url, s3.put_object, Bucket=handle.where.bucket,
+                               Key=handle.where.key, Body=b"")
+            with self._journal_lock:
+                self.completed[handle.url] = reply.get("ETag", "")
             return
-        self._call("cannot complete", handle.url, s3.complete_multipart_upload, Bucket=handle.where.bucket,
-                   Key=handle.where.key, UploadId=handle.upload_id,
-                   MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in parts]})
+        reply = self._call("cannot complete", handle.url, s3.complete_multipart_upload, Bucket=handle.where.bucket,
+                           Key=handle.where.key, UploadId=handle.upload_id,
+                           MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in parts]})
         handle.done = True
+        with self._journal_lock:
+            self.completed[handle.url] = reply.get("ETag", "")
         size = self._call("cannot check", handle.url, s3.head_object, Bucket=handle.where.bucket,
                           Key=handle.where.key)["ContentLength"]
         if size != handle.end:
@@ -137,35 +146,51 @@ class S3Writer(StorageWriter):
     def remove_leftovers(self, root: str, gone: Gone) -> list[str]:
         """Abort the multipart uploads below ``root`` that a dead daemon of this node journaled; no other."""
         owners: dict[tuple[str, str], str] = {}
+        journals: dict[str, list[str]] = {}
         folder = daemons_folder()
         for name in os.listdir(folder):
-            owner = name.removesuffix(JOURNAL_SUFFIX)
-            if not name.endswith(JOURNAL_SUFFIX) or owner == self.owner:
+            owner = name.split(".", 1)[0]  # <owner>.uploads, or <owner>.adopted-<dead owner>.uploads
+            if not name.endswith(JOURNAL_SUFFIX) or owner == self.owner or not gone(owner, None):
                 continue
-            with open(os.path.join(folder, name)) as f:
-                for line in f:
-                    bucket, upload_id, _ = line.rstrip("\n").split(" ", 2)
-                    owners[(bucket, upload_id)] = owner
+            try:
+                with open(os.path.join(folder, name), errors="replace") as f:
+                    lines = f.read().splitlines()
+            except FileNotFoundError:  # another daemon's recovery took it meanwhile
+                continue
+            journals.setdefault(owner, []).append(name)
+            for line in lines:
+                parts = line.split(" ")
+                if len(parts) == 2:  # a line cut short by a kill is no upload of a dead daemon's
+                    owners[(parts[0], parts[1])] = owner
         if not owners:
             return []
         where = ObjectPath.parse(root)
-        s3 = client_for(root)
         aborted = []
-        pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=where.bucket, Prefix=where.prefix)
         try:
+            s3 = client_for(root)
+            pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=where.bucket, Prefix=where.prefix)
             for page in pages:
                 for upload in page.get("Uploads", []):
-                    owner = owners.get((where.bucket, upload["UploadId"]))
-                    if owner is not None and gone(owner, None):
+                    if (where.bucket, upload["UploadId"]) in owners:
                         s3.abort_multipart_upload(Bucket=where.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                         aborted.append(f"s3://{where.bucket}/{upload['Key']} (upload {upload['UploadId'][:12]})")
         except Exception as exc:
-            if is_client_error(exc):
-                log.warning("cannot abort the uploads killed daemons left below %s: %s", root,
-                            object_error("list", root, exc).message)
-                return aborted
-            raise
+            if not (is_client_error(exc) or isinstance(exc, DatastatesError)):
+                raise
+            why = exc.message if isinstance(exc, DatastatesError) else object_error("list", root, exc).message
+            log.warning("cannot abort the uploads killed daemons left below %s (%s): this daemon takes their "
+                        "journals over, for the daemon after it", root, why)
+            self._adopt(folder, [n for names in journals.values() for n in names])
         return aborted
+
+    def _adopt(self, folder: str, names: list[str]) -> None:
+        """Take dead daemons' journals over as this daemon's own (``<owner>.adopted-<name>``), so that forgetting
+        them (daemon/instances.py) never loses an upload still to be aborted: the next daemon after this one does."""
+        for name in names:
+            try:
+                os.rename(os.path.join(folder, name), os.path.join(folder, f"{self.owner}.adopted-{name}"))
+            except OSError:
+                pass
 
 
 register_writer(S3Writer)
