@@ -346,6 +346,8 @@ def main() -> int:
                     "a checkpoint of ~0.29 GB with the AdamW state)")
     ap.add_argument("--layers", type=int, default=6, help="training: Linear layers (default 6)")
     ap.add_argument("--batch", type=int, default=256, help="training: rows per step (default 256)")
+    ap.add_argument("--skip-transfers", action="store_true", help="only the training runs (say, again with "
+                    "--moto-nice 19: moto then takes only the CPU the trainer leaves, as a remote server would)")
     ap.add_argument("--moto-nice", type=int, default=0, help="run moto_server at this nice value (default 0); "
                     "a higher one lets the trainer take the CPU moto, standing in for a remote S3, would take")
     ap.add_argument("--raw-threads", type=int, default=2, help="threads of the raw O_DIRECT write (default 2)")
@@ -385,116 +387,117 @@ def main() -> int:
                                  {"name": "cloud", "path": f"s3://{BUCKET}/{PREFIX}", "keep_last": 1}]}
 
         # ---- upload, download, fast-tier commit vs torch.save / DCP / raw
-        with datastatesd(work, **common, storage=cloud_tiers) as ep, Client(ep, timeout=600) as client:
-            wait_pool_mapped(ep)
-            into = [zeros_like_state(s) for s in states]
-            bufs: list[memoryview] = []
-            for r in range(args.runs):
-                tag = f"u{r}"
-                wait_idle(ep)
-                gc.collect()
-                # ours: snapshot + wait + commit on the fast tier, then the background upload
-                t0 = time.perf_counter()
-                for name, st in zip(names, states):
-                    client.snapshot(st, os.path.join(fast, "run", tag, name), tag=tag)
-                client.wait()
-                client.commit(tag).result()
-                t_commit = time.perf_counter()
-                t_cloud, entry = wait_cloud(ep, tag)
-                add("commit on fast tier", t_commit - t0)
-                add("upload: datastates tier", t_cloud - t_commit)
-                sent = entry["bytes_total"]
-                paths = [os.path.join(fast, "run", tag, n) for n in names]
-                file_bytes = sum(os.path.getsize(p) for p in paths)
-                if sent != file_bytes:
-                    print(f"note: the S3 tier's bytes_total {sent} != the files' {file_bytes}")
+        if not args.skip_transfers:
+            with datastatesd(work, **common, storage=cloud_tiers) as ep, Client(ep, timeout=600) as client:
+                wait_pool_mapped(ep)
+                into = [zeros_like_state(s) for s in states]
+                bufs: list[memoryview] = []
+                for r in range(args.runs):
+                    tag = f"u{r}"
+                    wait_idle(ep)
+                    gc.collect()
+                    # ours: snapshot + wait + commit on the fast tier, then the background upload
+                    t0 = time.perf_counter()
+                    for name, st in zip(names, states):
+                        client.snapshot(st, os.path.join(fast, "run", tag, name), tag=tag)
+                    client.wait()
+                    client.commit(tag).result()
+                    t_commit = time.perf_counter()
+                    t_cloud, entry = wait_cloud(ep, tag)
+                    add("commit on fast tier", t_commit - t0)
+                    add("upload: datastates tier", t_cloud - t_commit)
+                    sent = entry["bytes_total"]
+                    paths = [os.path.join(fast, "run", tag, n) for n in names]
+                    file_bytes = sum(os.path.getsize(p) for p in paths)
+                    if sent != file_bytes:
+                        print(f"note: the S3 tier's bytes_total {sent} != the files' {file_bytes}")
 
-                # peers of the fast-tier commit, on the same disk
-                ts = os.path.join(work, "ts")
-                os.makedirs(ts)
-                t0 = time.perf_counter()
-                for name, st in zip(names, states):
-                    torch.save(st, os.path.join(ts, name))
-                fsync_tree(ts)
-                add("torch.save (fsync)", time.perf_counter() - t0)
-                shutil.rmtree(ts)
-                t0 = time.perf_counter()
-                dcp.save({f"r{i}": st for i, st in enumerate(states)}, checkpoint_id=os.path.join(work, "dcp"),
-                         no_dist=True)
-                fsync_tree(os.path.join(work, "dcp"))
-                add("dcp.save (fsync)", time.perf_counter() - t0)
-                shutil.rmtree(os.path.join(work, "dcp"))
-                add("raw O_DIRECT write", raw_write(os.path.join(work, "raw.bin"), file_bytes, args.raw_threads))
+                    # peers of the fast-tier commit, on the same disk
+                    ts = os.path.join(work, "ts")
+                    os.makedirs(ts)
+                    t0 = time.perf_counter()
+                    for name, st in zip(names, states):
+                        torch.save(st, os.path.join(ts, name))
+                    fsync_tree(ts)
+                    add("torch.save (fsync)", time.perf_counter() - t0)
+                    shutil.rmtree(ts)
+                    t0 = time.perf_counter()
+                    dcp.save({f"r{i}": st for i, st in enumerate(states)}, checkpoint_id=os.path.join(work, "dcp"),
+                             no_dist=True)
+                    fsync_tree(os.path.join(work, "dcp"))
+                    add("dcp.save (fsync)", time.perf_counter() - t0)
+                    shutil.rmtree(os.path.join(work, "dcp"))
+                    add("raw O_DIRECT write", raw_write(os.path.join(work, "raw.bin"), file_bytes, args.raw_threads))
 
-                # boto3 uploads of the same files
-                ups: dict[str, Callable[[], None]] = {
-                    "upload: boto3 upload_file c8": lambda: upload_file(s3, paths, "client/a", 8),
-                    "upload: boto3 upload_file c16": lambda: upload_file(s3, paths, "client/b", 16),
-                    "upload: boto3 parts pool8": lambda: upload_parts(s3, paths, "client/c", 8),
-                }
-                for name, fn in ups.items():
+                    # boto3 uploads of the same files
+                    ups: dict[str, Callable[[], None]] = {
+                        "upload: boto3 upload_file c8": lambda: upload_file(s3, paths, "client/a", 8),
+                        "upload: boto3 upload_file c16": lambda: upload_file(s3, paths, "client/b", 16),
+                        "upload: boto3 parts pool8": lambda: upload_parts(s3, paths, "client/c", 8),
+                    }
+                    for name, fn in ups.items():
+                        gc.collect()
+                        t0 = time.perf_counter()
+                        fn()
+                        add(name, time.perf_counter() - t0)
+                    for p in ("client/a", "client/b", "client/c"):
+                        delete_prefix(s3, p)
+                    print(f"run {r + 1}/{args.runs} upload: " + ", ".join(
+                        f"{n.split(': ')[1]} {times[n][-1]:.2f} s" for n in ["upload: datastates tier", *ups]), flush=True)
+
+                    # downloads of the tag's objects
+                    urls = [f"s3://{BUCKET}/{PREFIX}/run/{tag}/{n}" for n in names]
+                    keys = [f"{PREFIX}/run/{tag}/{n}" for n in names]
+                    if not bufs:
+                        sizes = [s3.head_object(Bucket=BUCKET, Key=k)["ContentLength"] for k in keys]
+                        bufs = [memoryview(bytearray(n)) for n in sizes]  # preallocated and touched: the client's best
                     gc.collect()
                     t0 = time.perf_counter()
-                    fn()
-                    add(name, time.perf_counter() - t0)
-                for p in ("client/a", "client/b", "client/c"):
-                    delete_prefix(s3, p)
-                print(f"run {r + 1}/{args.runs} upload: " + ", ".join(
-                    f"{n.split(': ')[1]} {times[n][-1]:.2f} s" for n in ["upload: datastates tier", *ups]), flush=True)
-
-                # downloads of the tag's objects
-                urls = [f"s3://{BUCKET}/{PREFIX}/run/{tag}/{n}" for n in names]
-                keys = [f"{PREFIX}/run/{tag}/{n}" for n in names]
-                if not bufs:
-                    sizes = [s3.head_object(Bucket=BUCKET, Key=k)["ContentLength"] for k in keys]
-                    bufs = [memoryview(bytearray(n)) for n in sizes]  # preallocated and touched: the client's best
-                gc.collect()
-                t0 = time.perf_counter()
-                got = [datastates.load(u) for u in urls]
-                add("download: datastates load", time.perf_counter() - t0)
-                if r == 0 and not all(same(a, b) for a, b in zip(states, got)):
-                    raise RuntimeError("datastates.load from S3 returned other values than were saved")
-                del got
-                gc.collect()
-                t0 = time.perf_counter()
-                for u, st in zip(urls, into):
-                    datastates.load(u, into=st)
-                add("download: datastates load into", time.perf_counter() - t0)
-                if r == 0 and not all(same(a, b) for a, b in zip(states, into)):
-                    raise RuntimeError("datastates.load(into=) from S3 left other values than were saved")
-                downs: dict[str, Callable[[], None]] = {
-                    "download: boto3 download_fileobj": lambda: download_fileobj(s3, keys, bufs),
-                    "whole GET: boto3 get_object readinto": lambda: get_whole(s3, keys, bufs),
-                    "download: boto3 ranged 64MiB x8": lambda: get_ranged(s3, keys, bufs),
-                }
-                for name, fn in downs.items():
+                    got = [datastates.load(u) for u in urls]
+                    add("download: datastates load", time.perf_counter() - t0)
+                    if r == 0 and not all(same(a, b) for a, b in zip(states, got)):
+                        raise RuntimeError("datastates.load from S3 returned other values than were saved")
+                    del got
                     gc.collect()
                     t0 = time.perf_counter()
-                    fn()
-                    add(name, time.perf_counter() - t0)
-                print(f"run {r + 1}/{args.runs} download: " + ", ".join(
-                    f"{n.split(': ')[1]} {times[n][-1]:.2f} s" for n in times if n.startswith(("download", "whole"))),
-                    flush=True)
+                    for u, st in zip(urls, into):
+                        datastates.load(u, into=st)
+                    add("download: datastates load into", time.perf_counter() - t0)
+                    if r == 0 and not all(same(a, b) for a, b in zip(states, into)):
+                        raise RuntimeError("datastates.load(into=) from S3 left other values than were saved")
+                    downs: dict[str, Callable[[], None]] = {
+                        "download: boto3 download_fileobj": lambda: download_fileobj(s3, keys, bufs),
+                        "whole GET: boto3 get_object readinto": lambda: get_whole(s3, keys, bufs),
+                        "download: boto3 ranged 64MiB x8": lambda: get_ranged(s3, keys, bufs),
+                    }
+                    for name, fn in downs.items():
+                        gc.collect()
+                        t0 = time.perf_counter()
+                        fn()
+                        add(name, time.perf_counter() - t0)
+                    print(f"run {r + 1}/{args.runs} download: " + ", ".join(
+                        f"{n.split(': ')[1]} {times[n][-1]:.2f} s" for n in times if n.startswith(("download", "whole"))),
+                        flush=True)
 
-            # moto's ranged GET: one 8 MiB range of the first object against the whole object
-            k, size = keys[0], len(bufs[0])
-            one = min(8 << 20, size)
-            t0 = time.perf_counter()
-            s3.get_object(Bucket=BUCKET, Key=k, Range=f"bytes=0-{one - 1}")["Body"].read()
-            t_range = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            readinto_all(s3.get_object(Bucket=BUCKET, Key=k)["Body"]._raw_stream, bufs[0])
-            t_whole = time.perf_counter() - t0
-            extra["moto_range"] = {"object_mib": size / 2**20, "range_mib": one / 2**20, "range_s": t_range,
-                                   "whole_s": t_whole}
-            # the requests one load of one object makes (each a whole-object read on moto)
-            with CountRequests() as n_load:
-                datastates.load(urls[0])
-            with CountRequests() as n_into:
-                datastates.load(urls[0], into=into[0])
-            extra["requests_per_object"] = {"load": n_load, "load into": n_into}
-            del into, bufs
-            gc.collect()
+                # moto's ranged GET: one 8 MiB range of the first object against the whole object
+                k, size = keys[0], len(bufs[0])
+                one = min(8 << 20, size)
+                t0 = time.perf_counter()
+                s3.get_object(Bucket=BUCKET, Key=k, Range=f"bytes=0-{one - 1}")["Body"].read()
+                t_range = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                readinto_all(s3.get_object(Bucket=BUCKET, Key=k)["Body"]._raw_stream, bufs[0])
+                t_whole = time.perf_counter() - t0
+                extra["moto_range"] = {"object_mib": size / 2**20, "range_mib": one / 2**20, "range_s": t_range,
+                                       "whole_s": t_whole}
+                # the requests one load of one object makes (each a whole-object read on moto)
+                with CountRequests() as n_load:
+                    datastates.load(urls[0])
+                with CountRequests() as n_into:
+                    datastates.load(urls[0], into=into[0])
+                extra["requests_per_object"] = {"load": n_load, "load into": n_into}
+                del into, bufs
+                gc.collect()
 
         # ---- training with the S3 tier on and off
         fast_only = {"tiers": [{"name": "fast", "path": fast + "-t", "keep_last": 1}]}
@@ -504,18 +507,20 @@ def main() -> int:
             wait_pool_mapped(on_ep)
             wait_pool_mapped(off_ep)
             on_pid = daemon_status(on_ep)["daemon"]["pid"]
+            off_pid = daemon_status(off_ep)["daemon"]["pid"]
             for r in range(args.runs):
                 for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
                     wait_idle(on_ep)
                     ep = on_ep if mode == "on" else off_ep
-                    c0 = (cpu_s(moto.pid), cpu_s(on_pid))
+                    pid = on_pid if mode == "on" else off_pid
+                    c0 = (cpu_s(moto.pid), cpu_s(pid))
                     t0 = time.perf_counter()
                     res = train(ep, os.path.join(fast + "-t", mode), args, seed=r)
+                    wait_idle(ep)
+                    res["daemon_cpu_s"] = cpu_s(pid) - c0[1]  # with the upload, on: what it costs the node
                     if mode == "on":
-                        wait_idle(on_ep)
                         res["until_uploaded_s"] = time.perf_counter() - t0
                         res["moto_cpu_s"] = cpu_s(moto.pid) - c0[0]
-                        res["daemon_cpu_s"] = cpu_s(on_pid) - c0[1]
                         tags = daemon_status(on_ep)["tier_transfers"]["tags"]
                         res["s3_states"] = sorted(t["state"] for e in tags if e["tag"].startswith(f"s{r}-")
                                                   for t in e["tiers"] if t["tier"] == "cloud")
@@ -537,43 +542,49 @@ def main() -> int:
 
     # ---- report
     med = {n: median(t) for n, t in times.items()}
-    width = max(len(n) for n in med) + 1
+    width = max((len(n) for n in med), default=0) + 1
     print(f"\nmedians of {args.runs} runs, {nbytes / 1e9:.2f} GB ({args.files} files):")
     for name, seconds in med.items():
         print(f"  {name:<{width}} {seconds:8.3f} s  {nbytes / seconds / 1e9:6.3f} GB/s")
-    up_best = min((n for n in med if n.startswith("upload: boto3")), key=med.__getitem__)
-    down_best = min((n for n in med if n.startswith("download: boto3")), key=med.__getitem__)  # its ranged reads
-    ratios: dict[str, float] = {
-        "upload ours/best client (throughput)": med[up_best] / med["upload: datastates tier"],
-        "download load ours/best client (throughput)": med[down_best] / med["download: datastates load"],
-        "download load-into ours/best client (throughput)": med[down_best] / med["download: datastates load into"],
-    }
-    for peer in ("torch.save (fsync)", "dcp.save (fsync)", "raw O_DIRECT write"):
-        ratios[f"fast-tier commit time / {peer}"] = med["commit on fast tier"] / med[peer]
+    ratios: dict[str, float] = {}
+    up_best = down_best = ""
+    if not args.skip_transfers:
+        up_best = min((n for n in med if n.startswith("upload: boto3")), key=med.__getitem__)
+        down_best = min((n for n in med if n.startswith("download: boto3")), key=med.__getitem__)  # ranged reads
+        ratios["upload ours/best client (throughput)"] = med[up_best] / med["upload: datastates tier"]
+        ratios["download load ours/best client (throughput)"] = med[down_best] / med["download: datastates load"]
+        ratios["download load-into ours/best client (throughput)"] = \
+            med[down_best] / med["download: datastates load into"]
+        for peer in ("torch.save (fsync)", "dcp.save (fsync)", "raw O_DIRECT write"):
+            ratios[f"fast-tier commit time / {peer}"] = med["commit on fast tier"] / med[peer]
     on = [x["step_s"] for x in train_runs["on"]]
     off = [x["step_s"] for x in train_runs["off"]]
     ratios["training step time S3 on / off"] = median([a / b for a, b in zip(on, off)])
-    print(f"  best client upload: {up_best.split(': ')[1]}; best client download: {down_best.split(': ')[1]}")
+    if not args.skip_transfers:
+        print(f"  best client upload: {up_best.split(': ')[1]}; best client download: {down_best.split(': ')[1]}")
     print()
     for name, v in ratios.items():
         print(f"  {name:<52} {v:7.3f}")
-    mr = extra["moto_range"]
-    print(f"\nmoto: one {mr['range_mib']:.0f} MiB ranged GET of a {mr['object_mib']:.0f} MiB object took "
-          f"{mr['range_s']:.3f} s, the whole object {mr['whole_s']:.3f} s (moto reads the whole object for each range: "
-          f"ranged reads, as datastates.load makes, cost about a whole GET each on moto, not on S3)")
-    print(f"S3 requests of one load of one {mr['object_mib']:.0f} MiB object: load {extra['requests_per_object']['load']}, "
-          f"load into {extra['requests_per_object']['load into']}; a boto3 get_object: 1")
+    mr = extra.get("moto_range", {})
+    if mr:
+        print(f"\nmoto: one {mr['range_mib']:.0f} MiB ranged GET of a {mr['object_mib']:.0f} MiB object took "
+              f"{mr['range_s']:.3f} s, the whole object {mr['whole_s']:.3f} s (moto reads the whole object for each "
+              f"range: ranged reads, as datastates.load makes, cost about a whole GET each on moto, not on S3)")
+        print(f"S3 requests of one load of one {mr['object_mib']:.0f} MiB object: load "
+              f"{extra['requests_per_object']['load']}, load into {extra['requests_per_object']['load into']}; "
+              "a boto3 get_object: 1")
     print(f"training: {args.steps} steps, checkpoint every {args.every}; step {1e3 * median(on):.1f} ms with the S3 tier, "
           f"{1e3 * median(off):.1f} ms without; during the S3 runs moto took "
           f"{median([x['moto_cpu_s'] for x in train_runs['on']]):.1f} CPU s and the daemon "
-          f"{median([x['daemon_cpu_s'] for x in train_runs['on']]):.1f} CPU s (median per run) on this "
+          f"{median([x['daemon_cpu_s'] for x in train_runs['on']]):.1f} CPU s (without the S3 tier: "
+          f"{median([x['daemon_cpu_s'] for x in train_runs['off']]):.1f}; medians per run) on this "
           f"{os.cpu_count()}-core machine")
     print(json.dumps({"bytes": nbytes, "files": args.files, "runs": args.runs,
                       "medians_s": {n: round(v, 4) for n, v in med.items()},
                       "ratios": {n: round(v, 4) for n, v in ratios.items()},
                       "best_client": {"upload": up_best, "download": down_best},
                       "moto_range": {k: round(v, 4) for k, v in mr.items()},
-                      "requests_per_object": extra["requests_per_object"], "moto_nice": args.moto_nice,
+                      "requests_per_object": extra.get("requests_per_object", {}), "moto_nice": args.moto_nice,
                       "training": {m: [{k: v for k, v in x.items()} for x in xs] for m, xs in train_runs.items()}}))
     return 0
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError
 from datastates.protocol.fileio import MADV_POPULATE_READ, on_tmpfs, open_for_reading
-from datastates.protocol.objectstore import ObjectFile, is_object, one_read
+from datastates.protocol.objectstore import READ_STREAMS, ObjectFile, is_object, one_read
 from datastates.protocol.format import (
     ARCHIVE,
     DATA_ALIGN,
@@ -72,7 +72,7 @@ def read_region(path: str, start: int, end: int) -> mmap.mmap | None:
             pos += n
 
     try:
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ds-read") as pool:
+        with ThreadPoolExecutor(READ_STREAMS if source else READ_THREADS, thread_name_prefix="ds-read") as pool:
             list(pool.map(read, range(start, end, READ_PIECE)))
     finally:
         view.release()

@@ -46,7 +46,7 @@ import torch
 
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.fileio import forget_cached, on_tmpfs, open_for_reading, open_sequential
-from datastates.protocol.objectstore import ObjectFile, is_object
+from datastates.protocol.objectstore import READ_STREAMS, ObjectFile, is_object
 from datastates.protocol.format import DATA_ALIGN, FileHeader, ZipLayout, align_up, checksummer
 
 from .filecheck import READ_PIECE, READ_THREADS, check_bounds, check_local_headers, storage_error
@@ -255,7 +255,8 @@ class Stream:
                     except BaseException as exc:  # noqa: BLE001
                         failed.append(exc)
 
-        count = STEP_THREADS if source is None and self.aligned else READ_THREADS
+        count = READ_STREAMS if isinstance(fd, ObjectFile) else STEP_THREADS if source is None and self.aligned \
+            else READ_THREADS
         threads = [threading.Thread(target=work, name=f"ds-read-{i}", daemon=True)
                    for i in range(min(count, len(self.pieces)))]
         for t in threads:

@@ -13,9 +13,9 @@ variables (``AWS_ENDPOINT_URL`` included), profile files, instance metadata. A t
 ``endpoint`` and ``region`` keys override the first two; secrets are never in the node
 config. Path-style addressing wherever an endpoint is given (a local server's buckets are
 not host names). Retries: botocore's standard mode, exponential backoff with jitter on 5xx,
-throttling and dropped connections. Every uploaded part carries a CRC32 the server checks
-(botocore's ``when_supported``), which also spares the SHA-256 of each part that signing its
-payload would cost the node's CPU; downloads are checked against the file's own checksums.
+throttling and dropped connections. Every uploaded part carries a CRC32 the server checks,
+which also spares the SHA-256 of each part that signing its payload would cost the node's
+CPU; downloads are checked against the file's own checksums.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ ATTEMPTS = 6
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0
 """A server silent this long on an open request fails that try (then retried)."""
+READ_STREAMS = 8
+"""Ranged GETs of one object at once: a load's threads on an object (a file's are READ_THREADS)."""
 POOL = 32
 """Connections per client: the parallel part uploads and ranged reads of every file at once."""
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
