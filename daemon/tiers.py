@@ -6,8 +6,11 @@ announces the commit, and the daemon's ``TierTransfers`` transfers the node's fi
 the tag to each later tier, one tag at a time in commit order, piece by piece on the flush
 threads (so snapshot writes interleave), and has the ledger commit the tag on each tier
 with a marker of its own, by the same rules as the first: fsynced files, then the marker,
-then the trackers, then that tier's ``keep_last``. A transfer that fails leaves the tag
-uncommitted on that tier only; the faster tier's commit stands.
+then the trackers, then that tier's ``keep_last``. An object store tier (``s3://``) takes
+the pieces as the parts of one multipart upload per file, several at once on upload threads
+of its own, and ``ObjectTiers`` (daemon/objects.py) commits the tag there instead of the
+ledger. A transfer that fails leaves the tag uncommitted on that tier only; the faster
+tier's commit stands.
 
 When the slow tier falls behind, a queued transfer that a newer tag of the same run
 overtakes is skipped as ``superseded``, so the backlog stays at one tag and the fast
