@@ -1044,8 +1044,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-aborts-every-journaled-upload",
         "the next daemon aborts the uploads every daemon of the node journaled, a live one's too",
-        (Edit("daemon/storage/s3.py", "                    if owner is not None and gone(owner, None):",
-              "                    if owner is not None:  # MUTATION"),),
+        (Edit("daemon/storage/s3.py", " or owner == self.owner or not gone(owner, None):",
+              " or owner == self.owner:  # MUTATION"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons",),
     ),
 )
