@@ -46,9 +46,9 @@ _ENDPOINT_RE = re.compile(r"https?://[A-Za-z0-9.\[\]:-]+(:[0-9]{1,5})?/?")
 _REGION_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
 
-def is_object(path: str) -> bool:
-    """Whether ``path`` is an object store address rather than a file system path."""
-    return path.startswith(SCHEME)
+def is_object(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an object store address rather than a file system path (a ``Path`` never is one)."""
+    return isinstance(path, str) and path.startswith(SCHEME)
 
 
 @dataclass(frozen=True)
