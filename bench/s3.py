@@ -59,10 +59,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import datastatesd, fsync_tree, median, raw_write, state_bytes, wait_pool_mapped  # noqa: E402
+from train_overhead import build  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -273,25 +273,13 @@ def same(a: Any, b: Any) -> bool:
 
 # ---------------------------------------------------------------- training
 
-def build(params_m: float, layers: int, batch: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
-    dim = max(64, round(math.sqrt(params_m * 1e6 / layers) / 64) * 64)
-    torch.manual_seed(seed)
-    mods: list[nn.Module] = []
-    for i in range(layers):
-        mods.append(nn.Linear(dim, dim))
-        if i < layers - 1:
-            mods.append(nn.ReLU())
-    model = nn.Sequential(*mods)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    return model, opt, torch.randn(batch, dim), torch.randn(batch, dim)
-
-
 def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """One timed loop: each step's seconds; checkpoints snapshot after a step, wait() before the next opt.step(),
     then commit."""
     from datastates.client import Client
 
-    model, opt, x, y = build(args.params, args.layers, args.batch, seed)
+    setup = build(args.params, args.layers, args.batch, seed)  # train_overhead.py's MLP
+    model, opt, x, y = setup.model, setup.opt, setup.x, setup.y
 
     def fwd_bwd() -> None:
         F.mse_loss(model(x), y).backward()
