@@ -46,6 +46,7 @@ import math
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -82,14 +83,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto(port: int, nice: int = 0) -> subprocess.Popen:
-    proc = subprocess.Popen([MOTO, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+def self_signed(folder: str) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, written in ``folder``: moto's HTTPS, trusted by AWS_CA_BUNDLE."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    paths = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+    with open(paths[0], "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(paths[1], "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return paths
+
+
+def start_moto(port: int, tls: tuple[str, str] | None) -> subprocess.Popen:
+    """moto_server on ``port``, over HTTPS with ``tls`` (certificate, key) where given."""
+    proc = subprocess.Popen([MOTO, "-H", "127.0.0.1", "-p", str(port), *(["-s", "-c", tls[0], "-k", tls[1]] if tls else [])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    context = ssl.create_default_context(cafile=tls[0]) if tls else None
     for _ in range(300):
         if proc.poll() is not None:
             raise RuntimeError(f"moto_server exited with {proc.returncode} (port {port} taken?)")
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).read()
+            urllib.request.urlopen(f"{'https' if tls else 'http'}://127.0.0.1:{port}/", timeout=1, context=context).read()
             return proc
         except OSError:
             time.sleep(0.1)
@@ -123,6 +154,15 @@ class CountRequests:
         from botocore.endpoint import Endpoint
 
         Endpoint.make_request = self.orig  # type: ignore[method-assign]
+
+
+def set_policy(pid: int, policy: int) -> None:
+    """Every thread of process ``pid`` (and those it starts later, which inherit it) under CPU policy ``policy``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+        except ProcessLookupError:
+            pass  # a request's thread that just ended
 
 
 def cpu_s(pid: int) -> float:
@@ -289,6 +329,7 @@ def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int) -> di
         opt.step()
         opt.zero_grad(set_to_none=True)
     steps: list[float] = []
+    fences: list[float] = []
     futures = []
     pending: str | None = None
     nbytes = 0
@@ -297,7 +338,9 @@ def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int) -> di
             t0 = time.perf_counter()
             fwd_bwd()
             if pending is not None:
+                t1 = time.perf_counter()
                 client.wait()
+                fences.append(time.perf_counter() - t1)
                 futures.append(client.commit(pending))
                 pending = None
             opt.step()
@@ -317,7 +360,8 @@ def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int) -> di
         drain = time.perf_counter() - t0
     del model, opt
     gc.collect()
-    return {"step_s": sum(steps) / len(steps), "drain_s": drain, "checkpoints": len(futures), "ckpt_bytes": nbytes}
+    return {"step_s": sum(steps) / len(steps), "drain_s": drain, "checkpoints": len(futures), "ckpt_bytes": nbytes,
+            "fence_s": sum(fences), "steps_ms": [round(1e3 * t, 1) for t in steps]}
 
 
 # ---------------------------------------------------------------- main
@@ -334,10 +378,12 @@ def main() -> int:
                     "a checkpoint of ~0.29 GB with the AdamW state)")
     ap.add_argument("--layers", type=int, default=6, help="training: Linear layers (default 6)")
     ap.add_argument("--batch", type=int, default=256, help="training: rows per step (default 256)")
-    ap.add_argument("--skip-transfers", action="store_true", help="only the training runs (say, again with "
-                    "--moto-nice 19: moto then takes only the CPU the trainer leaves, as a remote server would)")
-    ap.add_argument("--moto-nice", type=int, default=0, help="run moto_server at this nice value (default 0); "
-                    "a higher one lets the trainer take the CPU moto, standing in for a remote S3, would take")
+    ap.add_argument("--skip-transfers", action="store_true", help="only the training runs")
+    ap.add_argument("--http", action="store_true", help="moto over plain HTTP (default HTTPS, as S3 is: over HTTP "
+                    "botocore also signs every part's payload with a SHA-256, which costs the node's CPU)")
+    ap.add_argument("--moto-training", choices=("idle", "normal"), default="idle", help="moto_server's CPU policy "
+                    "during the training runs (default idle: SCHED_IDLE, so it takes only the CPU the trainer leaves, "
+                    "as a remote S3 takes none of the node's; normal: it competes with the trainer for the 2 cores)")
     ap.add_argument("--raw-threads", type=int, default=2, help="threads of the raw O_DIRECT write (default 2)")
     ap.add_argument("--root", default=os.environ.get("TMPDIR", "/var/tmp"), help="where the temp folder goes "
                     "(default $TMPDIR or /var/tmp); removed at the end")
@@ -347,14 +393,16 @@ def main() -> int:
     torch.set_num_threads(2)
 
     port = args.port or free_port()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="testing",
-                      AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    work = tempfile.mkdtemp(prefix="ds-bench-s3-", dir=args.root)
+    fast = os.path.join(work, "fast")
+    tls = None if args.http else self_signed(work)
+    os.environ.update(AWS_ENDPOINT_URL=f"{'http' if args.http else 'https'}://127.0.0.1:{port}",
+                      AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      **({"AWS_CA_BUNDLE": tls[0]} if tls else {}))  # the daemons inherit these
     import datastates
     from datastates.client import Client, daemon_status
 
-    work = tempfile.mkdtemp(prefix="ds-bench-s3-", dir=args.root)
-    fast = os.path.join(work, "fast")
-    moto = start_moto(port, args.moto_nice)
+    moto = start_moto(port, tls)
     times: dict[str, list[float]] = {}
     train_runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
     extra: dict[str, Any] = {}
@@ -369,7 +417,7 @@ def main() -> int:
         nbytes = sum(state_bytes(s) for s in states)
         names = [f"rank{i}.pt" for i in range(args.files)]
         print(f"tag: {args.files} files, {nbytes / 1e9:.2f} GB of tensors; {args.runs} runs; moto on port {port}; "
-              f"temp {work}", flush=True)
+              f"temp {work}; {'HTTP' if args.http else 'HTTPS'}", flush=True)
         common = {"host_memory": "1GiB", "memory_restore": "none"}
         cloud_tiers = {"tiers": [{"name": "fast", "path": fast, "keep_last": 1},
                                  {"name": "cloud", "path": f"s3://{BUCKET}/{PREFIX}", "keep_last": 1}]}
@@ -493,6 +541,8 @@ def main() -> int:
                 gc.collect()
 
         # ---- training with the S3 tier on and off
+        if args.moto_training == "idle":
+            set_policy(moto.pid, os.SCHED_IDLE)
         fast_only = {"tiers": [{"name": "fast", "path": fast + "-t", "keep_last": 1}]}
         cloud_t = {"tiers": [{"name": "fast", "path": fast + "-t", "keep_last": 1},
                              {"name": "cloud", "path": f"s3://{BUCKET}/{PREFIX}-t", "keep_last": 1}]}
@@ -519,7 +569,7 @@ def main() -> int:
                                                   for t in e["tiers"] if t["tier"] == "cloud")
                     train_runs[mode].append(res)
                     print(f"run {r + 1}/{args.runs} training, S3 tier {mode:<3}: step {1e3 * res['step_s']:7.1f} ms, "
-                          f"{res['checkpoints']} checkpoints of {res['ckpt_bytes'] / 1e9:.2f} GB, drain "
+                          f"{res['checkpoints']} checkpoints of {res['ckpt_bytes'] / 1e9:.2f} GB, fences {res['fence_s']:.2f} s, drain "
                           f"{res['drain_s']:.2f} s" + (f"; moto {res['moto_cpu_s']:.1f} CPU s, daemon "
                                                         f"{res['daemon_cpu_s']:.1f} CPU s; S3 tier: "
                                                         f"{', '.join(res['s3_states'])}" if mode == "on" else ""),
@@ -579,7 +629,7 @@ def main() -> int:
                       "ratios": {n: round(v, 4) for n, v in ratios.items()},
                       "best_client": {"upload": up_best, "download": down_best},
                       "moto_range": {k: round(v, 4) for k, v in mr.items()},
-                      "requests_per_object": extra.get("requests_per_object", {}), "moto_nice": args.moto_nice,
+                      "requests_per_object": extra.get("requests_per_object", {}), "moto_training": args.moto_training, "https": not args.http,
                       "training": {m: [{k: v for k, v in x.items()} for x in xs] for m, xs in train_runs.items()}}))
     return 0
 

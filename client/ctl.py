@@ -15,10 +15,10 @@ from datastates.protocol.descriptors import Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DaemonNotRunning, DatastatesError
 from datastates.protocol.fileio import read_regular
-from datastates.protocol.objectstore import is_object
+from datastates.protocol.objectstore import is_object, list_keys
 from datastates.protocol.format import CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import prune
-from datastates.protocol.tags import distrust, marker_paths, tag_files
+from datastates.protocol.tags import distrust, marker_paths, read_marker_object, tag_files
 
 from .catalog import list_tags
 from .filecheck import verify
@@ -113,6 +113,10 @@ def _tag_files(target: str, root: str) -> list[str]:
     under ``root``. A listed file that is missing is still returned, so it is reported. A
     marker this user may not trust (``distrust``: another user's, a FIFO) is skipped, saying why.
     """
+    if is_object(root) and not is_object(target) and not os.path.exists(target):
+        target = f"{root.rstrip('/')}/{check_tag(target)}"
+    if is_object(target):
+        return _object_files(target)
     if os.path.isfile(target):
         return [target]
     if os.path.isdir(target):
@@ -133,6 +137,21 @@ def _tag_files(target: str, root: str) -> list[str]:
             raise CorruptCheckpointError(f"{path}: unreadable commit marker: {exc}") from None
         files += tag_files(os.path.dirname(path), marker)
     return files
+
+
+def _object_files(target: str) -> list[str]:
+    """``_tag_files`` of an object store address: the objects a tag's marker object lists, or the object itself."""
+    folder = target.rstrip("/")
+    name = os.path.basename(folder)
+    try:
+        marker = read_marker_object(f"{folder}/{marker_name(check_tag(name))}")
+    except DatastatesError:  # not a tag's name: an object's
+        marker = None
+    if marker is not None:
+        return tag_files(folder, marker)
+    if next(list_keys(folder), None) is not None:
+        raise CorruptCheckpointError(f"no commit marker for {target!r} (its objects are there: a tag not committed)")
+    return [target]
 
 
 def _verify(target: str, root: str) -> int:

@@ -231,7 +231,7 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     Returns (entries, data bytes); raises CorruptCheckpointError or UnsupportedFormatError.
     """
     path = os.fspath(path)
-    with one_read():
+    with one_read(whole=True):
         header, base, end, layout = read_header(path)
         check_identity(path, header)
         check_views(path, header)

@@ -311,7 +311,7 @@ def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_
     format around it). A slice that does not fit (a key the file lacks, out of bounds, another shape) raises
     StateMismatchError naming it before anything is written. A storage two slices share is read once.
     """
-    with one_read():  # an object's reads share one HEAD and one ETag: its header and data are of one version
+    with one_read():  # an object's reads share one ETag and its head: its header and data are of one version
         return _load_slices(path, slices, verify, weights_only)
 
 

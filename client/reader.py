@@ -95,7 +95,7 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, into: Any
     which runs code the file's author chose: only for files you trust.
     """
     path = os.fspath(path)
-    with one_read():  # an object's reads share one HEAD, one ETag, one read of its head
+    with one_read(whole=True):  # an object's reads share one ETag, one read of its head and tail
         return _load(path, torch.device(map_location) if map_location is not None else None, into, strict, verify,
                      weights_only)
 

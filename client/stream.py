@@ -270,19 +270,20 @@ class Stream:
         """Piece ``piece`` in STEP reads (or found in ``source``), each hashed and copied out."""
         hashes = [checksummer() for _ in piece.segments]
         step = READ_PIECE if fill else STEP  # a fresh load copies nothing out: large reads serve the disk better
-        for at, stop in ((at, min(last, at + step)) for first, last in self._spans(piece)
-                         for at in range(first, last, step)):
+        for at, stop, last in ((at, min(last, at + step), last) for first, last in self._spans(piece)
+                               for at in range(first, last, step)):
+            until = self.base + last  # an object's GET reads on to the span's end: one request for its steps
             straight = None
             if source is not None:
                 data, address = memoryview(source[at:stop]), source.ctypes.data + at
                 if fill:
-                    self._read(fd, [data], self.base + at)
+                    self._read(fd, [data], self.base + at, until)
             else:
                 assert bounce is not None
                 bounce.settle()  # its previous step's GPU copies read it still
-                straight = self._scatter(fd, piece, at, stop, bounce) if self.scatter else None
+                straight = self._scatter(fd, piece, at, stop, bounce, until) if self.scatter else None
                 if straight is None:
-                    self._read(fd, [bounce.view[:stop - at]], self.base + at)
+                    self._read(fd, [bounce.view[:stop - at]], self.base + at, until)
                 data, address = bounce.view[:stop - at], bounce.address
             straight = straight or {}
             self._copy(piece, at, stop, address, bounce, straight)  # first: a straight target's ends come from here
@@ -323,7 +324,8 @@ class Stream:
                 spans.append((lo, hi))
         return spans
 
-    def _scatter(self, fd: int | ObjectFile, piece: Piece, at: int, stop: int, bounce: _Bounce) -> dict[int, Straight] | None:
+    def _scatter(self, fd: int | ObjectFile, piece: Piece, at: int, stop: int, bounce: _Bounce,
+                 until: int) -> dict[int, Straight] | None:
         """Bytes ``at..stop`` read in one preadv: each CPU target's part straight into it (with O_DIRECT, a
         ``matched`` target's whole blocks), the rest (zip headers, GPU targets' bytes, a target's ends) into the
         bounce buffer at its place. The storages read straight; None where any two targets' bytes overlap (a
@@ -349,7 +351,7 @@ class Stream:
             pos = hi
         if pos < stop:
             buffers.append(bounce.view[pos - at:stop - at])
-        self._read(fd, buffers, self.base + at)
+        self._read(fd, buffers, self.base + at, until)
         return straight
 
     def _copy(self, piece: Piece, at: int, stop: int, address: int, bounce: _Bounce | None,
@@ -373,11 +375,12 @@ class Stream:
             for stream, event in bounce.streams.values():
                 event.record(stream)
 
-    def _read(self, fd: int | ObjectFile, buffers: list[memoryview], at: int) -> None:
-        """Fill ``buffers``, in order, from byte ``at`` of the file (IOV_MAX of them a call)."""
+    def _read(self, fd: int | ObjectFile, buffers: list[memoryview], at: int, until: int) -> None:
+        """Fill ``buffers``, in order, from byte ``at`` of the file (IOV_MAX of them a call); the thread's reads go on
+        to byte ``until``."""
         buffers = [b for b in buffers if len(b)]
         while buffers:
-            got = fd.preadv(buffers, at) if isinstance(fd, ObjectFile) else os.preadv(fd, buffers[:IOV_MAX], at)
+            got = fd.preadv(buffers, at, until) if isinstance(fd, ObjectFile) else os.preadv(fd, buffers[:IOV_MAX], at)
             if got == 0:
                 raise CorruptCheckpointError(f"{self.path}: file ends at byte {at}, inside its data region",
                                              path=self.path)

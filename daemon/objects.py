@@ -48,18 +48,17 @@ log = logging.getLogger(__name__)
 PARTS_AT_ONCE = 8
 """Parts of one file uploaded at a time: each holds a 16 MiB buffer, 128 MiB in all."""
 PROBE = ".datastates-probe-"
-UPLOAD_NICE = 10
-"""How much lower the upload threads' CPU priority is than the daemon's: on a node whose cores the trainer keeps busy,
-an upload (its CRC32s, its TLS) takes what the trainer leaves, and never slows a step or the fast tier's commit."""
 
 
 def _background() -> None:
-    """An upload thread's start: its own priority lowered by UPLOAD_NICE (Linux: a thread's nice value is its own)."""
-    tid = threading.get_native_id()
+    """An upload thread's start: its own CPU policy SCHED_IDLE (Linux: a thread's policy is its own), so on a node
+    whose cores the trainer keeps busy an upload (its reads, checksums, signing, TLS) takes only the CPU the trainer
+    leaves, and never slows a step. A busy trainer rests at each fence, so an upload thread holding the daemon's GIL
+    gets a core then and lets it go: measured in docs/performance.md."""
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + UPLOAD_NICE))
-    except OSError as exc:
-        log.info("upload threads keep the daemon's CPU priority: %s", exc)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError) as exc:
+        log.info("upload threads keep the daemon's CPU policy: %s", exc)
 
 
 class ObjectTiers:

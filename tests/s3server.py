@@ -101,8 +101,8 @@ class FaultProxy:
         self.upstream = upstream_port
         self.rules: list[Rule] = []
         self.lock = threading.Lock()
-        self.requests: list[tuple[str, str, str, int]] = []
-        """(method, path, query, status) of every request answered."""
+        self.requests: list[tuple[str, str, str, int, int]] = []
+        """(method, path, query, status, body bytes sent) of every request answered."""
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -143,7 +143,7 @@ class FaultProxy:
             def _answer(self, status: int, headers: dict[str, str], data: bytes, path: str, query: str,
                         head: bool = False) -> None:
                 with proxy.lock:
-                    proxy.requests.append((self.command, path, query, status))
+                    proxy.requests.append((self.command, path, query, status, 0 if head else len(data)))
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -188,7 +188,12 @@ class FaultProxy:
 
     def count(self, match: Callable[[str, str, str], bool], status: int | None = None) -> int:
         with self.lock:
-            return sum(1 for m, p, q, s in self.requests if match(m, p, q) and (status is None or s == status))
+            return sum(1 for m, p, q, s, _ in self.requests if match(m, p, q) and (status is None or s == status))
+
+    def answered(self, path: str) -> list[tuple[str, int]]:
+        """(method, body bytes sent) of every request answered for ``path``, in order."""
+        with self.lock:
+            return [(m, n) for m, p, _, _, n in self.requests if p == path]
 
     def down(self) -> None:
         """Stop listening: every new connection is refused, as to a server that stopped."""

@@ -183,6 +183,30 @@ def test_restore_falls_back_to_s3_when_no_faster_tier_holds_the_tag(
     assert_state_equal(saved, into)
 
 
+def test_a_load_from_the_bucket_downloads_each_byte_about_once(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    """Egress is billed by the byte and every request costs a round trip: a whole load of an object makes one GET per
+    64 MiB piece of its data (the first also reads its head, one beside it its tail), no HEAD, and reads no byte
+    twice, fresh or in place."""
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    saved = state(1, 20 << 20)  # 80 MiB of tensors: two pieces
+    fast = tmp_path / "fast" / "run"
+    with Client(d.endpoint, timeout=120) as c:
+        save(c, saved, fast / "step1" / "rank0.pt")
+    assert tier_states(settle(d), "step1") == {"fast": "committed", CLOUD: "committed"}
+    size = (fast / "step1" / "rank0.pt").stat().st_size
+    path = f"/{bucket}/jobs/run/step1/rank0.pt"
+    for into in (None, state(2, 20 << 20)):
+        before = len(proxy.answered(path))
+        got = datastates.load(f"{url}/run/step1/rank0.pt", into=into)
+        assert_state_equal(saved, got if into is None else into)
+        made = proxy.answered(path)[before:]
+        assert [m for m, _ in made] == ["GET"] * len(made) and len(made) <= 2 + 2, made  # 2 pieces, head, tail
+        sent = sum(n for _, n in made)
+        assert size <= sent <= size + (2 << 20), f"{sent} bytes sent for an object of {size}"
+
+
 def test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, s3: Any, bucket: str) -> None:
     url = f"s3://{bucket}/jobs"
@@ -210,6 +234,12 @@ def test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored(
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
     with pytest.raises(CorruptCheckpointError):
         datastates.load(f"{url}/run/step1/rank0.pt")
+    bad = d.ctl("verify", f"{url}/run/step1")  # a tag's folder on the bucket: every object its marker lists
+    assert bad.returncode == 1 and f"CORRUPT  {url}/run/step1/rank0.pt" in bad.stdout, (bad.stdout, bad.stderr)
+    good = d.ctl("verify", "step2", "--root", f"{url}/run")  # a tag by name
+    assert good.returncode == 0 and f"ok       {url}/run/step2/rank0.pt" in good.stdout, (good.stdout, good.stderr)
+    uncommitted = d.ctl("verify", f"{url}/run/step3")
+    assert uncommitted.returncode != 0 and "no commit marker" in uncommitted.stderr, uncommitted
     # an object a marker lists, deleted: that tag is no longer committed, and the one before is the newest
     s3.delete_object(Bucket=bucket, Key="jobs/run/step2/rank0.pt")
     assert datastates.latest(f"{url}/run") == "step1"

@@ -19,7 +19,6 @@ import base64
 import logging
 import os
 import threading
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,6 +27,11 @@ from datastates.protocol.objectstore import ObjectPath, client_for, is_client_er
 
 from ..instances import Gone, daemons_folder
 from .base import StorageWriter, register_writer
+
+try:
+    from isal.isal_zlib import crc32  # ISA-L's: the same CRC32 as zlib's, about 10 times as fast (24 against 2 GB/s)
+except ImportError:  # boto3 installed without the [s3] extra
+    from zlib import crc32
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ class S3Writer(StorageWriter):
             raise StorageError(f"cannot write {handle.url}: an object is uploaded in parts of {PART} bytes, and byte "
                                f"{offset} does not start one", path=handle.url)
         number = offset // PART + 1
-        crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()  # in a header: no chunked trailer
+        crc = base64.b64encode(crc32(data).to_bytes(4, "big")).decode()  # in a header: no chunked trailer
         reply = self._call("cannot upload to", handle.url, client_for(handle.url).upload_part,
                            Bucket=handle.where.bucket, Key=handle.where.key, UploadId=handle.upload_id,
                            PartNumber=number, Body=bytes(data), ChecksumCRC32=crc)
