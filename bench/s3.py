@@ -25,10 +25,14 @@ reads from S3 likewise, and it should not slow the trainer. Per run (contenders 
    fast one (otherwise the same config); runs alternate on/off. Ratio: median step time on / off.
 
 Caveat, moto: the server runs on this machine, in one Python process, so its CPU (parsing
-the parts, MD5s) competes with the trainer, which a remote S3 does not; the bench prints the
-CPU seconds moto and the daemon took during the training runs. And moto answers a ranged GET
-by reading the whole object first, so on moto each ranged GET costs as much as a GET of the
-whole object: the bench measures that once (one range against the whole) and prints it.
+the parts, MD5s, TLS) competes with the trainer, which a remote S3 does not; during the
+training runs it is put under SCHED_IDLE (``--moto-training idle``, the default), so it takes
+only the CPU the trainer leaves, and the bench prints the CPU seconds moto and the daemon
+took. The transfers are measured with moto at the normal policy. And moto answers a ranged
+GET by reading the whole object first, so on moto each ranged GET costs as much as a GET of
+the whole object: the bench measures that once (one range against the whole) and prints it.
+Over HTTPS by default (a self-signed certificate made here, trusted through AWS_CA_BUNDLE),
+as S3 is; ``--http`` for plain HTTP, where botocore also signs every part's payload (SHA-256).
 
 Ratios measured in one run are what count: other work on this machine moves absolute figures.
 The last line is the figures as JSON.
