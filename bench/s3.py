@@ -79,6 +79,8 @@ MOTO = os.path.join(os.path.dirname(sys.executable), "moto_server")
 CLK = os.sysconf("SC_CLK_TCK")
 
 
+TRAIN_MODES = {"on": "S3 tier on", "off": "S3 tier off", "boto3": "off + boto3 uploads"}
+
 # ---------------------------------------------------------------- processes
 
 def free_port() -> int:
@@ -289,6 +291,84 @@ def get_ranged(s3: Any, keys: list[str], bufs: list[memoryview], step: int = 64 
             list(pool.map(rng, range(0, len(buf), step)))
 
 
+class Uploader:
+    """boto3's own best upload (``upload_fileobj``, 16 MiB parts, 8 at once) of each committed file, in a process of
+    its own under SCHED_IDLE, as the daemon's upload threads are, the newest file first (older ones waiting are
+    dropped, as the daemon supersedes them): what uploading the same bytes costs the trainer with the library alone."""
+
+    def __init__(self, prefix: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--upload-worker", prefix],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lock = threading.Lock()
+        self.fds: list[int] = []
+
+    def committed(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)  # open now: the fast tier's keep_last may delete it before it goes up
+        with self.lock:
+            self.fds.append(fd)
+            self.proc.stdin.write(f"/proc/{os.getpid()}/fd/{fd} {os.path.basename(os.path.dirname(path))}\n")
+            self.proc.stdin.flush()
+
+    def drain(self) -> list[str]:
+        """Wait until every file sent is uploaded or dropped: each one's fate, sorted."""
+        with self.lock:
+            self.proc.stdin.write("drain\n")
+            self.proc.stdin.flush()
+            fates = self.proc.stdout.readline().split()
+            for fd in self.fds:
+                os.close(fd)
+            self.fds.clear()
+        return sorted(fates)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def upload_worker(prefix: str) -> int:
+    """``--upload-worker PREFIX``: upload each "PATH TAG" line read from stdin, the newest waiting only; "drain"
+    waits for every one sent and answers their fates on one line."""
+    from boto3.s3.transfer import TransferConfig
+
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    s3 = s3_client()
+    cfg = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=8)
+    waiting: list[tuple[str, str]] = []
+    fates: list[str] = []
+    received = [0]
+    cond = threading.Condition()
+
+    def work() -> None:
+        while True:
+            with cond:
+                while not waiting:
+                    cond.wait()
+                path, tag = waiting.pop()
+                fates.extend(["superseded"] * len(waiting))
+                waiting.clear()
+            with open(path, "rb") as f:
+                s3.upload_fileobj(f, BUCKET, f"{prefix}/{tag}/rank0.pt", Config=cfg)
+            with cond:
+                fates.append("uploaded")
+                cond.notify_all()
+
+    threading.Thread(target=work, daemon=True).start()
+    for line in sys.stdin:
+        with cond:
+            if line.strip() == "drain":
+                while len(fates) < received[0]:
+                    cond.wait()
+                print(" ".join(fates), flush=True)
+                fates.clear()
+                received[0] = 0
+                continue
+            path, tag = line.split()
+            waiting.append((path, tag))
+            received[0] += 1
+            cond.notify_all()
+    return 0
+
+
 # ---------------------------------------------------------------- states
 
 def file_states(mib: int, files: int) -> list[dict[str, Any]]:
@@ -317,9 +397,10 @@ def same(a: Any, b: Any) -> bool:
 
 # ---------------------------------------------------------------- training
 
-def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int,
+          committed: Callable[[str], None] | None = None) -> dict[str, Any]:
     """One timed loop: each step's seconds; checkpoints snapshot after a step, wait() before the next opt.step(),
-    then commit."""
+    then commit; ``committed`` is called with each committed file's path, from the thread that learns it."""
     from datastates.client import Client
 
     setup = build(args.params, args.layers, args.batch, seed)  # train_overhead.py's MLP
@@ -338,6 +419,13 @@ def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int) -> di
     pending: str | None = None
     nbytes = 0
     with Client(endpoint, timeout=600) as client:
+        def commit(tag: str) -> Any:
+            future = client.commit(tag)
+            if committed is not None:
+                path = os.path.join(folder, tag, "rank0.pt")
+                future.add_done_callback(lambda f: f.exception() is None and committed(path))
+            return future
+
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             fwd_bwd()
@@ -345,7 +433,7 @@ def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int) -> di
                 t1 = time.perf_counter()
                 client.wait()
                 fences.append(time.perf_counter() - t1)
-                futures.append(client.commit(pending))
+                futures.append(commit(pending))
                 pending = None
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -358,7 +446,7 @@ def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int) -> di
         t0 = time.perf_counter()
         if pending is not None:
             client.wait()
-            futures.append(client.commit(pending))
+            futures.append(commit(pending))
         for f in futures:
             f.result()
         drain = time.perf_counter() - t0
@@ -371,6 +459,8 @@ def train(endpoint: str, folder: str, args: argparse.Namespace, seed: int) -> di
 # ---------------------------------------------------------------- main
 
 def main() -> int:
+    if sys.argv[1:2] == ["--upload-worker"]:
+        return upload_worker(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=2048, help="the tag's size for upload/download, MiB (default 2048)")
     ap.add_argument("--files", type=int, default=8, help="files in that tag (default 8: 256 MiB each at the default)")
@@ -382,6 +472,8 @@ def main() -> int:
                     "a checkpoint of ~0.29 GB with the AdamW state)")
     ap.add_argument("--layers", type=int, default=6, help="training: Linear layers (default 6)")
     ap.add_argument("--batch", type=int, default=256, help="training: rows per step (default 256)")
+    ap.add_argument("--threads", type=int, default=2, help="training: torch.set_num_threads (default 2: every core "
+                    "of this machine, the worst case; 1 leaves a core free, as a GPU trainer leaves its node's cores)")
     ap.add_argument("--skip-transfers", action="store_true", help="only the training runs")
     ap.add_argument("--http", action="store_true", help="moto over plain HTTP (default HTTPS, as S3 is: over HTTP "
                     "botocore also signs every part's payload with a SHA-256, which costs the node's CPU)")
@@ -394,7 +486,7 @@ def main() -> int:
     args = ap.parse_args()
     if min(args.mib, args.files, args.runs, args.steps, args.every) < 1 or (args.mib << 20) // args.files < (1 << 20):
         ap.error("--mib, --files, --runs, --steps, --every must be >= 1, and each file at least 1 MiB")
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
 
     port = args.port or free_port()
     work = tempfile.mkdtemp(prefix="ds-bench-s3-", dir=args.root)
@@ -408,7 +500,7 @@ def main() -> int:
 
     moto = start_moto(port, tls)
     times: dict[str, list[float]] = {}
-    train_runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    train_runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": [], "boto3": []}
     extra: dict[str, Any] = {}
 
     def add(name: str, seconds: float) -> None:
@@ -555,29 +647,38 @@ def main() -> int:
             wait_pool_mapped(off_ep)
             on_pid = daemon_status(on_ep)["daemon"]["pid"]
             off_pid = daemon_status(off_ep)["daemon"]["pid"]
-            for r in range(args.runs):
-                for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                    wait_idle(on_ep)
-                    ep = on_ep if mode == "on" else off_ep
-                    pid = on_pid if mode == "on" else off_pid
-                    c0 = (cpu_s(moto.pid), cpu_s(pid))
-                    t0 = time.perf_counter()
-                    res = train(ep, os.path.join(fast + "-t", mode), args, seed=r)
-                    wait_idle(ep)
-                    res["daemon_cpu_s"] = cpu_s(pid) - c0[1]  # with the upload, on: what it costs the node
-                    if mode == "on":
-                        res["until_uploaded_s"] = time.perf_counter() - t0
+            uploader = Uploader(f"{PREFIX}-b")
+            try:
+                for r in range(args.runs):
+                    modes = ["on", "off", "boto3"]
+                    for mode in modes[r % 3:] + modes[:r % 3]:  # each first in turn
+                        wait_idle(on_ep)
+                        ep = on_ep if mode == "on" else off_ep
+                        pid = on_pid if mode == "on" else off_pid
+                        who = uploader.proc.pid if mode == "boto3" else pid
+                        c0 = (cpu_s(moto.pid), cpu_s(who))
+                        t0 = time.perf_counter()
+                        res = train(ep, os.path.join(fast + "-t", mode), args, seed=r,
+                                    committed=uploader.committed if mode == "boto3" else None)
+                        wait_idle(ep)
+                        if mode == "on":
+                            tags = daemon_status(on_ep)["tier_transfers"]["tags"]
+                            res["s3_states"] = sorted(t["state"] for e in tags if e["tag"].startswith(f"s{r}-")
+                                                      for t in e["tiers"] if t["tier"] == "cloud")
+                        elif mode == "boto3":
+                            res["s3_states"] = uploader.drain()
+                        res["uploader_cpu_s"] = cpu_s(who) - c0[1]  # the daemon, or boto3's process: the upload's cost
                         res["moto_cpu_s"] = cpu_s(moto.pid) - c0[0]
-                        tags = daemon_status(on_ep)["tier_transfers"]["tags"]
-                        res["s3_states"] = sorted(t["state"] for e in tags if e["tag"].startswith(f"s{r}-")
-                                                  for t in e["tiers"] if t["tier"] == "cloud")
-                    train_runs[mode].append(res)
-                    print(f"run {r + 1}/{args.runs} training, S3 tier {mode:<3}: step {1e3 * res['step_s']:7.1f} ms, "
-                          f"{res['checkpoints']} checkpoints of {res['ckpt_bytes'] / 1e9:.2f} GB, fences {res['fence_s']:.2f} s, drain "
-                          f"{res['drain_s']:.2f} s" + (f"; moto {res['moto_cpu_s']:.1f} CPU s, daemon "
-                                                        f"{res['daemon_cpu_s']:.1f} CPU s; S3 tier: "
-                                                        f"{', '.join(res['s3_states'])}" if mode == "on" else ""),
-                          flush=True)
+                        res["until_uploaded_s"] = time.perf_counter() - t0
+                        train_runs[mode].append(res)
+                        print(f"run {r + 1}/{args.runs} training, {TRAIN_MODES[mode]:<22}: step "
+                              f"{1e3 * res['step_s']:7.1f} ms, {res['checkpoints']} checkpoints of "
+                              f"{res['ckpt_bytes'] / 1e9:.2f} GB, fences {res['fence_s']:.2f} s, drain "
+                              f"{res['drain_s']:.2f} s; moto {res['moto_cpu_s']:.1f} CPU s, "
+                              f"{'daemon' if mode != 'boto3' else 'boto3'} {res['uploader_cpu_s']:.1f} CPU s"
+                              + (f"; S3: {', '.join(res['s3_states'])}" if mode != "off" else ""), flush=True)
+            finally:
+                uploader.close()
     finally:
         moto.terminate()
         try:
@@ -606,9 +707,10 @@ def main() -> int:
             med[down_best] / med["download: datastates load into, files at once"]
         for peer in ("torch.save (fsync)", "dcp.save (fsync)", "raw O_DIRECT write"):
             ratios[f"fast-tier commit time / {peer}"] = med["commit on fast tier"] / med[peer]
-    on = [x["step_s"] for x in train_runs["on"]]
-    off = [x["step_s"] for x in train_runs["off"]]
+    on, off, b3 = ([x["step_s"] for x in train_runs[m]] for m in ("on", "off", "boto3"))
     ratios["training step time S3 on / off"] = median([a / b for a, b in zip(on, off)])
+    ratios["training step time boto3 uploads / off"] = median([a / b for a, b in zip(b3, off)])
+    ratios["training step time S3 on / boto3 uploads"] = median([a / b for a, b in zip(on, b3)])
     if not args.skip_transfers:
         print(f"  best client upload: {up_best.split(': ')[1]}; best client download: {down_best.split(': ')[1]}")
     print()
@@ -622,12 +724,13 @@ def main() -> int:
         print(f"S3 requests of one load of one {mr['object_mib']:.0f} MiB object: load "
               f"{extra['requests_per_object']['load']}, load into {extra['requests_per_object']['load into']}; "
               "a boto3 get_object: 1")
-    print(f"training: {args.steps} steps, checkpoint every {args.every}; step {1e3 * median(on):.1f} ms with the S3 tier, "
-          f"{1e3 * median(off):.1f} ms without; during the S3 runs moto took "
-          f"{median([x['moto_cpu_s'] for x in train_runs['on']]):.1f} CPU s and the daemon "
-          f"{median([x['daemon_cpu_s'] for x in train_runs['on']]):.1f} CPU s (without the S3 tier: "
-          f"{median([x['daemon_cpu_s'] for x in train_runs['off']]):.1f}; medians per run) on this "
-          f"{os.cpu_count()}-core machine")
+    cpu = {m: (median([x["moto_cpu_s"] for x in train_runs[m]]), median([x["uploader_cpu_s"] for x in train_runs[m]]))
+           for m in train_runs}
+    print(f"training: {args.steps} steps, checkpoint every {args.every}, {args.threads} torch thread(s); step "
+          f"{1e3 * median(on):.1f} ms with the S3 tier, {1e3 * median(off):.1f} ms without, {1e3 * median(b3):.1f} ms "
+          f"without but boto3 uploading the same files; CPU s per run (medians): S3 tier on: moto {cpu['on'][0]:.1f}, "
+          f"daemon {cpu['on'][1]:.1f}; off: daemon {cpu['off'][1]:.1f}; boto3 uploads: moto {cpu['boto3'][0]:.1f}, "
+          f"boto3 {cpu['boto3'][1]:.1f} (the daemon as off); on this {os.cpu_count()}-core machine")
     print(json.dumps({"bytes": nbytes, "files": args.files, "runs": args.runs,
                       "medians_s": {n: round(v, 4) for n, v in med.items()},
                       "ratios": {n: round(v, 4) for n, v in ratios.items()},

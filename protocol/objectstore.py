@@ -13,9 +13,9 @@ variables (``AWS_ENDPOINT_URL`` included), profile files, instance metadata. A t
 ``endpoint`` and ``region`` keys override the first two; secrets are never in the node
 config. Path-style addressing wherever an endpoint is given (a local server's buckets are
 not host names). Retries: botocore's standard mode, exponential backoff with jitter on 5xx,
-throttling and dropped connections. Every uploaded part carries a CRC32 the server checks,
-which over HTTPS also spares the SHA-256 of each part's payload that botocore signs otherwise
-(over plain HTTP it always does); downloads are checked against the file's own checksums.
+throttling and dropped connections. Every uploaded part carries a CRC32 the server checks, so
+over HTTPS its payload is not also hashed with SHA-256 for the signature (over plain HTTP
+botocore always signs it); downloads are checked against the file's own checksums.
 """
 
 from __future__ import annotations
@@ -109,9 +109,14 @@ def client(endpoint: str = "", region: str = "") -> Any:
     except ImportError:
         raise ConfigError("an s3:// path needs boto3: pip install 'datastates[s3]'") from None
     endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    s3: dict[str, Any] = {"addressing_style": "path"} if endpoint else {}
+    if not endpoint.startswith("http://"):
+        # over TLS, with each part's CRC32 in a header, the payload needs no SHA-256 of its own: what botocore decides
+        # itself where it computes the checksum, but not where it is given one (daemon/storage/s3.py)
+        s3["payload_signing_enabled"] = False
     config = Config(retries={"mode": "standard", "max_attempts": ATTEMPTS}, max_pool_connections=POOL,
-                    connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                    s3={"addressing_style": "path"} if endpoint else {}, response_checksum_validation="when_required")
+                    connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S, s3=s3,
+                    response_checksum_validation="when_required")
     try:
         session = boto3.session.Session()
         return session.client("s3", endpoint_url=endpoint or None,
