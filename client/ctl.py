@@ -200,7 +200,7 @@ def _age(seconds: float) -> str:
 
 
 def _prune(root: str, keep_last: int, dry_run: bool) -> int:
-    gone = prune(os.path.abspath(root), keep_last, dry_run=dry_run)
+    gone = prune(root if is_object(root) else os.path.abspath(root), keep_last, dry_run=dry_run)
     for folder in gone:
         print(f"{'would delete' if dry_run else 'deleted'} {folder}")
     print(f"{len(gone)} tag(s) {'to prune' if dry_run else 'pruned'}; the {keep_last} newest committed kept")

@@ -36,7 +36,8 @@ from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.format import done_name, marker_name
 from datastates.protocol.objectstore import is_object, list_etags, list_keys
 from datastates.protocol.paths import within
-from datastates.protocol.tags import committed_tags, read_marker_object, safe_name
+from datastates.protocol.retention import prune
+from datastates.protocol.tags import read_marker_object, safe_name
 
 from .commit import make_marker, trackers
 from .events import CommitEvent
@@ -198,19 +199,7 @@ class ObjectTiers:
 
     def prune(self, run: str, keep_last: int, spare: set[str]) -> list[str]:
         """Delete the committed tags of ``run`` older than its ``keep_last`` newest: each one's marker, then its objects."""
-        gone = []
-        for tag in committed_tags(run, own_folder=True)[keep_last:]:
-            if tag.tag in spare:
-                continue
-            try:
-                self.writer.remove(tag.marker_path)
-                for url, _ in list(list_keys(tag.folder)):
-                    self.writer.remove(url)
-            except DatastatesError as exc:  # a refusal, or a key no address can name (``a//b``): left as it is
-                log.warning("keep_last: cannot delete tag %s from %s: %s", tag.tag, run, exc.message)
-                continue
-            gone.append(tag.folder)
-        return gone
+        return prune(run, keep_last, spare)
 
     def close(self) -> None:
         if self._threads is not None:

@@ -195,6 +195,18 @@ def read_object(url: str) -> bytes | None:
         raise
 
 
+def delete_object(url: str) -> None:
+    """Delete one object; one already gone is no error."""
+    where = ObjectPath.parse(url)
+    try:
+        client_for(url).delete_object(Bucket=where.bucket, Key=where.key)
+    except Exception as exc:
+        if not missing(exc):
+            if is_client_error(exc):
+                raise object_error("cannot delete", url, exc) from None
+            raise
+
+
 def _listing(url: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """(url, the listing's entry) of every object below the folder ``url``."""
     where = ObjectPath.parse(url)

@@ -19,8 +19,10 @@ import logging
 import os
 from typing import Callable, Iterable
 
+from .errors import DatastatesError
 from .fileio import RENAME_NOREPLACE, fsync_dir, open_folder, read_regular, remove, rename_within
 from .format import DELETING_RE, TRACKER, CommitMarker, deleting_name, marker_name
+from .objectstore import delete_object, is_object, list_keys
 from .tags import CommittedTag, committed_tags, marker_paths, untrusted_folder
 
 log = logging.getLogger(__name__)
@@ -162,6 +164,8 @@ def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}: the newest committed tag always stays")
     spare = set(spare)
+    if is_object(root):
+        return _prune_objects(root, keep_last, spare, accept, dry_run)
     if not dry_run:
         _finish_deletes(root)
     gone = []
@@ -175,6 +179,26 @@ def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable
                 continue
         elif not delete_tag(tag, root):
             continue
+        gone.append(tag.folder)
+    return gone
+
+
+def _prune_objects(run: str, keep_last: int, spare: set[str], accept: Callable[[str], bool],
+                   dry_run: bool) -> list[str]:
+    """``prune`` of an object store folder: each tag's marker object first (the tag is then not committed), then its
+    objects. An object store has no rename: a delete cut short leaves objects without a marker, never a tag."""
+    gone = []
+    for tag in committed_tags(run, own_folder=True, accept=accept)[keep_last:]:
+        if tag.tag in spare:
+            continue
+        if not dry_run:
+            try:
+                delete_object(tag.marker_path)
+                for url, _ in list(list_keys(tag.folder)):
+                    delete_object(url)
+            except DatastatesError as exc:  # a refusal, or a key no address can name (``a//b``): left as it is
+                log.warning("cannot delete tag %s from %s: %s", tag.tag, run, exc.message)
+                continue
         gone.append(tag.folder)
     return gone
 

@@ -159,6 +159,13 @@ def test_a_committed_tag_reaches_s3_whole_and_keep_last_prunes_the_older(
     assert listed.returncode == 0, listed.stderr
     rows = [line.split() for line in listed.stdout.splitlines()[1:]]
     assert sorted(r[0] for r in rows if r[1] == "committed" and r[5] == CLOUD) == ["step2", "step3"], listed.stdout
+    dry = d.ctl("prune", f"{url}/run", "--keep-last", "1", "--dry-run")
+    assert dry.returncode == 0 and f"would delete {url}/run/step2" in dry.stdout, (dry.stdout, dry.stderr)
+    assert f"jobs/run/step2/{marker_name('step2')}" in keys(s3, bucket, "jobs/run/")
+    pruned = d.ctl("prune", f"{url}/run", "--keep-last", "1")
+    assert pruned.returncode == 0 and f"deleted {url}/run/step2" in pruned.stdout, (pruned.stdout, pruned.stderr)
+    assert not [k for k in keys(s3, bucket, "jobs/run/") if k.startswith("jobs/run/step2/")]
+    assert datastates.latest(f"{url}/run") == "step3"
 
 
 def test_restore_falls_back_to_s3_when_no_faster_tier_holds_the_tag(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from datastates.protocol.errors import DatastatesError, StorageError
-from datastates.protocol.objectstore import ObjectPath, client_for, is_client_error, missing, object_error
+from datastates.protocol.objectstore import ObjectPath, client_for, delete_object, is_client_error, object_error
 
 from ..instances import Gone, daemons_folder
 from .base import StorageWriter, register_writer
@@ -145,14 +145,7 @@ class S3Writer(StorageWriter):
 
     def remove(self, path: str) -> None:
         """Delete one object; one already gone is no error."""
-        where = ObjectPath.parse(path)
-        try:
-            client_for(path).delete_object(Bucket=where.bucket, Key=where.key)
-        except Exception as exc:
-            if not missing(exc):
-                if is_client_error(exc):
-                    raise object_error("cannot delete", path, exc) from None
-                raise
+        delete_object(path)
 
     def remove_leftovers(self, root: str, gone: Gone) -> list[str]:
         """Abort the multipart uploads below ``root`` that a dead daemon of this node journaled; no other."""
