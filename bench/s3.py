@@ -322,7 +322,11 @@ class Uploader:
 
     def close(self) -> None:
         self.proc.stdin.close()
-        self.proc.wait(60)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def upload_worker(prefix: str) -> int:
@@ -346,10 +350,14 @@ def upload_worker(prefix: str) -> int:
                 path, tag = waiting.pop()
                 fates.extend(["superseded"] * len(waiting))
                 waiting.clear()
-            with open(path, "rb") as f:
-                s3.upload_fileobj(f, BUCKET, f"{prefix}/{tag}/rank0.pt", Config=cfg)
+            try:
+                with open(path, "rb") as f:
+                    s3.upload_fileobj(f, BUCKET, f"{prefix}/{tag}/rank0.pt", Config=cfg)
+                fate = "uploaded"
+            except Exception as exc:  # noqa: BLE001 - said in the fates, so a drain never waits for it
+                fate = f"failed:{type(exc).__name__}"
             with cond:
-                fates.append("uploaded")
+                fates.append(fate)
                 cond.notify_all()
 
     threading.Thread(target=work, daemon=True).start()
@@ -667,6 +675,7 @@ def main() -> int:
                                                       for t in e["tiers"] if t["tier"] == "cloud")
                         elif mode == "boto3":
                             res["s3_states"] = uploader.drain()
+                            delete_prefix(s3, f"{PREFIX}-b")  # as the tier's keep_last does: moto keeps all in memory
                         res["uploader_cpu_s"] = cpu_s(who) - c0[1]  # the daemon, or boto3's process: the upload's cost
                         res["moto_cpu_s"] = cpu_s(moto.pid) - c0[0]
                         res["until_uploaded_s"] = time.perf_counter() - t0

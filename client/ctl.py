@@ -13,7 +13,7 @@ from typing import Any
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import CorruptCheckpointError, DaemonNotRunning, DatastatesError
+from datastates.protocol.errors import CorruptCheckpointError, DaemonNotRunning, DatastatesError, InvalidRequestError
 from datastates.protocol.fileio import read_regular
 from datastates.protocol.objectstore import is_object, list_keys
 from datastates.protocol.format import CommitMarker, check_tag, marker_name
@@ -114,9 +114,9 @@ def _tag_files(target: str, root: str) -> list[str]:
     marker this user may not trust (``distrust``: another user's, a FIFO) is skipped, saying why.
     """
     if is_object(root) and not is_object(target) and not os.path.exists(target):
-        target = f"{root.rstrip('/')}/{check_tag(target)}"
+        return _object_files(f"{root.rstrip('/')}/{check_tag(target)}", named=True)
     if is_object(target):
-        return _object_files(target)
+        return _object_files(target, named=False)
     if os.path.isfile(target):
         return [target]
     if os.path.isdir(target):
@@ -139,18 +139,19 @@ def _tag_files(target: str, root: str) -> list[str]:
     return files
 
 
-def _object_files(target: str) -> list[str]:
-    """``_tag_files`` of an object store address: the objects a tag's marker object lists, or the object itself."""
+def _object_files(target: str, named: bool) -> list[str]:
+    """``_tag_files`` of an object store address: the objects a tag's marker object lists, or the object itself
+    (``named``: the address is a tag's folder, named by the tag; never an object)."""
     folder = target.rstrip("/")
     name = os.path.basename(folder)
     try:
         marker = read_marker_object(f"{folder}/{marker_name(check_tag(name))}")
-    except DatastatesError:  # not a tag's name: an object's
+    except InvalidRequestError:  # not a tag's name: an object's
         marker = None
     if marker is not None:
         return tag_files(folder, marker)
-    if next(list_keys(folder), None) is not None:
-        raise CorruptCheckpointError(f"no commit marker for {target!r} (its objects are there: a tag not committed)")
+    if named or next(list_keys(folder), None) is not None:
+        raise CorruptCheckpointError(f"no commit marker for {target!r} (no committed tag there)")
     return [target]
 
 

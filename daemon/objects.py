@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 PARTS_AT_ONCE = 8
 """Parts of one file uploaded at a time: each holds a 16 MiB buffer, 128 MiB in all."""
+CALL_THREADS = 4
+"""Threads of the object store calls that are not part uploads: a tag's commit and an upload's start or end."""
 PROBE = ".datastates-probe-"
 
 
@@ -77,11 +79,20 @@ class ObjectTiers:
         """Whether that check is over (status says it is under way until then)."""
         self._threads = ThreadPoolExecutor(PARTS_AT_ONCE, thread_name_prefix="ds-upload",
                                            initializer=_background) if self.tiers else None
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="ds-objects") if self.tiers else None
+        """The other object store calls (an upload begun, completed or aborted; a tag's commit, its retention): at the
+        daemon's own priority, so a busy trainer never starves a commit (node 0 gathering the other nodes' done
+        markers within their ``commit_timeout``), nor one of them the daemon's GIL."""
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Where a part upload (or any other object store call) runs: not on the flush threads."""
+        """Where a part upload runs: on the upload threads, not on the flush threads."""
         assert self._threads is not None
         return self._threads.submit(fn, *args)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Where any other object store call runs (``_calls``)."""
+        assert self._calls is not None
+        return self._calls.submit(fn, *args)
 
     def check(self) -> None:
         """Once at start: each tier's bucket exists and this daemon may write and delete there (a probe object)."""
@@ -202,8 +213,9 @@ class ObjectTiers:
         return prune(run, keep_last, spare)
 
     def close(self) -> None:
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._threads, self._calls):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_sizes(folder: str, files: dict[str, int], tier: Tier, tag: str) -> None:

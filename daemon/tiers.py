@@ -242,11 +242,11 @@ class TierTransfers:
             transfer.state = TransferState.TRANSFERRING
             try:
                 if is_object(tier.path):
-                    await asyncio.wrap_future(self.objects.run(self.objects.begin, lower))
+                    await asyncio.wrap_future(self.objects.call(self.objects.begin, lower))
                 for (src, size), path in zip(commit.files.items(), lower.files):
                     await self._transfer_file(src, path, size, transfer, f"tier-{commit.order}", is_object(tier.path))
                 if is_object(tier.path):
-                    gone = await asyncio.wrap_future(self.objects.run(
+                    gone = await asyncio.wrap_future(self.objects.call(
                         self.objects.commit, lower, tier, self._storage.keep_last_at(tier.path), self.holds()))
                     self.pruned(gone)
                 else:
@@ -262,15 +262,18 @@ class TierTransfers:
     async def _transfer_file(self, src: str, dest: str, size: int, transfer: TierTransfer, token: str,
                              to_object: bool) -> None:
         """``src`` to ``dest`` piece by piece: one at a time on the flush threads to a file; PARTS_AT_ONCE at a time
-        on the upload threads to an object store (``ObjectTiers.run``), each piece with a buffer of its own."""
+        on the upload threads to an object store (``ObjectTiers.run``; its start and end by ``ObjectTiers.call``),
+        each piece with a buffer of its own."""
         if to_object:
             if size > MAX_PARTS * TRANSFER_PIECE:
                 raise StorageError(f"cannot upload {src}: {size} bytes is more than {MAX_PARTS} parts of "
                                    f"{TRANSFER_PIECE} bytes, the most an object store takes", path=dest)
             sink, window = FileSink(self.objects.writer, dest, token), PARTS_AT_ONCE
             run = lambda fn, *args: asyncio.wrap_future(self.objects.run(fn, *args))  # noqa: E731
+            call = finish = lambda fn, *args: asyncio.wrap_future(self.objects.call(fn, *args))  # noqa: E731
         else:
             sink, window, run = FileSink(self._engine.writer(dest), dest, token), 1, self._engine.write
+            call, finish = self._engine.flush, self._engine.write
         src_fd = await self._engine.flush(open_for_reading, src)
         buffers = [mmap.mmap(-1, TRANSFER_PIECE) for _ in range(min(window, max(1, -(-size // TRANSFER_PIECE))))]
         free = list(buffers)
@@ -287,7 +290,7 @@ class TierTransfers:
             if os.fstat(src_fd).st_size != size:
                 raise StorageError(f"cannot transfer {src}: it is {os.fstat(src_fd).st_size} bytes, its marker says "
                                    f"{size}", path=src)
-            await (run if to_object else self._engine.flush)(sink.create)
+            await call(sink.create)
             pending: set[asyncio.Future] = set()
             try:
                 for offset in range(0, size, TRANSFER_PIECE):
@@ -300,10 +303,10 @@ class TierTransfers:
                     if isinstance(d, BaseException):
                         raise d
                 pending = set()
-                await run(sink.finalize)
+                await finish(sink.finalize)
             except BaseException:
                 await asyncio.gather(*pending, return_exceptions=True)  # no thread still writes when it is aborted
-                await (run if to_object else self._engine.flush)(sink.abort)
+                await call(sink.abort)
                 raise
         finally:
             os.close(src_fd)

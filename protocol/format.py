@@ -354,6 +354,11 @@ def marker_name(tag: str) -> str:
     return f"{MARKER_PREFIX}{tag}{MARKER_SUFFIX}"
 
 
+def is_marker_name(name: str) -> bool:
+    """Whether a file (or object) named ``name`` is some tag's commit marker by its name."""
+    return name.startswith(MARKER_PREFIX) and name.endswith(MARKER_SUFFIX)
+
+
 DONE_PREFIX = "datastates-done."
 
 

@@ -109,18 +109,24 @@ def client(endpoint: str = "", region: str = "") -> Any:
     except ImportError:
         raise ConfigError("an s3:// path needs boto3: pip install 'datastates[s3]'") from None
     endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-    s3: dict[str, Any] = {"addressing_style": "path"} if endpoint else {}
-    if not endpoint.startswith("http://"):
-        # over TLS, with each part's CRC32 in a header, the payload needs no SHA-256 of its own: what botocore decides
-        # itself where it computes the checksum, but not where it is given one (daemon/storage/s3.py)
-        s3["payload_signing_enabled"] = False
-    config = Config(retries={"mode": "standard", "max_attempts": ATTEMPTS}, max_pool_connections=POOL,
-                    connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S, s3=s3,
-                    response_checksum_validation="when_required")
+    addressing = {"addressing_style": "path"} if endpoint else {}
+
+    def make(s3: dict[str, Any]) -> Any:
+        config = Config(retries={"mode": "standard", "max_attempts": ATTEMPTS}, max_pool_connections=POOL,
+                        connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S, s3=s3,
+                        response_checksum_validation="when_required")
+        return session.client("s3", endpoint_url=endpoint or None, region_name=region or session.region_name
+                              or "us-east-1", config=config)
+
     try:
         session = boto3.session.Session()
-        return session.client("s3", endpoint_url=endpoint or None,
-                              region_name=region or session.region_name or "us-east-1", config=config)
+        made = make(addressing)
+        if made.meta.endpoint_url.lower().startswith("https://"):
+            # over TLS, with each part's CRC32 in a header, the payload needs no SHA-256 of its own: what botocore
+            # decides itself where it computes the checksum, not where it is given one (daemon/storage/s3.py); over
+            # plain HTTP (whichever way the endpoint was found) every payload stays signed
+            made = make({**addressing, "payload_signing_enabled": False})
+        return made
     except Exception as exc:  # a malformed endpoint or region, an unreadable profile: botocore's own words
         raise ConfigError(f"cannot reach an object store at {endpoint or 'AWS'!r}: {exc}") from None
 

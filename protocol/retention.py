@@ -21,9 +21,9 @@ from typing import Callable, Iterable
 
 from .errors import DatastatesError
 from .fileio import RENAME_NOREPLACE, fsync_dir, open_folder, read_regular, remove, rename_within
-from .format import DELETING_RE, TRACKER, CommitMarker, deleting_name, marker_name
-from .objectstore import delete_object, is_object, list_keys
-from .tags import CommittedTag, committed_tags, marker_paths, untrusted_folder
+from .format import DELETING_RE, TRACKER, CommitMarker, deleting_name, is_marker_name, marker_name
+from .objectstore import delete_object, is_object, list_keys, read_object
+from .tags import CommittedTag, committed_tags, marker_paths, read_marker_object, untrusted_folder
 
 log = logging.getLogger(__name__)
 
@@ -186,21 +186,42 @@ def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable
 def _prune_objects(run: str, keep_last: int, spare: set[str], accept: Callable[[str], bool],
                    dry_run: bool) -> list[str]:
     """``prune`` of an object store folder: each tag's marker object first (the tag is then not committed), then its
-    objects. An object store has no rename: a delete cut short leaves objects without a marker, never a tag."""
+    objects. The guards of a folder's prune (``kept``) hold: a tag folder that also holds another tag's marker, a
+    tag committed again since it was listed, and the tag the ``latest`` tracker names all stay. An object store has
+    no rename: a delete cut short leaves objects without a marker (never a tag), which a lifecycle rule clears."""
     gone = []
+    tracker = f"{run.rstrip('/')}/{TRACKER}"
     for tag in committed_tags(run, own_folder=True, accept=accept)[keep_last:]:
         if tag.tag in spare:
             continue
-        if not dry_run:
-            try:
+        try:
+            why = _kept_object(tag, tracker)
+            if why:
+                log.warning("%s checkpoint %s of %s: %s", "would not delete" if dry_run else "not deleting", tag.tag,
+                            tag.folder, why)
+                continue
+            if not dry_run:
                 delete_object(tag.marker_path)
                 for url, _ in list(list_keys(tag.folder)):
                     delete_object(url)
-            except DatastatesError as exc:  # a refusal, or a key no address can name (``a//b``): left as it is
-                log.warning("cannot delete tag %s from %s: %s", tag.tag, run, exc.message)
-                continue
+        except DatastatesError as exc:  # a refusal, or a key no address can name (``a//b``): left as it is
+            log.warning("cannot delete tag %s from %s: %s", tag.tag, run, exc.message)
+            continue
         gone.append(tag.folder)
     return gone
+
+
+def _kept_object(tag: CommittedTag, tracker: str) -> str:
+    """``kept`` of a tag on an object store: why its folder must not be deleted now ("" if it may)."""
+    strangers = [url for url, _ in list_keys(tag.folder)
+                 if is_marker_name(url.rsplit("/", 1)[1]) and url != tag.marker_path]
+    if strangers:
+        return f"it also holds another tag's marker ({strangers[0].rsplit('/', 1)[1]})"
+    if read_marker_object(tag.marker_path) != tag.marker:  # right before the delete: the window is a round trip
+        return "it was committed again since it was listed, or its marker is gone"
+    if (read_object(tracker) or b"").decode(errors="replace").strip() == tag.tag:
+        return f"the {TRACKER!r} tracker beside it names it"
+    return ""
 
 
 def _finish_deletes(root: str) -> None:

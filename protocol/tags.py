@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from .errors import DatastatesError
-from .format import (INDEX_AT, MARKER_PREFIX, MARKER_SUFFIX, PREAMBLE_SIZE, CommitMarker, MarkerFile, index_at,
-                     header_snapshot, marker_name, parse_preamble)
+from .format import (INDEX_AT, PREAMBLE_SIZE, CommitMarker, MarkerFile, header_snapshot, index_at, is_marker_name,
+                     marker_name, parse_preamble)
 from .objectstore import is_object, list_keys, read_object
 from .paths import within
 
@@ -136,7 +136,7 @@ def _marker_names(folder: str) -> list[str]:
         names = os.listdir(folder)
     except OSError:
         return []
-    return [os.path.join(folder, n) for n in sorted(names) if n.startswith(MARKER_PREFIX) and n.endswith(MARKER_SUFFIX)]
+    return [os.path.join(folder, n) for n in sorted(names) if is_marker_name(n)]
 
 
 def untrusted_folder(folder: str) -> str:
@@ -244,7 +244,7 @@ def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable
     found = []
     for path in sizes:
         folder, name = path.rsplit("/", 1)
-        if not (name.startswith(MARKER_PREFIX) and name.endswith(MARKER_SUFFIX)) or \
+        if not is_marker_name(name) or \
                 folder[len(root):].count("/") > depth:
             continue
         try:

@@ -1048,6 +1048,12 @@ MUTATIONS: tuple[Mutation, ...] = (
               " or owner == self.owner:  # MUTATION"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons",),
     ),
+    Mutation(
+        "s3-prune-deletes-another-tags-marker",
+        "keep_last on the bucket deletes a tag's folder whole, though another committed tag's marker is in it",
+        (Edit("protocol/retention.py", "    if strangers:\n", "    if False:  # MUTATION\n"),),
+        ("tests/test_s3.py::test_keep_last_on_the_bucket_never_deletes_another_tags_marker_with_a_folder",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

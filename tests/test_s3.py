@@ -168,6 +168,30 @@ def test_a_committed_tag_reaches_s3_whole_and_keep_last_prunes_the_older(
     assert datastates.latest(f"{url}/run") == "step3"
 
 
+def test_keep_last_on_the_bucket_never_deletes_another_tags_marker_with_a_folder(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, s3: Any, bucket: str) -> None:
+    """A "best" tag saved into step1's folder (as Lightning does) is committed there on the bucket too: pruning step1
+    must keep that folder, as a folder tier's prune does, or the committed "best" would go with it."""
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url, keep_last=1))
+    fast = tmp_path / "fast" / "run"
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(1), fast / "step1" / "rank0.pt")
+        settle(d)
+        save(c, state(7), fast / "step1" / "best.pt", tag="best")
+        settle(d)
+        save(c, state(2), fast / "step2" / "rank0.pt")
+        status = settle(d)
+    assert tier_states(status, "step2")[CLOUD] == "committed", status["tier_transfers"]["tags"]
+    held = keys(s3, bucket, "jobs/run/step1/")
+    assert {f"jobs/run/step1/{n}" for n in ("rank0.pt", "best.pt", marker_name("step1"), marker_name("best"))} \
+        <= set(held), sorted(held)
+    assert_state_equal(state(7), datastates.load(f"{url}/run/step1/best.pt"))
+    pruned = d.ctl("prune", f"{url}/run", "--keep-last", "1")
+    assert pruned.returncode == 0 and "0 tag(s) pruned" in pruned.stdout, (pruned.stdout, pruned.stderr)
+    assert set(keys(s3, bucket, "jobs/run/step1/")) == set(held)
+
+
 def test_restore_falls_back_to_s3_when_no_faster_tier_holds_the_tag(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, s3: Any, bucket: str) -> None:
     url = f"s3://{bucket}/jobs"
@@ -245,8 +269,9 @@ def test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored(
     assert bad.returncode == 1 and f"CORRUPT  {url}/run/step1/rank0.pt" in bad.stdout, (bad.stdout, bad.stderr)
     good = d.ctl("verify", "step2", "--root", f"{url}/run")  # a tag by name
     assert good.returncode == 0 and f"ok       {url}/run/step2/rank0.pt" in good.stdout, (good.stdout, good.stderr)
-    uncommitted = d.ctl("verify", f"{url}/run/step3")
-    assert uncommitted.returncode != 0 and "no commit marker" in uncommitted.stderr, uncommitted
+    for args in ([f"{url}/run/step3"], ["step9", "--root", f"{url}/run"]):  # objects without a marker; no tag at all
+        refused = d.ctl("verify", *args)
+        assert refused.returncode == 2 and "no commit marker" in refused.stderr, (args, refused)
     # an object a marker lists, deleted: that tag is no longer committed, and the one before is the newest
     s3.delete_object(Bucket=bucket, Key="jobs/run/step2/rank0.pt")
     assert datastates.latest(f"{url}/run") == "step1"
