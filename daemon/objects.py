@@ -53,15 +53,21 @@ CALL_THREADS = 4
 PROBE = ".datastates-probe-"
 
 
+UPLOAD_NICE = 19
+"""The upload threads' nice value: the lowest CPU priority that still gets a share of a busy core. ``SCHED_IDLE``
+gets none while the trainer keeps every core busy, and an upload thread stopped there holding the daemon's GIL
+stopped the daemon with it (a status call unanswered for 5 s, under two CPU hogs)."""
+
+
 def _background() -> None:
-    """An upload thread's start: its own CPU policy SCHED_IDLE (Linux: a thread's policy is its own), so on a node
-    whose cores the trainer keeps busy an upload (its reads, checksums, signing, TLS) takes only the CPU the trainer
-    leaves, and never slows a step. A busy trainer rests at each fence, so an upload thread holding the daemon's GIL
-    gets a core then and lets it go: measured in docs/performance.md."""
+    """An upload thread's start: its own nice value UPLOAD_NICE (Linux: a thread's nice value is its own), so on a node
+    whose cores the trainer keeps busy an upload (its reads, checksums, TLS) takes little more than the CPU the
+    trainer leaves."""
+    tid = threading.get_native_id()
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (OSError, AttributeError) as exc:
-        log.info("upload threads keep the daemon's CPU policy: %s", exc)
+        os.setpriority(os.PRIO_PROCESS, tid, max(UPLOAD_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError as exc:
+        log.info("upload threads keep the daemon's CPU priority: %s", exc)
 
 
 class ObjectTiers:
