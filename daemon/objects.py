@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import DatastatesError, StorageError
-from datastates.protocol.format import done_name, marker_name
+from datastates.protocol.format import done_name, is_marker_name, marker_name
 from datastates.protocol.objectstore import is_object, list_etags, list_keys
 from datastates.protocol.paths import within
 from datastates.protocol.retention import prune
@@ -116,8 +116,21 @@ class ObjectTiers:
     def begin(self, lower: CommitEvent) -> None:
         """Before any byte of ``lower`` is uploaded: the marker of an earlier version of the tag deleted, so that no
         reader takes the tag as committed while its objects are replaced one by one (a tag saved again): it is
-        uncommitted there until its new marker."""
+        uncommitted there until its new marker. That version's objects the new one lacks go too, as the fast tier's
+        exchange of versions drops them (daemon/versions.py): none stays readable by its address, with old bytes."""
+        earlier = read_marker_object(f"{os.path.dirname(next(iter(lower.files)))}/{marker_name(lower.tag)}")
         self.writer.remove(f"{os.path.dirname(next(iter(lower.files)))}/{marker_name(lower.tag)}")
+        if earlier is None:
+            return
+        folder = os.path.dirname(next(iter(lower.files)))
+        others = set()  # listed by another tag's marker in the same folder (a "best" saved into step1/): theirs
+        for url, _ in list_keys(folder):
+            name = url.rsplit("/", 1)[1]
+            if is_marker_name(name) and name != marker_name(lower.tag):
+                marker = read_marker_object(url)
+                others |= {f"{folder}/{f.path}" for f in marker.files} if marker is not None else set()
+        for url in {f"{folder}/{f.path}" for f in earlier.files} - set(lower.files) - others:
+            self.writer.remove(url)
 
     def commit(self, lower: CommitEvent, tier: Tier, keep_last: int | None, spare: set[str]) -> list[str]:
         """Commit ``lower`` (its objects uploaded) on ``tier``: the marker last; then retention. The tag folders pruned."""

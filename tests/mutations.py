@@ -1054,6 +1054,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("protocol/retention.py", "    if strangers:\n", "    if False:  # MUTATION\n"),),
         ("tests/test_s3.py::test_keep_last_on_the_bucket_never_deletes_another_tags_marker_with_a_folder",),
     ),
+    Mutation(
+        "s3-old-version-objects-left",
+        "a tag saved again without one of its files leaves that file's old object on the bucket, readable by its address",
+        (Edit("daemon/objects.py", "        if earlier is None:\n            return\n", "        if True:  # MUTATION\n            return\n"),),
+        ("tests/test_s3.py::test_a_tag_saved_again_without_one_of_its_files_leaves_no_old_object_on_the_bucket",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

@@ -313,13 +313,20 @@ def test_a_tag_saved_again_is_uncommitted_on_the_bucket_until_its_new_version_is
     d = start_daemon(**tiers(tmp_path, url))
     fast = tmp_path / "fast" / "run"
     old, new = state(1), state(101)
-    with Client(d.endpoint, timeout=60) as c:
+
+    def save_both(st: dict[str, Any]) -> None:
+        """Both files, then one commit: one version of the tag (a commit per file would make two, the second without
+        the first's file, as on the fast tier)."""
         for r in range(2):
-            save(c, old, fast / "step1" / f"rank{r}.pt", tag="step1")
+            c.snapshot(st, fast / "step1" / f"rank{r}.pt", tag="step1")
+        c.wait()
+        c.commit("step1").result(timeout=120)
+
+    with Client(d.endpoint, timeout=60) as c:
+        save_both(old)
         assert tier_states(settle(d), "step1") == {"fast": "committed", CLOUD: "committed"}
         held = proxy.add(Rule(upload_part, hold=True))
-        for r in range(2):
-            save(c, new, fast / "step1" / f"rank{r}.pt", tag="step1")
+        save_both(new)
         wait_for("the new version's upload", lambda: held.seen)
         assert datastates.latest(f"{url}/run") is None  # never the old marker over a half-replaced tag
         proxy.release()
@@ -327,6 +334,30 @@ def test_a_tag_saved_again_is_uncommitted_on_the_bucket_until_its_new_version_is
     assert datastates.latest(f"{url}/run") == "step1"
     for r in range(2):
         assert_state_equal(new, datastates.load(f"{url}/run/step1/rank{r}.pt"))
+
+
+def test_a_tag_saved_again_without_one_of_its_files_leaves_no_old_object_on_the_bucket(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, s3: Any, bucket: str) -> None:
+    """The new version of a tag replaces the old one whole, on the bucket as on the fast tier: an object only the old
+    version had is not left there to be read by its address with the old step's bytes."""
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    fast = tmp_path / "fast" / "run"
+    with Client(d.endpoint, timeout=60) as c:
+        for r in range(2):
+            c.snapshot(state(1), fast / "step1" / f"rank{r}.pt", tag="step1")
+        c.wait()
+        c.commit("step1").result(timeout=120)
+        assert tier_states(settle(d), "step1") == {"fast": "committed", CLOUD: "committed"}
+        save(c, state(2), fast / "step1" / "rank1.pt", tag="step1")  # the tag again, rank 1's file only
+        status = settle(d)
+    assert tier_states(status, "step1") == {"fast": "committed", CLOUD: "committed"}
+    assert not (fast / "step1" / "rank0.pt").exists()  # the fast tier's new version: rank 1's file only
+    assert set(keys(s3, bucket, "jobs/run/step1/")) == {"jobs/run/step1/rank1.pt",
+                                                         f"jobs/run/step1/{marker_name('step1')}"}
+    with pytest.raises(FileNotFoundError):
+        datastates.load(f"{url}/run/step1/rank0.pt")
+    assert_state_equal(state(2), datastates.load(f"{url}/run/step1/rank1.pt"))
 
 
 # -- faults of the server -----------------------------------------------------------------------------------------------
