@@ -393,15 +393,18 @@ def test_a_file_truncated_while_it_is_read_raises(trainer: Client, run: Path, mo
     supersede(trainer, run)
     at, nbytes = storage_at(path, "w")
     cut: list[int] = []
-    opener = stream_module.open_sequential
 
-    def cut_then_open(name: str) -> int:
-        if name == str(path):
-            cut.append(at + nbytes // 2)
-            os.truncate(path, cut[0])
-        return opener(name)
+    def cut_then(opener: Callable[[str], int]) -> Callable[[str], int]:
+        def cut_then_open(name: str) -> int:
+            if name == str(path) and not cut:
+                cut.append(at + nbytes // 2)
+                os.truncate(path, cut[0])
+            return opener(name)
+        return cut_then_open
 
-    monkeypatch.setattr(stream_module, "open_sequential", cut_then_open)
+    # through the page cache, or with O_DIRECT where the targets lie as in the file (as the allocator placed them)
+    for name in ("open_sequential", "open_for_reading"):
+        monkeypatch.setattr(stream_module, name, cut_then(getattr(stream_module, name)))
     with pytest.raises(CorruptCheckpointError, match="file ends"):
         trainer.restore(run, "rank0.pt", tag="step1", into=zeros_like(state))
     assert cut and path.stat().st_size == cut[0]  # the case under test: cut as it was opened to be read
