@@ -118,11 +118,12 @@ class ObjectTiers:
         reader takes the tag as committed while its objects are replaced one by one (a tag saved again): it is
         uncommitted there until its new marker. That version's objects the new one lacks go too, as the fast tier's
         exchange of versions drops them (daemon/versions.py): none stays readable by its address, with old bytes."""
-        earlier = read_marker_object(f"{os.path.dirname(next(iter(lower.files)))}/{marker_name(lower.tag)}")
-        self.writer.remove(f"{os.path.dirname(next(iter(lower.files)))}/{marker_name(lower.tag)}")
+        folder = os.path.dirname(next(iter(lower.files)))
+        own_marker = f"{folder}/{marker_name(lower.tag)}"
+        earlier = read_marker_object(own_marker)
+        self.writer.remove(own_marker)
         if earlier is None:
             return
-        folder = os.path.dirname(next(iter(lower.files)))
         others = set()  # listed by another tag's marker in the same folder (a "best" saved into step1/): theirs
         for url, _ in list_keys(folder):
             name = url.rsplit("/", 1)[1]

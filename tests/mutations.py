@@ -1037,8 +1037,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-old-marker-kept-while-a-tag-is-uploaded-again",
         "a tag saved again keeps its old marker on the bucket while its objects are replaced one by one",
-        (Edit("daemon/objects.py", "        self.writer.remove(f\"{os.path.dirname(next(iter(lower.files)))}/{marker_name(lower.tag)}\")",
-              "        pass  # MUTATION"),),
+        (Edit("daemon/objects.py", "        self.writer.remove(own_marker)", "        pass  # MUTATION"),),
         ("tests/test_s3.py::test_a_tag_saved_again_is_uncommitted_on_the_bucket_until_its_new_version_is_whole",),
     ),
     Mutation(
