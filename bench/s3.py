@@ -171,6 +171,14 @@ def set_policy(pid: int, policy: int) -> None:
             pass  # a request's thread that just ended
 
 
+def daemon_cpu_s(endpoint: str) -> float:
+    """CPU seconds of the daemon at ``endpoint`` so far, its upload process's included."""
+    from datastates.client import daemon_status
+    status = daemon_status(endpoint)
+    uploader = status["tier_transfers"].get("uploader", {}).get("pid")
+    return cpu_s(status["daemon"]["pid"]) + (cpu_s(uploader) if uploader else 0.0)
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` and its threads so far."""
     with open(f"/proc/{pid}/stat") as f:
@@ -653,8 +661,6 @@ def main() -> int:
         with datastatesd(work, **common, storage=cloud_t) as on_ep, datastatesd(work, **common, storage=fast_only) as off_ep:
             wait_pool_mapped(on_ep)
             wait_pool_mapped(off_ep)
-            on_pid = daemon_status(on_ep)["daemon"]["pid"]
-            off_pid = daemon_status(off_ep)["daemon"]["pid"]
             uploader = Uploader(f"{PREFIX}-b")
             try:
                 for r in range(args.runs):
@@ -662,9 +668,8 @@ def main() -> int:
                     for mode in modes[r % 3:] + modes[:r % 3]:  # each first in turn
                         wait_idle(on_ep)
                         ep = on_ep if mode == "on" else off_ep
-                        pid = on_pid if mode == "on" else off_pid
-                        who = uploader.proc.pid if mode == "boto3" else pid
-                        c0 = (cpu_s(moto.pid), cpu_s(who))
+                        spent = (lambda: cpu_s(uploader.proc.pid)) if mode == "boto3" else lambda: daemon_cpu_s(ep)
+                        c0 = (cpu_s(moto.pid), spent())
                         t0 = time.perf_counter()
                         res = train(ep, os.path.join(fast + "-t", mode), args, seed=r,
                                     committed=uploader.committed if mode == "boto3" else None)
@@ -676,7 +681,7 @@ def main() -> int:
                         elif mode == "boto3":
                             res["s3_states"] = uploader.drain()
                             delete_prefix(s3, f"{PREFIX}-b")  # as the tier's keep_last does: moto keeps all in memory
-                        res["uploader_cpu_s"] = cpu_s(who) - c0[1]  # the daemon, or boto3's process: the upload's cost
+                        res["uploader_cpu_s"] = spent() - c0[1]  # the daemon, or boto3's process: the upload's cost
                         res["moto_cpu_s"] = cpu_s(moto.pid) - c0[0]
                         res["until_uploaded_s"] = time.perf_counter() - t0
                         train_runs[mode].append(res)

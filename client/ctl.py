@@ -88,7 +88,9 @@ def render(status: dict[str, Any]) -> str:
                                             for t in tiers["tiers"]), f"  {'tag':<24} " + "  ".join(
             f"{t['name']:<22}" for t in tiers["tiers"])]
         lines[-2:-2] = [f"  tier {name} cannot be written: {why}" for name, why in tiers.get("problems", {}).items()] + \
-            ([] if tiers.get("checked", True) else ["  object store tiers: start-up check under way"])
+            ([] if tiers.get("checked", True) else ["  object store tiers: start-up check under way"]) + \
+            ([f"  the upload process ended and was started again ({tiers['uploader']['started']} in all): see the "
+              "daemon's log"] if tiers.get("uploader", {}).get("started", 0) > 1 else [])
         for e in tiers["tags"]:
             cells = {c["tier"]: c for c in e["tiers"]}
             lines.append(f"  {e['tag']:<24} " + "  ".join(f"{_tier_cell(cells.get(t['name'])):<22}" for t in tiers["tiers"]))

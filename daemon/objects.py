@@ -1,8 +1,8 @@
 """Object store tiers: their check at start, the commit of a tag transferred there, and their retention.
 
 A tag's objects are uploaded by the tier transfers (daemon/tiers.py) through the S3 writer
-(daemon/storage/s3.py), ``PARTS_AT_ONCE`` parts at a time on threads of their own, so the
-network never holds up the fast tier's flush threads. Then ``commit``: one listing of the
+(daemon/storage/s3.py), its parts by the upload process (daemon/uploader.py), so neither the
+network nor the upload's CPU ever holds up the fast tier's flush threads or the daemon. Then ``commit``: one listing of the
 tag's folder proves every object complete at its size, and only then the marker object is
 PUT, then the trackers, then that tier's ``keep_last``. An object store has no rename: the
 marker's PUT is the one step that makes the tag committed there, and a reader (protocol/tags.py)
@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -46,28 +45,9 @@ from .storage.s3 import S3Writer
 
 log = logging.getLogger(__name__)
 
-PARTS_AT_ONCE = 8
-"""Parts of one file uploaded at a time: each holds a 16 MiB buffer, 128 MiB in all."""
 CALL_THREADS = 4
-"""Threads of the object store calls that are not part uploads: a tag's commit and an upload's start or end."""
+"""Threads of the object store calls other than part uploads: a tag's commit and an upload's start or end."""
 PROBE = ".datastates-probe-"
-
-
-UPLOAD_NICE = 19
-"""The upload threads' nice value: the lowest CPU priority that still gets a share of a busy core. ``SCHED_IDLE``
-gets none while the trainer keeps every core busy, and an upload thread stopped there holding the daemon's GIL
-stopped the daemon with it (a status call unanswered for 5 s, under two CPU hogs)."""
-
-
-def _background() -> None:
-    """An upload thread's start: its own nice value UPLOAD_NICE (Linux: a thread's nice value is its own), so on a node
-    whose cores the trainer keeps busy an upload (its reads, checksums, TLS) takes little more than the CPU the
-    trainer leaves."""
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, max(UPLOAD_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
-    except OSError as exc:
-        log.info("upload threads keep the daemon's CPU priority: %s", exc)
 
 
 class ObjectTiers:
@@ -83,17 +63,10 @@ class ObjectTiers:
         """Tier name → why its start-up check failed (shown in status); transfers there are still tried."""
         self.checked = not self.tiers
         """Whether that check is over (status says it is under way until then)."""
-        self._threads = ThreadPoolExecutor(PARTS_AT_ONCE, thread_name_prefix="ds-upload",
-                                           initializer=_background) if self.tiers else None
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="ds-objects") if self.tiers else None
-        """The other object store calls (an upload begun, completed or aborted; a tag's commit, its retention): at the
-        daemon's own priority, so a busy trainer never starves a commit (node 0 gathering the other nodes' done
-        markers within their ``commit_timeout``), nor one of them the daemon's GIL."""
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Where a part upload runs: on the upload threads, not on the flush threads."""
-        assert self._threads is not None
-        return self._threads.submit(fn, *args)
+        """The object store calls other than part uploads (an upload begun, completed or aborted; a tag's commit, its
+        retention): at the daemon's own priority, so a busy trainer never starves a commit (node 0 gathering the
+        other nodes' done markers within their ``commit_timeout``)."""
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Where any other object store call runs (``_calls``)."""
@@ -101,7 +74,10 @@ class ObjectTiers:
         return self._calls.submit(fn, *args)
 
     def check(self) -> None:
-        """Once at start: each tier's bucket exists and this daemon may write and delete there (a probe object)."""
+        """Once at start: each tier's bucket exists and this daemon may write and delete there (a probe object); the
+        upload process started."""
+        if self.tiers:
+            self.writer.uploader.start()
         for tier in self.tiers:
             probe = f"{tier.path.rstrip('/')}/{PROBE}{self._owner}"
             try:
@@ -233,9 +209,9 @@ class ObjectTiers:
         return prune(run, keep_last, spare)
 
     def close(self) -> None:
-        for pool in (self._threads, self._calls):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        if self._calls is not None:
+            self._calls.shutdown(wait=False, cancel_futures=True)
+        self.writer.uploader.close()
 
 
 def _check_sizes(folder: str, files: dict[str, int], tier: Tier, tag: str) -> None:

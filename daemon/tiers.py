@@ -24,7 +24,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import errno
 import logging
 import mmap
 import os
@@ -33,8 +32,8 @@ from typing import Any
 
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import DatastatesError, StorageError
-from datastates.protocol.fileio import PAGE, open_for_reading
-from datastates.protocol.format import align_up, marker_name
+from datastates.protocol.fileio import open_for_reading, read_range
+from datastates.protocol.format import marker_name
 from datastates.protocol.objectstore import is_object
 from datastates.protocol.tags import CommittedTag, committed_tags, read_marker
 
@@ -42,8 +41,9 @@ from .commit import CommitLedger
 from .events import CommitEvent
 from .config import HISTORY, StorageConfig
 from .engine import Engine
-from .objects import PARTS_AT_ONCE, ObjectTiers
+from .objects import ObjectTiers
 from .storage.s3 import MAX_PARTS
+from .uploader import PART, PARTS_AT_ONCE
 from .sink import FileSink
 
 log = logging.getLogger(__name__)
@@ -92,14 +92,7 @@ class TagTransfers:
 
 def _transfer_range(src_fd: int, sink: FileSink, buf: mmap.mmap, offset: int, length: int) -> None:
     """``length`` bytes at ``offset`` from the source file into the sink, through one aligned buffer."""
-    view = memoryview(buf)[:align_up(length, PAGE)]  # O_DIRECT reads whole pages: a file's tail is read short
-    done = 0
-    while done < length:
-        n = os.preadv(src_fd, [view[done:]], offset + done)
-        if n == 0:
-            raise StorageError(f"the source file ended at byte {offset + done}, before its committed size", errno=errno.EIO)
-        done += n
-    sink.write(offset, view[:length])
+    sink.write(offset, read_range(src_fd, buf, offset, length))
 
 
 def _newness(entry: TagTransfers) -> tuple[int, int]:
@@ -261,64 +254,76 @@ class TierTransfers:
 
     async def _transfer_file(self, src: str, dest: str, size: int, transfer: TierTransfer, token: str,
                              to_object: bool) -> None:
-        """``src`` to ``dest`` piece by piece: one at a time on the flush threads to a file; PARTS_AT_ONCE at a time
-        on the upload threads to an object store (``ObjectTiers.run``; its start and end by ``ObjectTiers.call``),
-        each piece with a buffer of its own."""
-        if to_object:
-            if size > MAX_PARTS * TRANSFER_PIECE:
-                raise StorageError(f"cannot upload {src}: {size} bytes is more than {MAX_PARTS} parts of "
-                                   f"{TRANSFER_PIECE} bytes, the most an object store takes", path=dest)
-            sink, window = FileSink(self.objects.writer, dest, token), PARTS_AT_ONCE
-            run = lambda fn, *args: asyncio.wrap_future(self.objects.run(fn, *args))  # noqa: E731
-            call = finish = lambda fn, *args: asyncio.wrap_future(self.objects.call(fn, *args))  # noqa: E731
-        else:
-            sink, window, run = FileSink(self._engine.writer(dest), dest, token), 1, self._engine.write
-            call, finish = self._engine.flush, self._engine.write
+        """``src`` to ``dest`` piece by piece: to a file one at a time on the flush threads; to an object store
+        PARTS_AT_ONCE parts at a time by the upload process (``S3Writer.upload``), its start and end on
+        ``ObjectTiers.call``'s threads."""
         src_fd = await self._engine.flush(open_for_reading, src)
-        buffers = [mmap.mmap(-1, TRANSFER_PIECE) for _ in range(min(window, max(1, -(-size // TRANSFER_PIECE))))]
-        free = list(buffers)
-
-        async def piece(offset: int) -> None:
-            buf, length = free.pop(), min(TRANSFER_PIECE, size - offset)
-            try:
-                await run(_transfer_range, src_fd, sink, buf, offset, length)
-                transfer.bytes_done += length
-            finally:
-                free.append(buf)
-
         try:
             if os.fstat(src_fd).st_size != size:
                 raise StorageError(f"cannot transfer {src}: it is {os.fstat(src_fd).st_size} bytes, its marker says "
                                    f"{size}", path=src)
-            await call(sink.create)
-            pending: set[asyncio.Future] = set()
-            try:
-                for offset in range(0, size, TRANSFER_PIECE):
-                    if len(pending) >= len(buffers):
-                        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                        for d in done:
-                            d.result()
-                    pending.add(asyncio.ensure_future(piece(offset)))
-                for d in await asyncio.gather(*pending, return_exceptions=True):
-                    if isinstance(d, BaseException):
-                        raise d
-                pending = set()
-                await finish(sink.finalize)
-            except BaseException:
-                await asyncio.gather(*pending, return_exceptions=True)  # no thread still writes when it is aborted
-                await call(sink.abort)
-                raise
+            if to_object:
+                await self._upload_file(src_fd, src, dest, size, transfer, token)
+            else:
+                await self._copy_file(src_fd, dest, size, transfer, token)
         finally:
             os.close(src_fd)
-            for buf in buffers:
-                with contextlib.suppress(BufferError):  # a failed piece's traceback still holds a view: freed with it
-                    buf.close()
+
+    async def _copy_file(self, src_fd: int, dest: str, size: int, transfer: TierTransfer, token: str) -> None:
+        sink = FileSink(self._engine.writer(dest), dest, token)
+        buf = mmap.mmap(-1, TRANSFER_PIECE)
+        try:
+            await self._engine.flush(sink.create)
+            try:
+                for offset in range(0, size, TRANSFER_PIECE):
+                    length = min(TRANSFER_PIECE, size - offset)
+                    await self._engine.write(_transfer_range, src_fd, sink, buf, offset, length)
+                    transfer.bytes_done += length
+                await self._engine.write(sink.finalize)
+            except BaseException:
+                await self._engine.flush(sink.abort)
+                raise
+        finally:
+            with contextlib.suppress(BufferError):  # a failed piece's traceback still holds a view: freed with it
+                buf.close()
+
+    async def _upload_file(self, src_fd: int, src: str, dest: str, size: int, transfer: TierTransfer,
+                           token: str) -> None:
+        if size > MAX_PARTS * PART:
+            raise StorageError(f"cannot upload {src}: {size} bytes is more than {MAX_PARTS} parts of {PART} bytes, "
+                               "the most an object store takes", path=dest)
+        writer = self.objects.writer
+        handle = await asyncio.wrap_future(self.objects.call(writer.create, dest, token))
+
+        async def part(offset: int) -> None:
+            length = min(PART, size - offset)
+            await asyncio.wrap_future(writer.upload(handle, src_fd, offset, length))
+            transfer.bytes_done += length
+
+        pending: set[asyncio.Future] = set()
+        try:
+            for offset in range(0, size, PART):
+                if len(pending) >= PARTS_AT_ONCE:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for d in done:
+                        d.result()
+                pending.add(asyncio.ensure_future(part(offset)))
+            for d in await asyncio.gather(*pending, return_exceptions=True):
+                if isinstance(d, BaseException):
+                    raise d
+            pending = set()
+            await asyncio.wrap_future(self.objects.call(writer.finalize, handle))
+        except BaseException:
+            await asyncio.gather(*pending, return_exceptions=True)  # no part still uploads when it is aborted
+            await asyncio.wrap_future(self.objects.call(writer.abort, handle))
+            raise
 
     def status(self) -> dict[str, Any]:
         return {
             "tiers": [dataclasses.asdict(t) for t in self.tiers],
             "problems": dict(self.objects.problems),
             "checked": self.objects.checked,
+            "uploader": {"pid": self.objects.writer.uploader.pid, "started": self.objects.writer.uploader.started},
             "pending": self.pending(),
             "tags": [{"tag": e.commit.tag, "run": e.run, "tiers": [dataclasses.asdict(t) for t in e.tiers]}
                      for e in self.history],

@@ -15,6 +15,8 @@ import stat
 import sys
 import threading
 
+from .errors import StorageError
+
 PAGE = 4096
 """O_DIRECT's alignment of offsets, lengths and buffer addresses."""
 RENAME_NOREPLACE = 1
@@ -36,6 +38,20 @@ def open_for_reading(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def read_range(fd: int, buf: mmap.mmap, offset: int, length: int) -> memoryview:
+    """``length`` bytes of ``fd`` at ``offset`` (a multiple of PAGE), read into the start of ``buf`` (page-aligned,
+    at least ``length`` rounded up to PAGE: O_DIRECT reads whole pages, and a file's tail reads short); StorageError
+    (EIO) where the file ends first."""
+    view = memoryview(buf)[:-(-length // PAGE) * PAGE]
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise StorageError(f"the source file ended at byte {offset + done}, before its committed size", errno=errno.EIO)
+        done += n
+    return view[:length]
 
 
 def open_sequential(path: str) -> int:

@@ -95,9 +95,14 @@ def register(url: str, endpoint: str = "", region: str = "") -> None:
     _PLACES[url.rstrip("/") + "/"] = (endpoint, region)
 
 
+def place_for(url: str) -> tuple[str, str]:
+    """The endpoint and region ``url`` is reached through: its tier's where registered, else ('', ''): boto3's chain."""
+    return next((v for k, v in _PLACES.items() if (url.rstrip("/") + "/").startswith(k)), ("", ""))
+
+
 def client_for(url: str) -> Any:
-    """The client for ``url``: its tier's endpoint and region where registered, else boto3's chain."""
-    return client(*next((v for k, v in _PLACES.items() if (url.rstrip("/") + "/").startswith(k)), ("", "")))
+    """The client for ``url`` (``place_for``)."""
+    return client(*place_for(url))
 
 
 @functools.lru_cache(maxsize=None)

@@ -475,8 +475,10 @@ def test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons(
         save(a, state(1, big), tmp_path / "fast-a" / "runa" / "step1" / "rank0.pt")
         save(b, state(2, big), tmp_path / "fast-b" / "runb" / "step1" / "rank0.pt")
         wait_for("uploading both tags", lambda: hold_a.seen and hold_b.seen)
+        uploader = daemon_status(doomed.endpoint)["tier_transfers"]["uploader"]["pid"]
         doomed.proc.send_signal(signal.SIGKILL)
         doomed.proc.wait()
+    wait_for("the killed daemon's upload process to end with it", lambda: not alive(uploader), timeout=10)
     hold_b.release()  # the killed daemon's parts reach the server, its upload stays open
     open_uploads = uploads(s3, bucket)
     assert "jobs/runb/step1/rank0.pt" in open_uploads and "jobs/runa/step1/rank0.pt" in open_uploads, open_uploads
@@ -498,6 +500,50 @@ def test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons(
     assert tier_states(status, "step1") == {"fast": "committed", CLOUD: "committed"}, transfer(status, "step1")
     assert_state_equal(state(1, big), datastates.load(f"{url}/runa/step1/rank0.pt"))
     assert uploads(s3, bucket) == []
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_upload_process_killed_mid_upload_fails_that_transfer_alone_and_the_next_tag_reaches_the_bucket(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    held = proxy.add(Rule(upload_part, hold=True))
+    fast = tmp_path / "fast" / "run"
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(1, 5 << 20), fast / "step1" / "rank0.pt")  # 20 MiB: two parts
+        wait_for("uploading a part", lambda: held.seen)
+        uploader = daemon_status(d.endpoint)["tier_transfers"]["uploader"]
+        pid = uploader["pid"]
+        assert pid and pid != d.proc.pid and uploader["started"] == 1, uploader
+        niceness = {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+        assert set(niceness.values()) == {19}, niceness  # every thread: only the CPU the trainer leaves
+        os.kill(pid, signal.SIGKILL)
+        held.release()
+        status = settle(d)
+        assert tier_states(status, "step1") == {"fast": "committed", CLOUD: "failed"}
+        error = transfer(status, "step1")["error"]
+        assert url in error and "upload process" in error and "signal 9" in error, error
+        assert uploads(s3_client(proxy.url), bucket) == []  # its multipart upload aborted by the daemon
+        save(c, state(2, 5 << 20), fast / "step2" / "rank0.pt")  # the daemon serves on, and uploads the next tag
+        status = settle(d)
+        assert tier_states(status, "step2") == {"fast": "committed", CLOUD: "committed"}, transfer(status, "step2")
+        assert status["tier_transfers"]["uploader"]["started"] == 2, status["tier_transfers"]["uploader"]
+        got = c.restore(fast, "rank0.pt", tag="step1")  # the tag it failed to upload stands on the fast tier
+        assert (got.tag, got.tier) == ("step1", "fast")
+        assert_state_equal(state(1, 5 << 20), got.state)
+    shown = d.ctl("status").stdout
+    assert "upload process ended and was started again (2 in all)" in shown, shown
+    assert datastates.latest(f"{url}/run") == "step2"
+    assert_state_equal(state(2, 5 << 20), datastates.load(f"{url}/run/step2/rank0.pt"))
+    assert d.proc.poll() is None
 
 
 # -- jobs of several nodes ----------------------------------------------------------------------------------------------

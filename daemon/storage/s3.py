@@ -1,11 +1,11 @@
 """The object store writer: a file becomes one object by a multipart upload, visible only once complete.
 
 ``create`` starts a multipart upload and journals its id beside this daemon's lock
-(daemon/instances.py), ``write`` uploads one part (``PART`` bytes at a multiple of it; the
-last may be shorter) with its CRC32 in a header, which the server checks (as fast on a
-local server as boto3's own ``upload_file``; the trailer botocore adds by default was
-slower), from any thread and in any order, ``finalize`` completes it (the object
-appears whole, or not at all), ``abort`` aborts it. ``publish`` is one PUT (markers,
+(daemon/instances.py), ``upload`` has one part (``PART`` bytes of a file at a multiple of
+it; the last may be shorter) uploaded by the upload process (daemon/uploader.py), with its
+CRC32 in a header, which the server checks, in any order, ``finalize`` completes it (the
+object appears whole, or not at all), ``abort`` aborts it. ``write`` is refused: an object
+is uploaded from a committed file, never written piece by piece by a snapshot. ``publish`` is one PUT (markers,
 trackers): an object store has no rename, so a marker is written only once every object it
 lists is complete, which is what makes it last. A killed daemon's uploads stay open on the
 server (and are billed) until the next daemon of this node aborts those its journal names:
@@ -15,10 +15,10 @@ uploads after a day covers a node that never comes back (docs/deploy.md).
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,17 +26,11 @@ from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.objectstore import ObjectPath, client_for, delete_object, is_client_error, object_error
 
 from ..instances import Gone, daemons_folder
+from ..uploader import PART, Uploader
 from .base import StorageWriter, register_writer
-
-try:
-    from isal.isal_zlib import crc32  # ISA-L's: the same CRC32 as zlib's, about 10 times as fast (24 against 2 GB/s)
-except ImportError:  # boto3 installed without the [s3] extra
-    from zlib import crc32
 
 log = logging.getLogger(__name__)
 
-PART = 16 << 20
-"""Bytes of one uploaded part: a tier transfer's piece."""
 MAX_PARTS = 10_000
 """The most parts of one upload (the S3 limit): a file of 160 GiB at most."""
 JOURNAL_SUFFIX = ".uploads"
@@ -65,6 +59,7 @@ class S3Writer(StorageWriter):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._journal_lock = threading.Lock()
+        self.uploader = Uploader()
         self.completed: dict[str, str] = {}
         """url → the ETag of the object this writer's last upload there made: the commit checks the object is still
         that one (``ObjectTiers.commit``), then forgets it."""
@@ -89,17 +84,31 @@ class S3Writer(StorageWriter):
         return upload
 
     def write(self, handle: _Upload, offset: int, data: memoryview) -> None:
+        raise StorageError(f"cannot write {handle.url}: an object is uploaded from a committed file (a tier "
+                           "transfer), not written piece by piece", path=handle.url)
+
+    def upload(self, handle: _Upload, fd: int, offset: int, length: int) -> Future:
+        """Part ``offset // PART + 1``: ``length`` bytes of ``fd`` at ``offset`` (a multiple of PART), by the upload
+        process; a future done once the part is uploaded and noted for ``finalize``, or of the StorageError why not."""
         if offset % PART:
             raise StorageError(f"cannot write {handle.url}: an object is uploaded in parts of {PART} bytes, and byte "
                                f"{offset} does not start one", path=handle.url)
         number = offset // PART + 1
-        crc = base64.b64encode(crc32(data).to_bytes(4, "big")).decode()  # in a header: no chunked trailer
-        reply = self._call("cannot upload to", handle.url, client_for(handle.url).upload_part,
-                           Bucket=handle.where.bucket, Key=handle.where.key, UploadId=handle.upload_id,
-                           PartNumber=number, Body=bytes(data), ChecksumCRC32=crc)
-        with handle.lock:
-            handle.parts[number] = (reply["ETag"], crc)
-            handle.end = max(handle.end, offset + len(data))
+        done: Future = Future()
+
+        def noted(part: Future) -> None:
+            try:
+                etag, crc = part.result()
+            except Exception as exc:  # noqa: BLE001 - handed on to the transfer
+                done.set_exception(exc)
+                return
+            with handle.lock:
+                handle.parts[number] = (etag, crc)
+                handle.end = max(handle.end, offset + length)
+            done.set_result(None)
+
+        self.uploader.part(fd, handle.url, handle.upload_id, number, offset, length).add_done_callback(noted)
+        return done
 
     def finalize(self, handle: _Upload) -> None:
         parts = sorted(handle.parts.items())
