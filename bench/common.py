@@ -159,10 +159,12 @@ def datastatesd(root: str, **config: Any) -> Iterator[str]:
 
 
 def wait_pool_mapped(endpoint: str) -> None:
-    """Wait until the daemon has mapped its whole pool, as it does once when the node starts."""
+    """Wait until the daemon has mapped its whole pool and checked its object store tiers (their upload process
+    started), as it does once when the node starts."""
     while True:
-        mem = daemon_status(endpoint)["daemon"]["host_memory"]
-        if mem["chunks_allocated"] * mem["chunk_size"] >= mem["budget_bytes"]:
+        status = daemon_status(endpoint)
+        mem = status["daemon"]["host_memory"]
+        if mem["chunks_allocated"] * mem["chunk_size"] >= mem["budget_bytes"] and status["tier_transfers"]["checked"]:
             return
         time.sleep(0.2)
 

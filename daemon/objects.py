@@ -77,7 +77,7 @@ class ObjectTiers:
         """Once at start: each tier's bucket exists and this daemon may write and delete there (a probe object); the
         upload process started."""
         if self.tiers:
-            self.writer.uploader.start()
+            self.writer.uploader.start([(t.endpoint, t.region) for t in self.tiers])
         for tier in self.tiers:
             probe = f"{tier.path.rstrip('/')}/{PROBE}{self._owner}"
             try:

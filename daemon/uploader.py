@@ -77,11 +77,11 @@ class Part:
 class _Process:
     """One upload process, and the parts sent to it that it has not answered."""
 
-    def __init__(self) -> None:
+    def __init__(self, places: list[tuple[str, str]]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
-                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid()),
+                                          json.dumps(places)], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self.sock = ours
@@ -161,11 +161,13 @@ class Uploader:
         process = self._process
         return None if process is None or process.ended else process.proc.pid
 
-    def start(self) -> _Process:
-        """The upload process, started if there is none (at the daemon's start, so that no upload waits for it)."""
+    def start(self, places: list[tuple[str, str]] | None = None) -> _Process:
+        """The upload process, started if there is none: at the daemon's start, with its tiers' endpoints and regions
+        (``places``), so that no upload waits for it, nor for botocore's making of their clients (its model files:
+        about a CPU second, which the first upload of a training run would take from the trainer)."""
         with self._lock:
             if self._process is None or self._process.ended:
-                self._process = _Process()
+                self._process = _Process(places or [])
                 self.started += 1
             return self._process
 
@@ -213,13 +215,19 @@ def _serve(sock: socket.socket, sending: threading.Lock, buffers: queue.SimpleQu
 
 
 def main(argv: list[str]) -> int:
-    """The upload process: ``argv`` is its socket's descriptor and the daemon's pid."""
-    sock_fd, daemon = int(argv[0]), int(argv[1])
+    """The upload process: ``argv`` is its socket's descriptor, the daemon's pid, and the endpoints and regions to
+    make clients for now (JSON)."""
+    sock_fd, daemon, places = int(argv[0]), int(argv[1]), json.loads(argv[2])
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != daemon:  # the daemon died before the line above
         return 0
     os.setpriority(os.PRIO_PROCESS, 0, max(UPLOAD_NICE, os.getpriority(os.PRIO_PROCESS, 0)))  # every thread's
     sock = socket.socket(fileno=sock_fd)
+    for endpoint, region in places:
+        try:
+            client(endpoint, region)
+        except DatastatesError:  # said again by the first part there, as the failure of its transfer
+            pass
     buffers: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(PARTS_AT_ONCE):
         buffers.put(mmap.mmap(-1, PART))
