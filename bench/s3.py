@@ -493,6 +493,8 @@ def main() -> int:
     ap.add_argument("--skip-transfers", action="store_true", help="only the training runs")
     ap.add_argument("--http", action="store_true", help="moto over plain HTTP (default HTTPS, as S3 is: over HTTP "
                     "botocore also signs every part's payload with a SHA-256, which costs the node's CPU)")
+    ap.add_argument("--upload-priority", choices=("low", "idle"), default="low", help="the S3 tier's "
+                    "storage.upload_priority in the training runs: its upload process at nice 19, or under SCHED_IDLE")
     ap.add_argument("--moto-training", choices=("idle", "normal"), default="idle", help="moto_server's CPU policy "
                     "during the training runs (default idle: SCHED_IDLE, so it takes only the CPU the trainer leaves, "
                     "as a remote S3 takes none of the node's; normal: it competes with the trainer for the 2 cores)")
@@ -657,7 +659,8 @@ def main() -> int:
             set_policy(moto.pid, os.SCHED_IDLE)
         fast_only = {"tiers": [{"name": "fast", "path": fast + "-t", "keep_last": 1}]}
         cloud_t = {"tiers": [{"name": "fast", "path": fast + "-t", "keep_last": 1},
-                             {"name": "cloud", "path": f"s3://{BUCKET}/{PREFIX}-t", "keep_last": 1}]}
+                             {"name": "cloud", "path": f"s3://{BUCKET}/{PREFIX}-t", "keep_last": 1}],
+                   "upload_priority": args.upload_priority}
         with datastatesd(work, **common, storage=cloud_t) as on_ep, datastatesd(work, **common, storage=fast_only) as off_ep:
             wait_pool_mapped(on_ep)
             wait_pool_mapped(off_ep)

@@ -27,6 +27,8 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "m
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _TIER_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+UPLOAD_PRIORITIES = ("low", "idle")
+"""``storage.upload_priority``: the upload process at nice 19, or under SCHED_IDLE."""
 _TCP_RE = re.compile(r"^tcp://(\*|[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
 
 HISTORY = 64
@@ -75,6 +77,10 @@ class StorageConfig:
     """After each commit, keep only this many newest committed tags beside it (None: keep all)."""
     tiers: list[Tier] = field(default_factory=list)
     """Fastest first; empty: no tiers, every root is its own single level."""
+    upload_priority: str = "low"
+    """The CPU priority of the upload process (object store tiers): ``low``, nice 19, a small share of a busy core, so
+    uploads go on behind a trainer that keeps every core busy; ``idle``, SCHED_IDLE, only CPU nothing else wants, so
+    such a trainer loses nothing to them, and they wait for its pauses (the newest tag still supersedes the older)."""
 
     @property
     def written(self) -> list[str]:
@@ -250,7 +256,11 @@ def _storage(value: Any) -> StorageConfig:
         keep_last = _positive_int(keep_last, "storage.keep_last")
     roots = [os.path.realpath(r) for r in roots]
     roots += [t.path for t in tiers if t.path not in roots and not is_object(t.path)]
-    return StorageConfig(roots=roots, keep_last=keep_last, tiers=tiers)
+    priority = value.get("upload_priority", "low")
+    if priority not in UPLOAD_PRIORITIES:
+        raise ConfigError(f"storage.upload_priority: {priority!r} must be one of {', '.join(UPLOAD_PRIORITIES)}",
+                          key="storage.upload_priority")
+    return StorageConfig(roots=roots, keep_last=keep_last, tiers=tiers, upload_priority=priority)
 
 
 def _tiers(value: Any) -> list[Tier]:

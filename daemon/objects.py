@@ -53,12 +53,12 @@ PROBE = ".datastates-probe-"
 class ObjectTiers:
     """The object store tiers of the node config; owned by the tier transfers."""
 
-    def __init__(self, tiers: list[Tier], owner: str, timeout: float) -> None:
+    def __init__(self, tiers: list[Tier], owner: str, timeout: float, idle: bool = False) -> None:
         self.tiers = [t for t in tiers if is_object(t.path)]
         self._owner = owner
         self._timeout = timeout
         """``commit_timeout``: how long node 0 waits for the other nodes' done markers, and they for its marker."""
-        self.writer = S3Writer(owner=owner)
+        self.writer = S3Writer(owner=owner, idle=idle)
         self.problems: dict[str, str] = {}
         """Tier name → why its start-up check failed (shown in status); transfers there are still tried."""
         self.checked = not self.tiers

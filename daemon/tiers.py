@@ -117,7 +117,7 @@ class TierTransfers:
         self._storage = storage
         self.tiers = storage.tiers
         self._ledger = ledger
-        self.objects = ObjectTiers(self.tiers, owner, commit_timeout)
+        self.objects = ObjectTiers(self.tiers, owner, commit_timeout, storage.upload_priority == "idle")
         self._queue: collections.deque[TagTransfers] = collections.deque()
         """Tags whose transfers are not over: the head is being transferred, the rest wait."""
         self._wake = asyncio.Event()

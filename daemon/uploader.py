@@ -50,8 +50,9 @@ PART = 16 << 20
 PARTS_AT_ONCE = 8
 """Parts uploaded at a time, each from a buffer of its own: 128 MiB in all, beside the daemon's ``host_memory``."""
 UPLOAD_NICE = 19
-"""The process's nice value: the lowest CPU priority that still gets a share of a busy core (``SCHED_IDLE`` gets none
-while the trainer keeps every core busy, and an upload would stall for as long)."""
+"""The process's nice value: the lowest CPU priority that still gets a share of a busy core. Under ``SCHED_IDLE``
+(``storage.upload_priority: idle``) it gets only CPU nothing else wants, and waits while the trainer keeps every core
+busy."""
 MAX_MESSAGE = 1 << 16
 """The longest message either way: a part's JSON, its key at most 1,024 bytes."""
 CLOSE_WAIT_S = 5.0
@@ -77,11 +78,12 @@ class Part:
 class _Process:
     """One upload process, and the parts sent to it that it has not answered."""
 
-    def __init__(self, places: list[tuple[str, str]]) -> None:
+    def __init__(self, places: list[tuple[str, str]], idle: bool) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid()),
-                                          json.dumps(places)], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                          json.dumps(places), "idle" if idle else "low"],
+                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self.sock = ours
@@ -149,7 +151,8 @@ class _Process:
 class Uploader:
     """The daemon's handle on its upload process, started with the first part and again after it ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: bool = False) -> None:
+        self._idle = idle
         self._process: _Process | None = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -167,7 +170,7 @@ class Uploader:
         about a CPU second, which the first upload of a training run would take from the trainer)."""
         with self._lock:
             if self._process is None or self._process.ended:
-                self._process = _Process(places or [])
+                self._process = _Process(places or [], self._idle)
                 self.started += 1
             return self._process
 
@@ -215,13 +218,15 @@ def _serve(sock: socket.socket, sending: threading.Lock, buffers: queue.SimpleQu
 
 
 def main(argv: list[str]) -> int:
-    """The upload process: ``argv`` is its socket's descriptor, the daemon's pid, and the endpoints and regions to
-    make clients for now (JSON)."""
-    sock_fd, daemon, places = int(argv[0]), int(argv[1]), json.loads(argv[2])
+    """The upload process: ``argv`` is its socket's descriptor, the daemon's pid, the endpoints and regions to make
+    clients for now (JSON), and its priority (``low`` or ``idle``)."""
+    sock_fd, daemon, places, priority = int(argv[0]), int(argv[1]), json.loads(argv[2]), argv[3]
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != daemon:  # the daemon died before the line above
         return 0
     os.setpriority(os.PRIO_PROCESS, 0, max(UPLOAD_NICE, os.getpriority(os.PRIO_PROCESS, 0)))  # every thread's
+    if priority == "idle":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # inherited by the threads started below
     sock = socket.socket(fileno=sock_fd)
     for endpoint, region in places:
         try:

@@ -195,15 +195,17 @@ def _prune_objects(run: str, keep_last: int, spare: set[str], accept: Callable[[
         if tag.tag in spare:
             continue
         try:
-            why = _kept_object(tag, tracker)
+            listed = [url for url, _ in list_keys(tag.folder)]
+            why = _kept_object(tag, tracker, listed)
             if why:
                 log.warning("%s checkpoint %s of %s: %s", "would not delete" if dry_run else "not deleting", tag.tag,
                             tag.folder, why)
                 continue
             if not dry_run:
                 delete_object(tag.marker_path)
-                for url, _ in list(list_keys(tag.folder)):
-                    delete_object(url)
+                for url in listed:  # as listed before the guards: an object put there since is not this tag's
+                    if url != tag.marker_path:
+                        delete_object(url)
         except DatastatesError as exc:  # a refusal, or a key no address can name (``a//b``): left as it is
             log.warning("cannot delete tag %s from %s: %s", tag.tag, run, exc.message)
             continue
@@ -211,10 +213,10 @@ def _prune_objects(run: str, keep_last: int, spare: set[str], accept: Callable[[
     return gone
 
 
-def _kept_object(tag: CommittedTag, tracker: str) -> str:
-    """``kept`` of a tag on an object store: why its folder must not be deleted now ("" if it may)."""
-    strangers = [url for url, _ in list_keys(tag.folder)
-                 if is_marker_name(url.rsplit("/", 1)[1]) and url != tag.marker_path]
+def _kept_object(tag: CommittedTag, tracker: str, listed: list[str]) -> str:
+    """``kept`` of a tag on an object store whose folder holds ``listed``: why it must not be deleted now ("" if it
+    may)."""
+    strangers = [url for url in listed if is_marker_name(url.rsplit("/", 1)[1]) and url != tag.marker_path]
     if strangers:
         return f"it also holds another tag's marker ({strangers[0].rsplit('/', 1)[1]})"
     if read_marker_object(tag.marker_path) != tag.marker:  # right before the delete: the window is a round trip

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -511,6 +510,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def test_with_upload_priority_idle_the_upload_process_takes_only_idle_cpu_and_the_tag_commits(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, s3: Any, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    cfg = tiers(tmp_path, url)
+    cfg["storage"]["upload_priority"] = "idle"
+    d = start_daemon(**cfg)
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(1), tmp_path / "fast" / "run" / "step1" / "rank0.pt")
+    status = settle(d)
+    assert tier_states(status, "step1") == {"fast": "committed", CLOUD: "committed"}, transfer(status, "step1")
+    pid = status["tier_transfers"]["uploader"]["pid"]
+    policies = {t: os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+    assert set(policies.values()) == {os.SCHED_IDLE}, policies  # its upload threads too, started after the policy
+    assert len(policies) > 1, policies
+    assert_state_equal(state(1), datastates.load(f"{url}/run/step1/rank0.pt"))
+
+
 def test_the_upload_process_killed_mid_upload_fails_that_transfer_alone_and_the_next_tag_reaches_the_bucket(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
     url = f"s3://{bucket}/jobs"
@@ -523,8 +539,9 @@ def test_the_upload_process_killed_mid_upload_fails_that_transfer_alone_and_the_
         uploader = daemon_status(d.endpoint)["tier_transfers"]["uploader"]
         pid = uploader["pid"]
         assert pid and pid != d.proc.pid and uploader["started"] == 1, uploader
-        niceness = {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
-        assert set(niceness.values()) == {19}, niceness  # every thread: only the CPU the trainer leaves
+        niceness = {t: (os.getpriority(os.PRIO_PROCESS, int(t)), os.sched_getscheduler(int(t)))
+                    for t in os.listdir(f"/proc/{pid}/task")}
+        assert set(niceness.values()) == {(19, os.SCHED_OTHER)}, niceness  # by default: a small share of a busy core
         os.kill(pid, signal.SIGKILL)
         held.release()
         status = settle(d)
@@ -694,11 +711,14 @@ def test_bad_object_store_tiers_stop_the_daemon_with_a_clear_error(tmp_path: Pat
                    "storage.tiers[1].region", "is not a region name"),
         "local": ([fast, {"name": CLOUD, "path": "s3://okay-bucket/x", "shared": False}],
                   "storage.tiers[1].shared", "seen by every node"),
+        "priority": ({"tiers": [fast, {"name": CLOUD, "path": "s3://okay-bucket/x"}], "upload_priority": "high"},
+                     "storage.upload_priority", "must be one of low, idle"),
     }
     argvs = {}
-    for case, (tier_list, _, _) in cases.items():
+    for case, (storage, _, _) in cases.items():
         config = tmp_path / f"{case}.yaml"
-        config.write_text(json.dumps({"endpoint": f"ipc://{tmp_path}/{case}.sock", "storage": {"tiers": tier_list}}))
+        storage = storage if isinstance(storage, dict) else {"tiers": storage}
+        config.write_text(json.dumps({"endpoint": f"ipc://{tmp_path}/{case}.sock", "storage": storage}))
         argvs[case] = ["--node-config", str(config)]
     runs = run_datastatesd_many(argvs)
     for case, (_, key, message) in cases.items():

@@ -56,10 +56,11 @@ class _Upload:
 class S3Writer(StorageWriter):
     scheme = "s3"
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, idle: bool = False, **options: Any) -> None:
+        """``idle``: the upload process under SCHED_IDLE (``storage.upload_priority: idle``), else at nice 19."""
         super().__init__(**options)
         self._journal_lock = threading.Lock()
-        self.uploader = Uploader()
+        self.uploader = Uploader(idle)
         self.completed: dict[str, str] = {}
         """url → the ETag of the object this writer's last upload there made: the commit checks the object is still
         that one (``ObjectTiers.commit``), then forgets it."""
