@@ -73,21 +73,31 @@ class ObjectTiers:
         assert self._calls is not None
         return self._calls.submit(fn, *args)
 
-    def check(self) -> None:
-        """Once at start: each tier's bucket exists and this daemon may write and delete there (a probe object); the
-        upload process started."""
-        if self.tiers:
+    def start(self) -> None:
+        """Once at start, on the event loop's thread (the process dies with the thread that started it): the upload
+        process, with the tiers' clients made; one that cannot start is a problem of each tier, shown in status."""
+        try:
             self.writer.uploader.start([(t.endpoint, t.region) for t in self.tiers])
-        for tier in self.tiers:
-            probe = f"{tier.path.rstrip('/')}/{PROBE}{self._owner}"
-            try:
-                self.writer.publish(probe, b"datastates start-up check")
-                self.writer.remove(probe)
-            except DatastatesError as exc:
-                self.problems[tier.name] = exc.message
-                log.error("storage tier %s (%s) cannot be written: %s; tags committed on faster tiers stay there",
-                          tier.name, tier.path, exc.message)
-        self.checked = True
+        except OSError as exc:
+            for tier in self.tiers:
+                self.problems[tier.name] = f"cannot start the upload process: {exc}"
+            log.error("cannot start the upload process (%s): uploads to object store tiers fail until it starts", exc)
+
+    def check(self) -> None:
+        """Once at start, after ``start``: each tier's bucket exists and this daemon may write and delete there (a
+        probe object)."""
+        try:
+            for tier in self.tiers:
+                probe = f"{tier.path.rstrip('/')}/{PROBE}{self._owner}"
+                try:
+                    self.writer.publish(probe, b"datastates start-up check")
+                    self.writer.remove(probe)
+                except DatastatesError as exc:
+                    self.problems[tier.name] = exc.message
+                    log.error("storage tier %s (%s) cannot be written: %s; tags committed on faster tiers stay there",
+                              tier.name, tier.path, exc.message)
+        finally:
+            self.checked = True
 
     def begin(self, lower: CommitEvent) -> None:
         """Before any byte of ``lower`` is uploaded: the marker of an earlier version of the tag deleted, so that no

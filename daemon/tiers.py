@@ -7,8 +7,8 @@ the tag to each later tier, one tag at a time in commit order, piece by piece on
 threads (so snapshot writes interleave), and has the ledger commit the tag on each tier
 with a marker of its own, by the same rules as the first: fsynced files, then the marker,
 then the trackers, then that tier's ``keep_last``. An object store tier (``s3://``) takes
-the pieces as the parts of one multipart upload per file, several at once on upload threads
-of its own, and ``ObjectTiers`` (daemon/objects.py) commits the tag there instead of the
+the pieces as the parts of one multipart upload per file, several at once, uploaded by the
+upload process (daemon/uploader.py), and ``ObjectTiers`` (daemon/objects.py) commits the tag there instead of the
 ledger. A transfer that fails leaves the tag uncommitted on that tier only; the faster
 tier's commit stands.
 
@@ -175,6 +175,7 @@ class TierTransfers:
         """
         try:
             if self.objects.tiers:
+                self.objects.start()
                 await asyncio.get_running_loop().run_in_executor(None, self.objects.check)
             undone = await self._engine.flush(self._undone)
         except (OSError, DatastatesError) as exc:

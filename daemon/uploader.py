@@ -11,15 +11,21 @@ The daemon side (``Uploader.part``) sends one ``Part`` per packet on a SOCK_SEQP
 source file's descriptor attached (SCM_RIGHTS): the process reads the very file the transfer opened, even where a
 later save has replaced its path since. The process (``main``) reads the part into one of its PARTS_AT_ONCE buffers
 (O_DIRECT where the descriptor is so), uploads it with its CRC32 in a header (the server checks it), closes the
-descriptor, and answers ``{"id", "etag", "crc"}``, or ``{"id", "error", "code"}`` with the failure in words. It dies
-with the daemon (PR_SET_PDEATHSIG), and ends once the daemon closes its end.
+descriptor, and answers ``{"id", "etag", "crc"}``, or ``{"id", "error", "code"}`` with the failure in words (at most
+MAX_ERROR characters: a server's message has no bound). An answer the daemon cannot read stops the process, and fails
+its parts. It dies with the daemon (PR_SET_PDEATHSIG, which fires when the thread that started it ends: it is started
+from the event loop's thread, which lives as long as the daemon), and ends once the daemon closes its end. It runs with
+``-P`` from ``/``, so that no module in the daemon's working folder (a training repository) shadows one of its own.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import dataclasses
+import errno
+import io
 import itertools
 import json
 import logging
@@ -33,8 +39,9 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-from datastates.protocol.errors import DatastatesError, StorageError
+from datastates.protocol.errors import DatastatesError, ShuttingDownError, StorageError
 from datastates.protocol.fileio import read_range
 from datastates.protocol.objectstore import ObjectPath, client, is_client_error, object_error, place_for
 
@@ -54,7 +61,11 @@ UPLOAD_NICE = 19
 (``storage.upload_priority: idle``) it gets only CPU nothing else wants, and waits while the trainer keeps every core
 busy."""
 MAX_MESSAGE = 1 << 16
-"""The longest message either way: a part's JSON, its key at most 1,024 bytes."""
+"""The longest message either way: a part's JSON (its key at most 1,024 bytes), an answer's."""
+MAX_ERROR = 4096
+"""The most characters of an error's words in an answer."""
+_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
+"""What a send to a process that has ended fails with."""
 CLOSE_WAIT_S = 5.0
 """How long a closing daemon waits for the process to end before it kills it."""
 _PR_SET_PDEATHSIG = 1
@@ -81,9 +92,9 @@ class _Process:
     def __init__(self, places: list[tuple[str, str]], idle: bool) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid()),
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", __name__, str(theirs.fileno()), str(os.getpid()),
                                           json.dumps(places), "idle" if idle else "low"],
-                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd="/")
         finally:
             theirs.close()
         self.sock = ours
@@ -91,6 +102,8 @@ class _Process:
         """Part id → its future and address."""
         self.lock = threading.Lock()
         self.ended = False
+        self.why = ""
+        """Why the daemon stopped it, if it did."""
         threading.Thread(target=self._answers, name="ds-uploader", daemon=True).start()
 
     def send(self, part: Part, fd: int) -> Future:
@@ -102,25 +115,45 @@ class _Process:
             self.pending[part.id] = (future, part.url)
         try:
             socket.send_fds(self.sock, [json.dumps(dataclasses.asdict(part)).encode()], [fd])
-        except OSError:  # the process is gone: its answers' thread fails what it left, this part included
-            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError as exc:
+            if exc.errno in _GONE:  # its answers' thread fails what it left, this part included
+                self.stop()
+                return future
+            with self.lock:
+                taken = self.pending.pop(part.id, None)
+            if taken is not None:  # this part alone: the process goes on with the others
+                future.set_exception(StorageError(f"cannot upload to {part.url}: cannot hand the part to the upload "
+                                                  f"process: {exc.strerror or exc}", path=part.url))
         return future
 
+    def stop(self) -> None:
+        """Let the process end: it finishes the parts under way, unanswered; its answers' thread kills it past
+        CLOSE_WAIT_S, then fails every part it had not answered."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
     def _answers(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(MAX_MESSAGE)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            answer = json.loads(data)
-            with self.lock:
-                future, url = self.pending.pop(answer["id"])
-            if "error" in answer:
-                future.set_exception(StorageError(answer["error"], path=url, code=answer["code"]))
-            else:
-                future.set_result((answer["etag"], answer["crc"]))
+        try:
+            while True:
+                try:
+                    data, _, flags, _ = self.sock.recvmsg(MAX_MESSAGE)
+                except OSError:
+                    break
+                if not data:
+                    break
+                if flags & socket.MSG_TRUNC:
+                    raise ValueError(f"an answer longer than {MAX_MESSAGE} bytes")
+                answer = json.loads(data)
+                with self.lock:
+                    future, url = self.pending.pop(answer["id"])
+                if "error" in answer:
+                    future.set_exception(StorageError(answer["error"], path=url, code=answer["code"]))
+                else:
+                    future.set_result((answer["etag"], answer["crc"]))
+        except Exception as exc:  # noqa: BLE001 - an answer it cannot read: no later one can be trusted either
+            self.why = f"was stopped: it sent an answer that cannot be read ({type(exc).__name__}: {exc})"
+            log.error("the upload process (pid %d) %s", self.proc.pid, self.why)
+            self.proc.kill()
         try:
             self.proc.wait(CLOSE_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -137,15 +170,12 @@ class _Process:
 
     def _end(self) -> str:
         code = self.proc.returncode
-        return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return self.why or (f"was killed by signal {-code}" if code < 0 else f"exited with status {code}")
 
     def _gone(self, url: str) -> StorageError:
         return StorageError(f"cannot upload to {url}: the upload process (pid {self.proc.pid}) {self._end()}",
                             path=url)
 
-    def close(self) -> None:
-        """Let the process end (its parts under way are finished, not answered); kill it past CLOSE_WAIT_S."""
-        self.sock.shutdown(socket.SHUT_RDWR)
 
 
 class Uploader:
@@ -156,6 +186,7 @@ class Uploader:
         self._process: _Process | None = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._closed = False
         self.started = 0
         """How many upload processes this daemon has started (more than one: one ended, and status says so)."""
 
@@ -169,6 +200,8 @@ class Uploader:
         (``places``), so that no upload waits for it, nor for botocore's making of their clients (its model files:
         about a CPU second, which the first upload of a training run would take from the trainer)."""
         with self._lock:
+            if self._closed:
+                raise ShuttingDownError("the daemon is shutting down: no upload starts")
             if self._process is None or self._process.ended:
                 self._process = _Process(places or [], self._idle)
                 self.started += 1
@@ -182,11 +215,41 @@ class Uploader:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._process is not None:
-                self._process.close()
+                self._process.stop()
 
 
 # -- the process ------------------------------------------------------------------------------
+
+
+class _Body(io.RawIOBase):
+    """A part's bytes for botocore, read out of its buffer as they are sent: no copy of the whole part (bytes would
+    be one, 16 MiB a part), and seekable, so that a retry sends them again from the start."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = data
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._data) - self._at))
+        b[:n] = self._data[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._at = (offset, self._at + offset, len(self._data) + offset)[whence]
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
 
 
 def _upload(part: Part, fd: int, buf: mmap.mmap) -> dict[str, str]:
@@ -194,7 +257,7 @@ def _upload(part: Part, fd: int, buf: mmap.mmap) -> dict[str, str]:
     crc = base64.b64encode(crc32(data).to_bytes(4, "big")).decode()  # in a header: no chunked trailer
     where = ObjectPath.parse(part.url)
     reply = client(part.endpoint, part.region).upload_part(
-        Bucket=where.bucket, Key=where.key, UploadId=part.upload_id, PartNumber=part.number, Body=bytes(data),
+        Bucket=where.bucket, Key=where.key, UploadId=part.upload_id, PartNumber=part.number, Body=_Body(data),
         ChecksumCRC32=crc)
     return {"etag": reply["ETag"], "crc": crc}
 
@@ -206,7 +269,7 @@ def _serve(sock: socket.socket, sending: threading.Lock, buffers: queue.SimpleQu
     except Exception as exc:  # noqa: BLE001 - every failure is answered: the transfer fails with its words
         error = exc if isinstance(exc, DatastatesError) else object_error("cannot upload to", part.url, exc) \
             if is_client_error(exc) else StorageError(f"cannot upload to {part.url}: {type(exc).__name__}: {exc}")
-        answer = {"id": part.id, "error": error.message, "code": str(error.detail.get("code", ""))}
+        answer = {"id": part.id, "error": error.message[:MAX_ERROR], "code": str(error.detail.get("code", ""))[:64]}
     finally:
         os.close(fd)
         buffers.put(buf)

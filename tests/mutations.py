@@ -1059,6 +1059,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("daemon/objects.py", "        if earlier is None:\n            return\n", "        if True:  # MUTATION\n            return\n"),),
         ("tests/test_s3.py::test_a_tag_saved_again_without_one_of_its_files_leaves_no_old_object_on_the_bucket",),
     ),
+    Mutation(
+        "s3-journal-adopted-away",
+        "a daemon that cannot list uploads takes another job's dead daemon's journal away from that daemon's next one",
+        (Edit("daemon/storage/s3.py", "                    data = f.read()\n", "                    data = f.read()\n"
+              "                os.unlink(os.path.join(folder, name))  # MUTATION\n"),),
+        ("tests/test_s3.py::test_a_killed_daemons_uploads_are_aborted_by_its_next_daemon_after_another_jobs_daemon_could_"
+         "not_list_them",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

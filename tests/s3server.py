@@ -26,6 +26,9 @@ MOTO_SERVER = str(Path(sys.executable).parent / "moto_server")
 
 UNAVAILABLE = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ServiceUnavailable</Code>'
                b'<Message>Please reduce your request rate.</Message><RequestId>fault</RequestId></Error>')
+DENIED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+          b'<Message>Access Denied</Message><RequestId>fault</RequestId></Error>')
+REFUSALS = {503: UNAVAILABLE, 403: DENIED}
 
 
 HOLD_MAX_S = 45.0
@@ -71,11 +74,14 @@ class Moto:
 @dataclass
 class Rule:
     """What to do to the requests ``match`` (method, path, query) accepts: ``delay`` seconds before forwarding,
-    503 to the first ``fail`` of them (-1: all)."""
+    ``status`` (503, retried; 403, not) to the first ``fail`` of them (-1: all)."""
 
     match: Callable[[str, str, str], bool]
     delay: float = 0.0
     fail: int = 0
+    status: int = 503
+    body: bytes = b""
+    """The refusal's body, if not the one for its status."""
     hold: bool = False
     """Keep each matching request waiting (unanswered, in flight) until ``release``."""
     seen: int = 0
@@ -123,7 +129,8 @@ class FaultProxy:
                 if rule is not None and (rule.fail < 0 or rule.failed < rule.fail):
                     with proxy.lock:
                         rule.failed += 1
-                    self._answer(503, {"Content-Type": "application/xml"}, UNAVAILABLE, path, query)
+                    self._answer(rule.status, {"Content-Type": "application/xml"}, rule.body or REFUSALS[rule.status],
+                                 path, query)
                     return
                 try:
                     conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=120)

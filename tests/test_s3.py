@@ -420,6 +420,27 @@ def test_a_part_refused_after_every_retry_names_its_cause(
     assert url in row["error"] and "503" in row["error"] and not held_open, (row["error"], held_open)
 
 
+def test_a_refusal_with_a_huge_message_fails_its_transfer_in_a_few_words_and_the_uploads_go_on(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    huge = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidArgument</Code><Message>'
+            + b"no " * 100_000 + b"</Message><RequestId>fault</RequestId></Error>")  # 300 KB: more than any socket buffer
+    proxy.add(Rule(upload_part, fail=1, status=400, body=huge))
+    fast = tmp_path / "fast" / "run"
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(1), fast / "step1" / "rank0.pt")
+        status = settle(d)
+        assert tier_states(status, "step1") == {"fast": "committed", CLOUD: "failed"}
+        error = transfer(status, "step1")["error"]
+        assert url in error and "InvalidArgument" in error and len(error) < 5000, error[:300]
+        save(c, state(2), fast / "step2" / "rank0.pt")
+    status = settle(d)
+    assert tier_states(status, "step2") == {"fast": "committed", CLOUD: "committed"}, transfer(status, "step2")
+    assert status["tier_transfers"]["uploader"]["started"] == 1  # the same upload process answered both
+    assert_state_equal(state(2), datastates.load(f"{url}/run/step2/rank0.pt"))
+
+
 @pytest.mark.heavy
 def test_a_server_that_stops_mid_upload_fails_the_transfer_and_the_daemon_keeps_serving(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bucket: str) -> None:
@@ -499,6 +520,45 @@ def test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons(
     assert tier_states(status, "step1") == {"fast": "committed", CLOUD: "committed"}, transfer(status, "step1")
     assert_state_equal(state(1, big), datastates.load(f"{url}/runa/step1/rank0.pt"))
     assert uploads(s3, bucket) == []
+
+
+def list_uploads(method: str, path: str, query: str) -> bool:
+    return method == "GET" and "uploads" in query.split("&")
+
+
+@pytest.mark.heavy
+def test_a_killed_daemons_uploads_are_aborted_by_its_next_daemon_after_another_jobs_daemon_could_not_list_them(
+        start_daemons: Callable[..., list[DaemonProc]], start_daemon: Callable[..., DaemonProc], tmp_path: Path,
+        proxy: FaultProxy, moto: Moto, bucket: str) -> None:
+    url = f"s3://{bucket}/jobs"
+    s3 = s3_client(proxy.url)
+    cfg_a = tiers(tmp_path, url, fast="fast-a")
+    (doomed,) = start_daemons(cfg_a)
+    held = proxy.add(Rule(upload_part, hold=True))
+    with Client(doomed.endpoint, timeout=60) as a:
+        save(a, state(1, 5 << 20), tmp_path / "fast-a" / "runa" / "step1" / "rank0.pt")
+        wait_for("uploading a part", lambda: held.seen)
+        doomed.proc.send_signal(signal.SIGKILL)
+        doomed.proc.wait()
+    held.release()
+    proxy.clear()
+    assert "jobs/runa/step1/rank0.pt" in uploads(s3, bucket)
+    refusing = FaultProxy(moto.port)  # another job's daemon, whose endpoint refuses to list uploads
+    try:
+        refusing.add(Rule(list_uploads, fail=-1, status=403))
+        other = tiers(tmp_path, f"s3://{bucket}/otherjob", fast="fast-b")
+        other["storage"]["tiers"][1]["endpoint"] = refusing.url
+        b = start_daemon(**other)
+        settle(b)
+        assert refusing.count(list_uploads, 403) >= 1  # it tried, was refused, and kept a copy of the journal
+        again = start_daemon(**cfg_a)  # the killed daemon's next one, while the other job's still runs
+        settle(again)
+        assert uploads(s3, bucket) == []  # the killed upload aborted (the next one's own, completed)
+        assert datastates.latest(f"{url}/runa") == "step1"
+        assert_state_equal(state(1, 5 << 20), datastates.load(f"{url}/runa/step1/rank0.pt"))
+        assert b.proc.poll() is None
+    finally:
+        refusing.down()
 
 
 def alive(pid: int) -> bool:

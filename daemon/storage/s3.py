@@ -192,17 +192,24 @@ class S3Writer(StorageWriter):
             if not (is_client_error(exc) or isinstance(exc, DatastatesError)):
                 raise
             why = exc.message if isinstance(exc, DatastatesError) else object_error("list", root, exc).message
-            log.warning("cannot abort the uploads killed daemons left below %s (%s): this daemon takes their "
-                        "journals over, for the daemon after it", root, why)
+            log.warning("cannot abort the uploads killed daemons left below %s (%s): this daemon keeps a copy of "
+                        "their journals, for the daemon after it", root, why)
             self._adopt(folder, [n for names in journals.values() for n in names])
         return aborted
 
     def _adopt(self, folder: str, names: list[str]) -> None:
-        """Take dead daemons' journals over as this daemon's own (``<owner>.adopted-<name>``), so that forgetting
-        them (daemon/instances.py) never loses an upload still to be aborted: the next daemon after this one does."""
+        """Copy dead daemons' journals as this daemon's own (``<owner>.adopted-<name>``), so that forgetting them
+        (daemon/instances.py: a daemon whose roots hold all of a dead one's does) never loses an upload still to be
+        aborted: the next daemon after this one aborts it. The journals themselves stay, for their own daemon's next
+        daemon, whose roots and endpoint may be others than this one's (another job's daemon)."""
         for name in names:
+            copy = os.path.join(folder, f"{self.owner}.adopted-{name}")
             try:
-                os.rename(os.path.join(folder, name), os.path.join(folder, f"{self.owner}.adopted-{name}"))
+                with open(os.path.join(folder, name), "rb") as f:
+                    data = f.read()
+                with open(copy + ".part", "wb") as f:  # not a journal's name until whole
+                    f.write(data)
+                os.rename(copy + ".part", copy)
             except OSError:
                 pass
 
