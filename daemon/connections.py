@@ -19,7 +19,11 @@ new trainer the whole queue's time to say HELLO even while a flood churns.
 Descriptor numbers are reused as soon as ZeroMQ closes one, and the monitor's events arrive
 late (behind a flood, seconds late), so a connection is known by its socket's inode: an
 introduced one is never taken for a new one by a stale accept event for its number, and a
-descriptor is shut only while it is still the socket that was accepted.
+descriptor is shut only while it is still the socket that was accepted. A number reused by
+another socket of the daemon's (the upload process's socket pair, an HTTPS connection to an
+object store) is never recorded: a connection counts only if its local address is the
+daemon's endpoint, as an accepted one's is (a stale event once shut the upload process's
+socket, 10 s after it was made, and so failed a tag's upload).
 """
 
 from __future__ import annotations
@@ -65,7 +69,9 @@ def bounds(limit: int) -> tuple[int, int]:
 
 class Connections:
     def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        """``sock``: the daemon's ROUTER socket, bound."""
         self._monitor = sock.get_monitor_socket(_EVENTS)
+        self._address = _listening(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
         self._pending: dict[int, _Pending] = {}
         """Descriptor → its connection, oldest first, for connections not introduced yet."""
         self._introduced: dict[int, int] = {}
@@ -84,6 +90,8 @@ class Connections:
             return inode
         entry = self._pending.get(fd)
         if entry is None or entry.inode != inode:  # its accept event is still on its way
+            if not self._accepted(fd):  # closed since, and the number another socket's
+                return None
             entry = self._pending[fd] = _Pending(time.monotonic(), inode, busy=1)
             self._bound()
         else:
@@ -142,7 +150,8 @@ class Connections:
                 del self._pending[fd]
             return
         inode = _inode(fd)  # the socket behind fd now: this accept's, or a later one's if the event is stale
-        if inode is None or inode in self._introduced or (entry is not None and entry.inode == inode):
+        if inode is None or inode in self._introduced or (entry is not None and entry.inode == inode) \
+                or not self._accepted(fd):
             return
         self._pending[fd] = _Pending(time.monotonic(), inode)
         self._bound()
@@ -179,6 +188,27 @@ class Connections:
         if self.shut_down in (1, 10, 100) or self.shut_down % 1000 == 0:
             log.warning("shut down a connection that never said HELLO (%s); %d so far", why, self.shut_down)
         return True
+
+
+    def _accepted(self, fd: int) -> bool:
+        """Whether ``fd`` is a connection to the daemon's endpoint (its local address that endpoint's)."""
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                name = sock.getsockname()
+        except OSError:  # closed meanwhile, or not a socket
+            return False
+        if isinstance(self._address, int):
+            return isinstance(name, tuple) and name[1] == self._address
+        return name == self._address
+
+
+def _listening(endpoint: str) -> str | bytes | int:
+    """What an accepted connection's ``getsockname()`` gives for the bound ``endpoint``: an ipc endpoint's path (an
+    abstract one's as bytes, with its leading NUL), a tcp endpoint's port."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        return b"\0" + path[1:].encode() if path.startswith("@") else path
+    return int(endpoint.rsplit(":", 1)[1])
 
 
 def _inode(fd: int) -> int | None:
