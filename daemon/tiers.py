@@ -8,8 +8,8 @@ threads (so snapshot writes interleave), and has the ledger commit the tag on ea
 with a marker of its own, by the same rules as the first: fsynced files, then the marker,
 then the trackers, then that tier's ``keep_last``. An object store tier (``s3://``) takes
 the pieces as the parts of one multipart upload per file, several at once, uploaded by the
-upload process (daemon/uploader.py), and ``ObjectTiers`` (daemon/objects.py) commits the tag there instead of the
-ledger. A transfer that fails leaves the tag uncommitted on that tier only; the faster
+upload process (daemon/uploader.py), and ``ObjectTiers`` (daemon/objects.py) commits the
+tag there instead of the ledger. A transfer that fails leaves the tag uncommitted on that tier only; the faster
 tier's commit stands.
 
 When the slow tier falls behind, a queued transfer that a newer tag of the same run
