@@ -171,6 +171,15 @@ def set_policy(pid: int, policy: int) -> None:
             pass  # a request's thread that just ended
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` (and those they start later, which inherit it) on ``cpus`` alone."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # a request's thread that just ended
+
+
 def daemon_cpu_s(endpoint: str) -> float:
     """CPU seconds of the daemon at ``endpoint`` so far, its upload process's included."""
     from datastates.client import daemon_status
@@ -498,12 +507,18 @@ def main() -> int:
     ap.add_argument("--moto-training", choices=("idle", "normal"), default="idle", help="moto_server's CPU policy "
                     "during the training runs (default idle: SCHED_IDLE, so it takes only the CPU the trainer leaves, "
                     "as a remote S3 takes none of the node's; normal: it competes with the trainer for the 2 cores)")
+    ap.add_argument("--pin", action="store_true", help="training: the trainer on CPU 0, and everything else (the "
+                    "daemons, their upload process, moto_server, boto3's uploader) on the other CPUs, as a GPU node "
+                    "gives its daemon cores the trainer does not use; with --threads 1")
     ap.add_argument("--raw-threads", type=int, default=2, help="threads of the raw O_DIRECT write (default 2)")
     ap.add_argument("--root", default=os.environ.get("TMPDIR", "/var/tmp"), help="where the temp folder goes "
                     "(default $TMPDIR or /var/tmp); removed at the end")
     args = ap.parse_args()
     if min(args.mib, args.files, args.runs, args.steps, args.every) < 1 or (args.mib << 20) // args.files < (1 << 20):
         ap.error("--mib, --files, --runs, --steps, --every must be >= 1, and each file at least 1 MiB")
+    others = os.sched_getaffinity(0) - {0}
+    if args.pin and (args.threads != 1 or 0 not in os.sched_getaffinity(0) or not others):
+        ap.error("--pin needs --threads 1, and CPU 0 and another CPU to run on")
     torch.set_num_threads(args.threads)
 
     port = args.port or free_port()
@@ -657,6 +672,9 @@ def main() -> int:
         # ---- training with the S3 tier on and off
         if args.moto_training == "idle":
             set_policy(moto.pid, os.SCHED_IDLE)
+        if args.pin:  # the daemons and boto3's uploader inherit this thread's CPUs as they start
+            pin(moto.pid, others)
+            os.sched_setaffinity(0, others)
         fast_only = {"tiers": [{"name": "fast", "path": fast + "-t", "keep_last": 1}]}
         cloud_t = {"tiers": [{"name": "fast", "path": fast + "-t", "keep_last": 1},
                              {"name": "cloud", "path": f"s3://{BUCKET}/{PREFIX}-t", "keep_last": 1}],
@@ -665,6 +683,8 @@ def main() -> int:
             wait_pool_mapped(on_ep)
             wait_pool_mapped(off_ep)
             uploader = Uploader(f"{PREFIX}-b")
+            if args.pin:
+                os.sched_setaffinity(0, {0})  # the trainer: this thread, and the client's threads it starts
             try:
                 for r in range(args.runs):
                     modes = ["on", "off", "boto3"]
@@ -747,13 +767,14 @@ def main() -> int:
           f"{1e3 * median(on):.1f} ms with the S3 tier, {1e3 * median(off):.1f} ms without, {1e3 * median(b3):.1f} ms "
           f"without but boto3 uploading the same files; CPU s per run (medians): S3 tier on: moto {cpu['on'][0]:.1f}, "
           f"daemon {cpu['on'][1]:.1f}; off: daemon {cpu['off'][1]:.1f}; boto3 uploads: moto {cpu['boto3'][0]:.1f}, "
-          f"boto3 {cpu['boto3'][1]:.1f} (the daemon as off); on this {os.cpu_count()}-core machine")
+          f"boto3 {cpu['boto3'][1]:.1f} (the daemon as off); on this {os.cpu_count()}-core machine"
+          + ("; the trainer on CPU 0, all else on the others" if args.pin else ""))
     print(json.dumps({"bytes": nbytes, "files": args.files, "runs": args.runs,
                       "medians_s": {n: round(v, 4) for n, v in med.items()},
                       "ratios": {n: round(v, 4) for n, v in ratios.items()},
                       "best_client": {"upload": up_best, "download": down_best},
                       "moto_range": {k: round(v, 4) for k, v in mr.items()},
-                      "requests_per_object": extra.get("requests_per_object", {}), "moto_training": args.moto_training, "https": not args.http,
+                      "requests_per_object": extra.get("requests_per_object", {}), "moto_training": args.moto_training, "https": not args.http, "pin": args.pin,
                       "training": {m: [{k: v for k, v in x.items()} for x in xs] for m, xs in train_runs.items()}}))
     return 0
 

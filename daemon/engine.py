@@ -67,12 +67,13 @@ class Engine:
             self._writers[cls] = cls(direct_io=self._direct_io, owner=self._owner)
         return self._writers[cls]
 
-    async def remove_leftovers(self, roots: list[str], gone: Gone) -> list[str]:
-        """What killed daemons of this node (``gone`` owners) left half-written under the roots, deleted."""
+    async def remove_leftovers(self, roots: list[str], gone: Gone) -> tuple[list[str], set[str]]:
+        """What killed daemons of this node (``gone`` owners) left half-written under the roots, deleted; and the
+        owners whose leftovers could not all be (``StorageWriter.kept``)."""
         removed: list[str] = []
         for root in roots:
             removed += await self.flush(self.writer(root).remove_leftovers, root, gone)
-        return removed
+        return removed, set().union(*(w.kept for w in self._writers.values()))
 
     async def prefill(self) -> None:
         """Map and touch the whole pool now, between copies, so no later checkpoint pays for it."""

@@ -19,7 +19,7 @@ import re
 import secrets
 import socket
 import time
-from typing import Callable
+from typing import Callable, Container
 
 from datastates.protocol.paths import SHM_DIR
 
@@ -98,12 +98,13 @@ class Instance:
         owners = [n.removesuffix(".lock") for n in os.listdir(self.folder) if n.endswith(".lock")]
         return all(o == self.owner or self.gone(o) for o in owners)
 
-    def forget_gone(self) -> None:
+    def forget_gone(self, kept: Container[str] = ()) -> None:
         """Remove the locks of dead writers whose leftovers this daemon has removed: all their roots are among
-        its own. Another job's daemon on other roots leaves them for the next daemon there (or FORGET_AFTER_S)."""
+        its own, and none is in ``kept`` (some could not be removed). Another job's daemon on other roots leaves
+        them for the next daemon there (or FORGET_AFTER_S)."""
         for name in os.listdir(self.folder):
             owner = name.removesuffix(".lock")
-            if not name.endswith(".lock") or not self.gone(owner):
+            if not name.endswith(".lock") or owner in kept or not self.gone(owner):
                 continue
             try:
                 with open(self._lock(owner)) as f:

@@ -258,11 +258,11 @@ class Daemon:
             removed: list[str] = []  # staging folders first: removing a temp file inside one renews its mtime
             for root in self.cfg.storage.roots:
                 removed += await self.engine.flush(Versions.remove_leftovers, root, gone)
-            self.leftovers = removed + await self.engine.remove_leftovers(self.cfg.storage.written, gone)
-            self.leftovers += await self.engine.flush(remove_gone, gone)
+            written, kept = await self.engine.remove_leftovers(self.cfg.storage.written, gone)
+            self.leftovers = removed + written + await self.engine.flush(remove_gone, gone)
             if self.instance.alone():  # no other daemon may still need a dead client's "abandoned" decisions
                 self.leftovers += await self.engine.flush(outcome.remove_dead_client_folders)
-            await self.engine.flush(self.instance.forget_gone)
+            await self.engine.flush(self.instance.forget_gone, kept)
         finally:
             self._recovered.set()
         if self.leftovers:

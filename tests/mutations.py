@@ -1060,12 +1060,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_s3.py::test_a_tag_saved_again_without_one_of_its_files_leaves_no_old_object_on_the_bucket",),
     ),
     Mutation(
-        "s3-journal-adopted-away",
-        "a daemon that cannot list uploads takes another job's dead daemon's journal away from that daemon's next one",
-        (Edit("daemon/storage/s3.py", "                    data = f.read()\n", "                    data = f.read()\n"
-              "                os.unlink(os.path.join(folder, name))  # MUTATION\n"),),
-        ("tests/test_s3.py::test_a_killed_daemons_uploads_are_aborted_by_its_next_daemon_after_another_jobs_daemon_could_"
-         "not_list_them",),
+        "s3-journal-taken-away",
+        "a daemon that cannot list uploads removes the dead daemons' journals it read, another job's daemon's too",
+        (Edit("daemon/storage/s3.py", "            self.kept |= owners\n",
+              "            for owner in owners:  # MUTATION\n                os.unlink(journal_path(owner))\n"),),
+        ("tests/test_s3.py::test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_"
+         "them",),
+    ),
+    Mutation(
+        "s3-journal-forgotten-unaborted",
+        "a daemon that cannot list its dead predecessor's uploads forgets that daemon's journal all the same",
+        (Edit("daemon/storage/s3.py", "            self.kept |= owners\n", "            pass  # MUTATION\n"),),
+        ("tests/test_s3.py::test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_"
+         "them",),
     ),
 )
 def working_tree_files() -> list[str]:

@@ -24,7 +24,7 @@ from datastates.protocol import objectstore
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.format import marker_name
 
-from conftest import DaemonProc, assert_state_equal, rank_client, refused_run, run_datastatesd_many, save
+from conftest import DAEMON_LOCKS, DaemonProc, assert_state_equal, rank_client, refused_run, run_datastatesd_many, save
 from s3server import FaultProxy, Moto, Rule, any_request, upload_part
 from test_tiers import settle, tier_states
 
@@ -526,10 +526,18 @@ def list_uploads(method: str, path: str, query: str) -> bool:
     return method == "GET" and "uploads" in query.split("&")
 
 
+def journals_naming(upload_id: str) -> list[str]:
+    """The files of this user's daemons folder that name ``upload_id``: the journals that hold it."""
+    return sorted(p.name for p in DAEMON_LOCKS.iterdir() if p.is_file() and upload_id in p.read_text(errors="replace"))
+
+
 @pytest.mark.heavy
-def test_a_killed_daemons_uploads_are_aborted_by_its_next_daemon_after_another_jobs_daemon_could_not_list_them(
+def test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_them(
         start_daemons: Callable[..., list[DaemonProc]], start_daemon: Callable[..., DaemonProc], tmp_path: Path,
         proxy: FaultProxy, moto: Moto, bucket: str) -> None:
+    """Neither another job's daemon nor the killed daemon's own next one, both unable to list uploads, takes, copies or
+    forgets its journal: the daemon after them aborts the upload, and no journal multiplies on the way (a copy per
+    daemon that could not list once filled /dev/shm with copies of copies)."""
     url = f"s3://{bucket}/jobs"
     s3 = s3_client(proxy.url)
     cfg_a = tiers(tmp_path, url, fast="fast-a")
@@ -542,18 +550,30 @@ def test_a_killed_daemons_uploads_are_aborted_by_its_next_daemon_after_another_j
         doomed.proc.wait()
     held.release()
     proxy.clear()
-    assert "jobs/runa/step1/rank0.pt" in uploads(s3, bucket)
-    refusing = FaultProxy(moto.port)  # another job's daemon, whose endpoint refuses to list uploads
+    (killed,) = s3.list_multipart_uploads(Bucket=bucket)["Uploads"]
+    assert killed["Key"] == "jobs/runa/step1/rank0.pt"
+    journal = journals_naming(killed["UploadId"])
+    assert len(journal) == 1, journal
+    refusing = FaultProxy(moto.port)  # an endpoint that refuses to list uploads
     try:
         refusing.add(Rule(list_uploads, fail=-1, status=403))
         other = tiers(tmp_path, f"s3://{bucket}/otherjob", fast="fast-b")
         other["storage"]["tiers"][1]["endpoint"] = refusing.url
-        b = start_daemon(**other)
+        b = start_daemon(**other)  # another job's daemon, which runs on
         settle(b)
-        assert refusing.count(list_uploads, 403) >= 1  # it tried, was refused, and kept a copy of the journal
-        again = start_daemon(**cfg_a)  # the killed daemon's next one, while the other job's still runs
-        settle(again)
-        assert uploads(s3, bucket) == []  # the killed upload aborted (the next one's own, completed)
+        next_a = tiers(tmp_path, url, fast="fast-a")  # the killed daemon's next one, the same roots
+        next_a["storage"]["tiers"][1]["endpoint"] = refusing.url
+        for _ in range(2):
+            again = start_daemon(**next_a)
+            settle(again)
+            assert again.stop() == 0
+        assert refusing.count(list_uploads, 403) >= 3  # each tried, and was refused
+        assert killed["UploadId"] in [u["UploadId"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+        assert journals_naming(killed["UploadId"]) == journal  # kept where it was, once
+        last = start_daemon(**cfg_a)  # one that can list, while the other job's daemon still runs
+        settle(last)
+        assert uploads(s3, bucket) == []  # the killed upload aborted (the next ones' own, completed)
+        assert journals_naming(killed["UploadId"]) == []  # and its journal forgotten with it
         assert datastates.latest(f"{url}/runa") == "step1"
         assert_state_equal(state(1, 5 << 20), datastates.load(f"{url}/runa/step1/rank0.pt"))
         assert b.proc.poll() is None

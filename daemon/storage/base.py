@@ -47,6 +47,9 @@ class StorageWriter(ABC):
         self.direct_io = direct_io
         self.owner = owner
         """Names this daemon in its temporary files (daemon/instances.py), so a later one knows whose they are."""
+        self.kept: set[str] = set()
+        """Dead writers' owner tags whose leftovers ``remove_leftovers`` could not all remove: their lock and journal
+        stay for the next daemon (``Instance.forget_gone``), rather than be forgotten with work still to do."""
 
     @abstractmethod
     def create(self, path: str, token: str, reuse: str = "") -> Any: ...

@@ -159,11 +159,11 @@ class S3Writer(StorageWriter):
 
     def remove_leftovers(self, root: str, gone: Gone) -> list[str]:
         """Abort the multipart uploads below ``root`` that a dead daemon of this node journaled; no other."""
-        owners: dict[tuple[str, str], str] = {}
-        journals: dict[str, list[str]] = {}
+        uploads: set[tuple[str, str]] = set()
+        owners: set[str] = set()
         folder = daemons_folder()
         for name in os.listdir(folder):
-            owner = name.split(".", 1)[0]  # <owner>.uploads, or <owner>.adopted-<dead owner>.uploads
+            owner = name.split(".", 1)[0]  # <owner>.uploads (an earlier version's: <owner>.adopted-<dead>.uploads)
             if not name.endswith(JOURNAL_SUFFIX) or owner == self.owner or not gone(owner, None):
                 continue
             try:
@@ -171,12 +171,12 @@ class S3Writer(StorageWriter):
                     lines = f.read().splitlines()
             except FileNotFoundError:  # another daemon's recovery took it meanwhile
                 continue
-            journals.setdefault(owner, []).append(name)
+            owners.add(owner)
             for line in lines:
-                parts = line.split(" ")
-                if len(parts) == 2:  # a line cut short by a kill is no upload of a dead daemon's
-                    owners[(parts[0], parts[1])] = owner
-        if not owners:
+                fields = line.split(" ")
+                if len(fields) == 2:  # a line cut short by a kill is no upload of a dead daemon's
+                    uploads.add((fields[0], fields[1]))
+        if not uploads:
             return []
         where = ObjectPath.parse(root)
         aborted = []
@@ -185,33 +185,17 @@ class S3Writer(StorageWriter):
             pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=where.bucket, Prefix=where.prefix)
             for page in pages:
                 for upload in page.get("Uploads", []):
-                    if (where.bucket, upload["UploadId"]) in owners:
+                    if (where.bucket, upload["UploadId"]) in uploads:
                         s3.abort_multipart_upload(Bucket=where.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                         aborted.append(f"s3://{where.bucket}/{upload['Key']} (upload {upload['UploadId'][:12]})")
         except Exception as exc:
             if not (is_client_error(exc) or isinstance(exc, DatastatesError)):
                 raise
             why = exc.message if isinstance(exc, DatastatesError) else object_error("list", root, exc).message
-            log.warning("cannot abort the uploads killed daemons left below %s (%s): this daemon keeps a copy of "
-                        "their journals, for the daemon after it", root, why)
-            self._adopt(folder, [n for names in journals.values() for n in names])
+            log.warning("cannot abort the uploads killed daemons left below %s (%s): their journals stay for the "
+                        "next daemon", root, why)
+            self.kept |= owners
         return aborted
-
-    def _adopt(self, folder: str, names: list[str]) -> None:
-        """Copy dead daemons' journals as this daemon's own (``<owner>.adopted-<name>``), so that forgetting them
-        (daemon/instances.py: a daemon whose roots hold all of a dead one's does) never loses an upload still to be
-        aborted: the next daemon after this one aborts it. The journals themselves stay, for their own daemon's next
-        daemon, whose roots and endpoint may be others than this one's (another job's daemon)."""
-        for name in names:
-            copy = os.path.join(folder, f"{self.owner}.adopted-{name}")
-            try:
-                with open(os.path.join(folder, name), "rb") as f:
-                    data = f.read()
-                with open(copy + ".part", "wb") as f:  # not a journal's name until whole
-                    f.write(data)
-                os.rename(copy + ".part", copy)
-            except OSError:
-                pass
 
 
 register_writer(S3Writer)
