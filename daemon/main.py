@@ -6,11 +6,14 @@ import argparse
 import asyncio
 import fcntl
 import gc
+import io
 import logging
 import os
 import resource
 import signal
 import sys
+import threading
+import traceback
 
 import uvloop
 import zmq
@@ -94,6 +97,20 @@ def _raise_memlock_limit() -> None:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
 
 
+def _log_stacks() -> None:
+    """On SIGUSR2: every thread's stack and every task's, in the log, for a daemon that seems stuck
+    (``kill -USR2 <pid>``; it goes on serving)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    lines = [f"SIGUSR2: {len(names)} thread(s), stacks follow"]
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)).rstrip())
+    for task in asyncio.all_tasks():
+        out = io.StringIO()
+        task.print_stack(file=out)
+        lines.append(out.getvalue().rstrip())
+    log.warning("\n".join(lines))
+
+
 async def _serve(cfg: config.NodeConfig) -> None:
     from .server import Daemon  # torch, seconds to import: after the config is known to be good
 
@@ -104,6 +121,7 @@ async def _serve(cfg: config.NodeConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_shutdown)
+    loop.add_signal_handler(signal.SIGUSR2, _log_stacks)
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)

@@ -77,6 +77,17 @@ class DaemonProc:
     def log_text(self) -> str:
         return self.log.read_text() if self.log.exists() else ""
 
+    def stacks(self, timeout: float = 10) -> str:
+        """Every thread's and task's stack, as the daemon logs them on SIGUSR2: what a hang guard shows of a daemon
+        that seems stuck (its end of the log, at most 30,000 characters)."""
+        start = len(self.log_text())
+        self.proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + timeout
+        while "SIGUSR2:" not in self.log_text()[start:] and time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the rest of the record
+        return self.log_text()[start:][:30_000]
+
 
 def wait_ready(endpoint: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout

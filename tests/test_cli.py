@@ -110,6 +110,17 @@ def test_sigterm_drains_first(start_daemon: Callable[..., DaemonProc]) -> None:
     assert temp_files(daemon.root) == []
 
 
+def test_sigusr2_logs_every_threads_and_tasks_stack_and_the_daemon_serves_on(client: Client, daemon: DaemonProc) -> None:
+    """``kill -USR2`` on a daemon that seems stuck: where each thread and task is, in its log; nothing stops."""
+    stacks = daemon.stacks()
+    assert "thread MainThread:" in stacks and "ds-" in stacks, stacks[:2000]  # the loop's thread and the daemon's own
+    assert "Stack for <Task" in stacks, stacks[:2000]  # the event loop's tasks (the serve loop among them)
+    state = {"w": torch.arange(1000.0)}
+    save(client, state, daemon.root / "after-usr2" / "rank0.pt")
+    assert_state_equal(state, datastates.load(daemon.root / "after-usr2" / "rank0.pt"))
+    assert daemon.proc.poll() is None
+
+
 def test_second_daemon_on_the_same_endpoint_refuses(daemon: DaemonProc) -> None:
     """Starting a second daemon with the same config fails clearly and leaves the first one serving."""
     run = run_datastatesd("--node-config", str(daemon.config), timeout=30)

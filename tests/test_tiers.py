@@ -53,8 +53,10 @@ def settle(d: DaemonProc) -> dict[str, Any]:
         status = daemon_status(d.endpoint)
         if not status["pending"] and not status["commits_pending"] and not status["tier_transfers"]["pending"]:
             break
-        assert time.monotonic() < deadline, f"still pending after 120 s: {status['pending']} snapshot(s), " \
-            f"{status['commits_pending']} commit(s), {status['tier_transfers']['pending']} tier transfer(s)"
+        if time.monotonic() > deadline:
+            pytest.fail(f"still pending after 120 s: {status['pending']} snapshot(s), {status['commits_pending']} "
+                        f"commit(s), {status['tier_transfers']['pending']} tier transfer(s): "
+                        f"{json.dumps(status['tier_transfers'])[:4000]}\nthe daemon's stacks:\n{d.stacks()}")
         time.sleep(0.05)
     failed = [s for s in status["snapshots"] if s["state"] == "failed"]
     assert not failed, failed
