@@ -33,6 +33,7 @@ import logging
 import os
 import resource
 import socket
+import stat
 import time
 from dataclasses import dataclass
 
@@ -179,8 +180,11 @@ class Connections:
         entry = self._pending.pop(fd)
         if _inode(fd) != entry.inode:
             return False  # closed by ZeroMQ and the number reused: not ours to touch
+        sock = _socket(fd)
+        if sock is None:
+            return False
         try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
+            with sock:
                 sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             return False
@@ -192,10 +196,13 @@ class Connections:
 
     def _accepted(self, fd: int) -> bool:
         """Whether ``fd`` is a connection to the daemon's endpoint (its local address that endpoint's)."""
+        sock = _socket(fd)
+        if sock is None:
+            return False
         try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
+            with sock:
                 name = sock.getsockname()
-        except OSError:  # closed meanwhile, or not a socket
+        except OSError:
             return False
         if isinstance(self._address, int):
             return isinstance(name, tuple) and name[1] == self._address
@@ -209,6 +216,23 @@ def _listening(endpoint: str) -> str | bytes | int:
         path = endpoint[len("ipc://"):]
         return b"\0" + path[1:].encode() if path.startswith("@") else path
     return int(endpoint.rsplit(":", 1)[1])
+
+
+def _socket(fd: int) -> socket.socket | None:
+    """A socket object of its own (on a duplicate) for the socket open as ``fd`` now; None if ``fd`` is closed, or no
+    socket (its number taken since by a file or a folder). The duplicate never outlives the object: one leaked of a
+    folder's descriptor kept the flock a commit took on it, and that folder's next commit waited forever."""
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return None
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:  # the number taken by a file or folder between the two
+        os.close(dup)
+        return None
 
 
 def _inode(fd: int) -> int | None:

@@ -1074,6 +1074,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_s3.py::test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_"
          "them",),
     ),
+    Mutation(
+        "connections-dup-leaked",
+        "a stale accept event for a number a folder took leaks a duplicate of the folder's descriptor, and its flock",
+        (Edit("daemon/connections.py", "        if not stat.S_ISSOCK(os.fstat(fd).st_mode):\n            return None\n", ""),
+         Edit("daemon/connections.py", "        os.close(dup)\n        return None\n", "        return None  # MUTATION\n")),
+        ("tests/faults/test_connections.py::test_a_stale_accept_event_for_a_number_a_folder_took_keeps_no_descriptor_"
+         "and_no_lock_of_it",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

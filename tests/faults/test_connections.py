@@ -245,3 +245,39 @@ def test_a_tool_that_polls_status_without_hello_is_never_shut_for_its_age(daemon
         assert later["status"]["connections"]["shut_down"] == 0, later["status"]["connections"]
     finally:
         poller.close()
+
+
+def test_a_stale_accept_event_for_a_number_a_folder_took_keeps_no_descriptor_and_no_lock_of_it(tmp_path: Path) -> None:
+    """The monitor's accept events come late, and a number ZeroMQ closed may be a folder's by then: the one a commit
+    locks (``folder_locked``) for its check and rename. Looking at it must leave nothing of that folder open: a
+    leaked duplicate kept the commit's flock, and the folder's next commit waited forever (a tag never committed on
+    its next tier; eight trainers' commits hung)."""
+    import fcntl
+    import os
+
+    import zmq.asyncio
+
+    from datastates.daemon.connections import Connections, open_descriptors
+    from datastates.daemon.storage.posix import folder_locked
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.bind(f"ipc://{tmp_path}/d.sock")
+        conns = Connections(sock)
+        folder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        before = open_descriptors()
+        conns._event({"event": zmq.EVENT_ACCEPTED, "value": folder, "endpoint": b""})  # stale: the number is the folder's
+        assert open_descriptors() == before
+        assert conns.status()["unintroduced"] == 0  # not taken for a connection either
+        with folder_locked(folder):  # a commit's check and marker rename in that folder
+            pass
+        os.close(folder)
+        again = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)  # the folder's next commit
+        try:
+            fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while a leaked duplicate holds it
+        finally:
+            os.close(again)
+    finally:
+        ctx.destroy(linger=0)  # the monitor's socket too
+
