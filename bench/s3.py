@@ -16,13 +16,17 @@ reads from S3 likewise, and it should not slow the trainer. Per run (contenders 
    BytesIO, and ranged GETs (64 MiB) on 8 threads into a preallocated buffer. Ratio: ours / the
    best of those, in throughput. Shown beside them, not in the ratio: ``get_object`` of the whole
    object, one GET each, read into a preallocated buffer (``Body.readinto``): the fastest on moto
-   (see the caveat), not a ranged parallel download.
+   (see the caveat), not a ranged parallel download. And ``load``, which returns new tensors,
+   against the same ranged GETs into buffers allocated for that read (their pages faulted in as
+   they fill, as a new tensor's are).
 3. our fast-tier commit (snapshot, wait, commit) against ``torch.save`` (fsynced), DCP
    ``save`` (single process, fsynced) and a raw O_DIRECT write of the same bytes on the same disk.
 4. training: an MLP with AdamW trained on the CPU for ``--steps`` steps, checkpointed every
    ``--every`` steps (snapshot, then ``wait()`` right before the next optimizer step, then
    commit), against a daemon whose tiers end in the S3 tier and one whose only tier is the
    fast one (otherwise the same config); runs alternate on/off. Ratio: median step time on / off.
+   ``--pin`` puts the trainer on CPU 0 and everything else on the others, as a GPU node leaves
+   its daemon cores the trainer does not use.
 
 Caveat, moto: the server runs on this machine, in one Python process, so its CPU (parsing
 the parts, MD5s, TLS) competes with the trainer, which a remote S3 does not; during the
@@ -639,6 +643,9 @@ def main() -> int:
                         "download: boto3 download_fileobj": lambda: download_fileobj(s3, keys, bufs),
                         "whole GET: boto3 get_object readinto": lambda: get_whole(s3, keys, bufs),
                         "download: boto3 ranged 64MiB x8": lambda: get_ranged(s3, keys, bufs),
+                        # as ``load`` must: into memory allocated for this read, its pages faulted in as they fill
+                        "fresh: boto3 ranged 64MiB x8 into new buffers":
+                            lambda: get_ranged(s3, keys, [memoryview(bytearray(len(b))) for b in bufs]),
                     }
                     for name, fn in downs.items():
                         gc.collect()
@@ -646,7 +653,7 @@ def main() -> int:
                         fn()
                         add(name, time.perf_counter() - t0)
                     print(f"run {r + 1}/{args.runs} download: " + ", ".join(
-                        f"{n.split(': ')[1]} {times[n][-1]:.2f} s" for n in times if n.startswith(("download", "whole"))),
+                        f"{n.split(': ')[1]} {times[n][-1]:.2f} s" for n in times if n.startswith(("download", "whole", "fresh"))),
                         flush=True)
 
                 # moto's ranged GET: one 8 MiB range of the first object against the whole object
@@ -738,6 +745,8 @@ def main() -> int:
         down_best = min((n for n in med if n.startswith("download: boto3")), key=med.__getitem__)  # ranged reads
         ratios["upload ours/best client (throughput)"] = med[up_best] / med["upload: datastates tier"]
         ratios["download load ours/best client (throughput)"] = med[down_best] / med["download: datastates load"]
+        ratios["download load ours/boto3 ranged into new buffers"] = \
+            med["fresh: boto3 ranged 64MiB x8 into new buffers"] / med["download: datastates load"]
         ratios["download load-into ours/best client (throughput)"] = \
             med[down_best] / med["download: datastates load into"]
         ratios["download load-into, files at once, ours/best client"] = \
