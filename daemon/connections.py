@@ -91,7 +91,7 @@ class Connections:
             return inode
         entry = self._pending.get(fd)
         if entry is None or entry.inode != inode:  # its accept event is still on its way
-            if not self._accepted(fd):  # closed since, and the number another socket's
+            if not self._accepted(fd, inode):  # closed since, and the number another socket's
                 return None
             entry = self._pending[fd] = _Pending(time.monotonic(), inode, busy=1)
             self._bound()
@@ -152,7 +152,7 @@ class Connections:
             return
         inode = _inode(fd)  # the socket behind fd now: this accept's, or a later one's if the event is stale
         if inode is None or inode in self._introduced or (entry is not None and entry.inode == inode) \
-                or not self._accepted(fd):
+                or not self._accepted(fd, inode):
             return
         self._pending[fd] = _Pending(time.monotonic(), inode)
         self._bound()
@@ -178,9 +178,7 @@ class Connections:
 
     def _shut(self, fd: int, why: str) -> bool:
         entry = self._pending.pop(fd)
-        if _inode(fd) != entry.inode:
-            return False  # closed by ZeroMQ and the number reused: not ours to touch
-        sock = _socket(fd)
+        sock = _socket(fd, entry.inode)  # None once closed by ZeroMQ and the number reused: not ours to touch
         if sock is None:
             return False
         try:
@@ -194,9 +192,10 @@ class Connections:
         return True
 
 
-    def _accepted(self, fd: int) -> bool:
-        """Whether ``fd`` is a connection to the daemon's endpoint (its local address that endpoint's)."""
-        sock = _socket(fd)
+    def _accepted(self, fd: int, inode: int) -> bool:
+        """Whether ``fd`` is still socket ``inode``, a connection to the daemon's endpoint (its local address that
+        endpoint's)."""
+        sock = _socket(fd, inode)
         if sock is None:
             return False
         try:
@@ -218,21 +217,24 @@ def _listening(endpoint: str) -> str | bytes | int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
-def _socket(fd: int) -> socket.socket | None:
-    """A socket object of its own (on a duplicate) for the socket open as ``fd`` now; None if ``fd`` is closed, or no
-    socket (its number taken since by a file or a folder). The duplicate never outlives the object: one leaked of a
-    folder's descriptor kept the flock a commit took on it, and that folder's next commit waited forever."""
+def _socket(fd: int, inode: int | None = None) -> socket.socket | None:
+    """A socket object of its own (on a duplicate) for the socket open as ``fd`` now, and of inode ``inode`` if given;
+    None if ``fd`` is closed, or no socket (its number taken since by a file or a folder), or another socket. The
+    duplicate is checked, not the number (which another thread may reuse meanwhile), and never outlives the object:
+    one leaked of a folder's descriptor kept the flock a commit took on it, and that folder's next commit waited
+    forever."""
     try:
-        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            return None
         dup = os.dup(fd)
     except OSError:
         return None
     try:
-        return socket.socket(fileno=dup)
-    except OSError:  # the number taken by a file or folder between the two
-        os.close(dup)
-        return None
+        st = os.fstat(dup)
+        if stat.S_ISSOCK(st.st_mode) and inode in (None, st.st_ino):
+            return socket.socket(fileno=dup)
+    except OSError:
+        pass
+    os.close(dup)
+    return None
 
 
 def _inode(fd: int) -> int | None:

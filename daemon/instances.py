@@ -28,7 +28,11 @@ OWNER_RE = re.compile(r"[0-9a-f]{16}")
 
 
 FORGET_AFTER_S = 7 * 86400
-"""A dead writer's lock file whose roots no later daemon covered goes after this long (its leftovers then stay)."""
+"""A dead writer's lock file whose roots no later daemon covered goes this long after its last sign of life
+(``Instance.touch``; its leftovers then stay)."""
+
+LIFE_SIGN_S = 3600.0
+"""How often a running daemon renews its lock file's time (``Instance.touch``)."""
 
 
 Gone = Callable[[str, str], bool]
@@ -98,22 +102,35 @@ class Instance:
         owners = [n.removesuffix(".lock") for n in os.listdir(self.folder) if n.endswith(".lock")]
         return all(o == self.owner or self.gone(o) for o in owners)
 
-    def forget_gone(self, kept: Container[str] = ()) -> None:
-        """Remove the locks of dead writers whose leftovers this daemon has removed: all their roots are among
-        its own, and none is in ``kept`` (some could not be removed). Another job's daemon on other roots leaves
-        them for the next daemon there (or FORGET_AFTER_S)."""
+    def dead(self) -> set[str]:
+        """The owners whose lock file is here and free now: the writers a recovery starting now may forget once it
+        has removed their leftovers. One that dies during that recovery is not among them: its leftovers were
+        looked for while it lived (none taken), so it is left for the next daemon."""
+        return {n.removesuffix(".lock") for n in os.listdir(self.folder)
+                if n.endswith(".lock") and self.gone(n.removesuffix(".lock"))}
+
+    def touch(self) -> None:
+        """A sign of life: the lock file's time renewed, so FORGET_AFTER_S counts from this daemon's last one, not
+        from its start (a daemon killed after a week's run would otherwise be forgotten at once)."""
+        os.utime(self._fd)
+
+    def forget_gone(self, dead: Container[str], kept: Container[str] = ()) -> None:
+        """Remove the locks (and journals) of the ``dead`` writers whose leftovers this daemon has removed: all their
+        roots are among its own, and none is in ``kept`` (some could not be removed). Another job's daemon on other
+        roots leaves them for the next daemon there. Any of them silent for FORGET_AFTER_S goes all the same."""
         for name in os.listdir(self.folder):
             owner = name.removesuffix(".lock")
-            if not name.endswith(".lock") or owner in kept or not self.gone(owner):
+            if not name.endswith(".lock") or owner not in dead or not self.gone(owner):
                 continue
             try:
                 with open(self._lock(owner)) as f:
                     text = f.read()
                 roots = text.split("\n") if text else []
                 old = time.time() - os.stat(self._lock(owner)).st_mtime > FORGET_AFTER_S
-                if old or (roots and all(r in self.roots for r in roots)):
-                    for leftover in [n for n in os.listdir(self.folder) if n.startswith(owner + ".")]:  # its lock, its journal
-                        os.unlink(os.path.join(self.folder, leftover))
+                if old or (owner not in kept and roots and all(r in self.roots for r in roots)):
+                    for leftover in [n for n in os.listdir(self.folder) if n.startswith(owner + ".") and n != name]:
+                        os.unlink(os.path.join(self.folder, leftover))  # its journal
+                    os.unlink(self._lock(owner))  # last: a lock file is what makes a later daemon look for the rest
             except FileNotFoundError:
                 pass
 

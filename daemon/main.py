@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import fcntl
 import gc
 import io
@@ -98,8 +99,9 @@ def _raise_memlock_limit() -> None:
 
 
 def _log_stacks() -> None:
-    """On SIGUSR2: every thread's stack and every task's, in the log, for a daemon that seems stuck
-    (``kill -USR2 <pid>``; it goes on serving)."""
+    """On SIGUSR2: every thread's stack (by name) and every task's, in the log, for a daemon that seems stuck
+    (``kill -USR2 <pid>``; it goes on serving). faulthandler writes the threads' stacks to stderr first, at once:
+    this record waits for the event loop's thread to be free."""
     names = {t.ident: t.name for t in threading.enumerate()}
     lines = [f"SIGUSR2: {len(names)} thread(s), stacks follow"]
     for ident, frame in sys._current_frames().items():
@@ -122,6 +124,7 @@ async def _serve(cfg: config.NodeConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_shutdown)
     loop.add_signal_handler(signal.SIGUSR2, _log_stacks)
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=True)  # at once, even with the loop's thread held
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)
@@ -153,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="datastatesd", description="The per-node datastates checkpoint daemon.")
     parser.add_argument("--node-config", metavar="PATH", help="node.yaml (default: built-in defaults)")
     args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # from the start: SIGUSR2's default action would end it
     try:
         cfg = config.load(args.node_config)
         logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s datastatesd %(levelname)s %(message)s")

@@ -11,6 +11,7 @@ becomes an ERROR reply with its code, anything else is logged and reported as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -49,7 +50,7 @@ from .engine import Engine
 from .job import SnapshotJob
 from .jobs import JobTable
 from .memory import HostPool
-from .instances import Instance
+from .instances import LIFE_SIGN_S, Instance
 from .replicas import ReplicaStore, remove_gone
 from .tiers import TierTransfers
 from .versions import Versions
@@ -113,6 +114,7 @@ class Daemon:
         self._spawn(asyncio.get_running_loop().run_in_executor(None, gpus.hold))  # before the trainers fill the GPUs
         self._spawn(self.clients.watch(self.cfg.client_timeout, self.stopped, self._gone))
         self._spawn(self.connections.watch(self.stopped))
+        self._spawn(self._signs_of_life())
         if self.cfg.prefault:
             self._spawn(self.engine.prefill())
         stop = asyncio.ensure_future(self.stopped.wait())
@@ -131,6 +133,15 @@ class Daemon:
         # the trainers outlive this daemon: release every CUDA block it holds, or they stay parked in them
         self.clients.release_all()
         await asyncio.get_running_loop().run_in_executor(None, flush_releases, 30)
+
+    async def _signs_of_life(self) -> None:
+        """``Instance.touch`` every LIFE_SIGN_S while serving."""
+        while not self.stopped.is_set():
+            try:
+                await asyncio.wait_for(self.stopped.wait(), LIFE_SIGN_S)
+            except TimeoutError:
+                with contextlib.suppress(OSError):
+                    await self.engine.flush(self.instance.touch)
 
     async def _ready_ahead(self, path: str, size: int, done: Callable[[BaseException | None], None]) -> None:
         """A spare's pages readied on a flush thread (``ready_pages``), then ``done`` here with what it raised."""
@@ -255,6 +266,7 @@ class Daemon:
         """Remove what killed daemons of this node left (any endpoint): half-written files, replicas; then admit."""
         gone = self.instance.gone
         try:
+            dead = await self.engine.flush(self.instance.dead)
             removed: list[str] = []  # staging folders first: removing a temp file inside one renews its mtime
             for root in self.cfg.storage.roots:
                 removed += await self.engine.flush(Versions.remove_leftovers, root, gone)
@@ -262,7 +274,7 @@ class Daemon:
             self.leftovers = removed + written + await self.engine.flush(remove_gone, gone)
             if self.instance.alone():  # no other daemon may still need a dead client's "abandoned" decisions
                 self.leftovers += await self.engine.flush(outcome.remove_dead_client_folders)
-            await self.engine.flush(self.instance.forget_gone, kept)
+            await self.engine.flush(self.instance.forget_gone, dead, kept)
         finally:
             self._recovered.set()
         if self.leftovers:

@@ -1062,25 +1062,49 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-journal-taken-away",
         "a daemon that cannot list uploads removes the dead daemons' journals it read, another job's daemon's too",
-        (Edit("daemon/storage/s3.py", "            self.kept |= owners\n",
-              "            for owner in owners:  # MUTATION\n                os.unlink(journal_path(owner))\n"),),
+        (Edit("daemon/storage/s3.py", "            self.kept |= set(owners.values())\n",
+              "            for owner in set(owners.values()):  # MUTATION\n                os.unlink(journal_path(owner))\n"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_"
          "them",),
     ),
     Mutation(
         "s3-journal-forgotten-unaborted",
         "a daemon that cannot list its dead predecessor's uploads forgets that daemon's journal all the same",
-        (Edit("daemon/storage/s3.py", "            self.kept |= owners\n", "            pass  # MUTATION\n"),),
+        (Edit("daemon/storage/s3.py", "            self.kept |= set(owners.values())\n", "            pass  # MUTATION\n"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_"
          "them",),
     ),
     Mutation(
         "connections-dup-leaked",
         "a stale accept event for a number a folder took leaks a duplicate of the folder's descriptor, and its flock",
-        (Edit("daemon/connections.py", "        if not stat.S_ISSOCK(os.fstat(fd).st_mode):\n            return None\n", ""),
-         Edit("daemon/connections.py", "        os.close(dup)\n        return None\n", "        return None  # MUTATION\n")),
+        (Edit("daemon/connections.py", "    os.close(dup)\n    return None\n", "    return None  # MUTATION\n"),),
         ("tests/faults/test_connections.py::test_a_stale_accept_event_for_a_number_a_folder_took_keeps_no_descriptor_"
          "and_no_lock_of_it",),
+    ),
+    Mutation(
+        "recovery-forgets-who-died-during-it",
+        "a recovery forgets a writer that died while it ran, whose leftovers it never looked for",
+        (Edit("daemon/instances.py", " or owner not in dead or not self.gone(owner):", " or not self.gone(owner):  # MUTATION"),),
+        ("tests/faults/test_recovery_owners.py::test_a_writer_killed_during_a_recovery_is_left_to_the_next_recovery",),
+    ),
+    Mutation(
+        "recovery-forgets-kept-owners",
+        "a recovery forgets a dead writer whose uploads it could not list",
+        (Edit("daemon/instances.py", "(owner not in kept and roots and", "(roots and  # MUTATION\n                       "),),
+        ("tests/faults/test_recovery_owners.py::test_a_writer_whose_leftovers_could_not_all_be_removed_stays_until_forget_after",),
+    ),
+    Mutation(
+        "lock-never-touched",
+        "a daemon never renews its lock file's time, so one that ran a week is forgotten the moment it dies",
+        (Edit("daemon/instances.py", "        os.utime(self._fd)\n", "        pass  # MUTATION\n"),),
+        ("tests/faults/test_recovery_owners.py::test_forget_after_counts_from_a_writers_last_sign_of_life_not_its_start",),
+    ),
+    Mutation(
+        "folder-lock-closed-not-unlocked",
+        "a folder's flock is only closed, not unlocked: a child sharing the folder's descriptor keeps it",
+        (Edit("daemon/storage/posix.py", "            fcntl.flock(held, fcntl.LOCK_UN)\n", "            pass  # MUTATION\n"),),
+        ("tests/faults/test_identity.py::test_a_folder_lock_is_free_once_its_commit_is_done_though_a_child_shares_the_"
+         "folders_descriptor",),
     ),
 )
 def working_tree_files() -> list[str]:

@@ -58,15 +58,22 @@ def folder_locked(folder: int) -> Iterator[None]:
     one node (the daemon, a trainer saving on its own) then never interleave the two (the fault schedules, seed
     220373: a trainer's exchange between a commit's check and its marker's rename replaced a committed file)."""
     held = os.dup(folder)  # one open file description with ``folder``: its own flock below is no second lock, and
-    try:                   # the lock outlives ``folder`` being closed inside (a publish's finalize releases it)
+    locked = False         # the lock outlives ``folder`` being closed inside (a publish's finalize releases it)
+    try:
         try:
             fcntl.flock(held, fcntl.LOCK_EX)
+            locked = True
         except OSError as exc:  # a file system without flock (Lustre mounted noflock): the checks alone, as before
             if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
                 raise
         yield
     finally:
-        os.close(held)  # the lock goes with the last descriptor of its open file description
+        # Unlocked, not only closed: another descriptor of the description (in a child a trainer saving on its own
+        # forked meanwhile) would hold the lock for as long as it lives. Nested on one description (a publish, then
+        # its finalize), the inner exit unlocks: the finalize is the publish's last step under the lock.
+        if locked:
+            fcntl.flock(held, fcntl.LOCK_UN)
+        os.close(held)
 
 
 def _place(folder: int, temp: str, path: str) -> None:

@@ -159,8 +159,9 @@ class S3Writer(StorageWriter):
 
     def remove_leftovers(self, root: str, gone: Gone) -> list[str]:
         """Abort the multipart uploads below ``root`` that a dead daemon of this node journaled; no other."""
-        uploads: set[tuple[str, str]] = set()
-        owners: set[str] = set()
+        where = ObjectPath.parse(root)
+        owners: dict[str, str] = {}
+        """Upload id → the dead daemon that journaled it, for uploads in this root's bucket."""
         folder = daemons_folder()
         for name in os.listdir(folder):
             owner = name.split(".", 1)[0]  # <owner>.uploads (an earlier version's: <owner>.adopted-<dead>.uploads)
@@ -171,21 +172,19 @@ class S3Writer(StorageWriter):
                     lines = f.read().splitlines()
             except FileNotFoundError:  # another daemon's recovery took it meanwhile
                 continue
-            owners.add(owner)
             for line in lines:
                 fields = line.split(" ")
-                if len(fields) == 2:  # a line cut short by a kill is no upload of a dead daemon's
-                    uploads.add((fields[0], fields[1]))
-        if not uploads:
+                if len(fields) == 2 and fields[0] == where.bucket:  # a line cut short by a kill is no upload
+                    owners[fields[1]] = owner
+        if not owners:
             return []
-        where = ObjectPath.parse(root)
         aborted = []
         try:
             s3 = client_for(root)
             pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=where.bucket, Prefix=where.prefix)
             for page in pages:
                 for upload in page.get("Uploads", []):
-                    if (where.bucket, upload["UploadId"]) in uploads:
+                    if upload["UploadId"] in owners:
                         s3.abort_multipart_upload(Bucket=where.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                         aborted.append(f"s3://{where.bucket}/{upload['Key']} (upload {upload['UploadId'][:12]})")
         except Exception as exc:
@@ -194,7 +193,7 @@ class S3Writer(StorageWriter):
             why = exc.message if isinstance(exc, DatastatesError) else object_error("list", root, exc).message
             log.warning("cannot abort the uploads killed daemons left below %s (%s): their journals stay for the "
                         "next daemon", root, why)
-            self.kept |= owners
+            self.kept |= set(owners.values())
         return aborted
 
 

@@ -125,3 +125,31 @@ def test_a_writer_never_moves_a_committed_tag_folder_made_at_its_path_meanwhile(
     assert (run / "step1").is_dir(), sorted(p.name for p in run.iterdir())
     assert datastates.latest(run) == "step1"
     assert datastates.load(run / "step1" / "m.pt")["step"] == 1
+
+
+def test_a_folder_lock_is_free_once_its_commit_is_done_though_a_child_shares_the_folders_descriptor(
+        tmp_path: Path) -> None:
+    """A commit's check and rename hold an flock on their folder (``folder_locked``); a trainer saving on its own
+    that forks meanwhile (a DataLoader worker) shares that folder's open file description with its child. The lock
+    must end with the commit, not with the child: the folder's next commit would wait for as long as it lives."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    from datastates.daemon.storage.posix import folder_locked
+
+    folder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(folder,))
+    try:
+        with folder_locked(folder):
+            pass
+        os.close(folder)
+        again = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)  # the next commit there, while the child lives
+        try:
+            fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the lock outlived the commit
+        finally:
+            os.close(again)
+    finally:
+        child.kill()
+        child.wait()
