@@ -390,6 +390,7 @@ def test_a_job_killed_between_two_saves_resumes_from_the_first(ds_dist: None, da
     assert_resumes(daemon, save_dir, expected, 2, monkeypatch)
 
 
+@pytest.mark.heavy
 def test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness(
         ds_dist: None, start_daemon: Callable[..., DaemonProc], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon is stopped (SIGSTOP) while global_step3's snapshots wait for it, past the client's liveness, then
