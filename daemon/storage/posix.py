@@ -57,8 +57,10 @@ def folder_locked(folder: int) -> Iterator[None]:
     listed files and its marker's rename, or a writer's look at what is at its path and its exchange. Two writers of
     one node (the daemon, a trainer saving on its own) then never interleave the two (the fault schedules, seed
     220373: a trainer's exchange between a commit's check and its marker's rename replaced a committed file)."""
-    held = os.dup(folder)  # one open file description with ``folder``: its own flock below is no second lock, and
-    locked = False         # the lock outlives ``folder`` being closed inside (a publish's finalize releases it)
+    # One open file description with ``folder``: its own flock below is no second lock, and the lock outlives
+    # ``folder`` being closed inside (a publish's finalize releases it).
+    held = os.dup(folder)
+    locked = False
     try:
         try:
             fcntl.flock(held, fcntl.LOCK_EX)
