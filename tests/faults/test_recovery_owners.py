@@ -55,11 +55,20 @@ class Writer:
 
 
 @pytest.fixture
-def writers(tmp_path: Path) -> Iterator[list[Writer]]:
+def writers() -> Iterator[list[Writer]]:
     made: list[Writer] = []
     yield made
     for w in made:
         w.kill()
+
+
+@pytest.fixture
+def me(tmp_path: Path) -> Iterator[Instance]:
+    """This test's daemon, whose one root is ``tmp_path/root``; its lock file goes with it."""
+    mine = Instance([str(tmp_path / "root")])
+    yield mine
+    mine.close()
+    os.unlink(os.path.join(mine.folder, f"{mine.owner}.lock"))
 
 
 def lock_age(me: Instance, owner: str, seconds: float) -> None:
@@ -68,59 +77,43 @@ def lock_age(me: Instance, owner: str, seconds: float) -> None:
     os.utime(os.path.join(me.folder, f"{owner}.lock"), (then, then))
 
 
-def test_a_writer_killed_during_a_recovery_is_left_to_the_next_recovery(tmp_path: Path, writers: list[Writer]) -> None:
-    root = str(tmp_path / "root")
+def test_a_writer_killed_during_a_recovery_is_left_to_the_next_recovery(
+        tmp_path: Path, writers: list[Writer], me: Instance) -> None:
     other = Writer(tmp_path / "root")
     writers.append(other)
-    me = Instance([root])
-    try:
-        dead = me.dead()  # the recovery starts: the other writer lives
-        assert other.owner not in dead
-        other.kill()  # and dies before the recovery forgets anyone
-        assert me.gone(other.owner)
-        me.forget_gone(dead)
-        assert other.files(me) == [f"{other.owner}.lock"], "forgotten by a recovery that looked for nothing of it"
-        me.forget_gone(me.dead())  # the next recovery: dead from its start, its roots all among ours
-        assert other.files(me) == []
-    finally:
-        me.close()
-        os.unlink(os.path.join(me.folder, f"{me.owner}.lock"))
+    dead = me.dead()  # the recovery starts: the other writer lives
+    assert other.owner not in dead
+    other.kill()  # and dies before the recovery forgets anyone
+    assert me.gone(other.owner)
+    me.forget_gone(dead)
+    assert other.files(me) == [f"{other.owner}.lock"], "forgotten by a recovery that looked for nothing of it"
+    me.forget_gone(me.dead())  # the next recovery: dead from its start, its roots all among ours
+    assert other.files(me) == []
 
 
 def test_a_writer_whose_leftovers_could_not_all_be_removed_stays_until_forget_after(
-        tmp_path: Path, writers: list[Writer]) -> None:
-    root = str(tmp_path / "root")
+        tmp_path: Path, writers: list[Writer], me: Instance) -> None:
     other = Writer(tmp_path / "root")
     writers.append(other)
-    me = Instance([root])
-    try:
-        other.kill()
-        with open(os.path.join(me.folder, f"{other.owner}.uploads"), "w") as f:
-            f.write("bucket upload-1\n")
-        me.forget_gone(me.dead(), kept={other.owner})  # its uploads could not be listed
-        assert other.files(me) == [f"{other.owner}.lock", f"{other.owner}.uploads"]
-        lock_age(me, other.owner, FORGET_AFTER_S + 60)  # silent for longer than FORGET_AFTER_S
-        me.forget_gone(me.dead(), kept={other.owner})
-        assert other.files(me) == []
-    finally:
-        me.close()
-        os.unlink(os.path.join(me.folder, f"{me.owner}.lock"))
+    other.kill()
+    with open(os.path.join(me.folder, f"{other.owner}.uploads"), "w") as f:
+        f.write("bucket upload-1\n")
+    me.forget_gone(me.dead(), kept={other.owner})  # its uploads could not be listed
+    assert other.files(me) == [f"{other.owner}.lock", f"{other.owner}.uploads"]
+    lock_age(me, other.owner, FORGET_AFTER_S + 60)  # silent for longer than FORGET_AFTER_S
+    me.forget_gone(me.dead(), kept={other.owner})
+    assert other.files(me) == []
 
 
 def test_forget_after_counts_from_a_writers_last_sign_of_life_not_its_start(
-        tmp_path: Path, writers: list[Writer]) -> None:
+        tmp_path: Path, writers: list[Writer], me: Instance) -> None:
     ran_long = Writer(tmp_path / "theirs")  # another job's writer, on roots not ours
     writers.append(ran_long)
-    me = Instance([str(tmp_path / "mine")])
-    try:
-        lock_age(me, ran_long.owner, FORGET_AFTER_S + 60)  # started more than FORGET_AFTER_S ago ...
-        ran_long.touch()  # ... alive all along (a daemon touches its lock every LIFE_SIGN_S)
-        ran_long.kill()  # and killed just now
-        me.forget_gone(me.dead())
-        assert ran_long.files(me) == [f"{ran_long.owner}.lock"], "forgotten at once for its start's age"
-        lock_age(me, ran_long.owner, FORGET_AFTER_S + 60)  # silent that long since
-        me.forget_gone(me.dead())
-        assert ran_long.files(me) == []
-    finally:
-        me.close()
-        os.unlink(os.path.join(me.folder, f"{me.owner}.lock"))
+    lock_age(me, ran_long.owner, FORGET_AFTER_S + 60)  # started more than FORGET_AFTER_S ago ...
+    ran_long.touch()  # ... alive all along (a daemon touches its lock every LIFE_SIGN_S)
+    ran_long.kill()  # and killed just now
+    me.forget_gone(me.dead())
+    assert ran_long.files(me) == [f"{ran_long.owner}.lock"], "forgotten at once for its start's age"
+    lock_age(me, ran_long.owner, FORGET_AFTER_S + 60)  # silent that long since
+    me.forget_gone(me.dead())
+    assert ran_long.files(me) == []
