@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from datastates.protocol.paths import home_tier
 from datastates.protocol.descriptors import Tier
-from datastates.protocol.errors import CheckpointGoneError, CommitError, DatastatesError
+from datastates.protocol.errors import CheckpointGoneError, CommitError, DatastatesError, StorageError
 from datastates.protocol.format import CommitMarker, marker_name
 from datastates.protocol.objectstore import is_object
 from datastates.protocol.tags import newest, trusted_marker
@@ -25,6 +29,9 @@ from datastates.protocol.tags import newest, trusted_marker
 log = logging.getLogger(__name__)
 
 RESTORE_TRIES = 8
+OBJECT_WAIT_S = 30.0
+"""How long a restore that found a tag on a file tier waits for an object store tier to say whether it holds a newer
+one, before it goes on without it (a hung server would hold it for botocore's 6 tries of 60 s)."""
 """How many tags in a row a restore may find deleted while it reads them before it gives up."""
 T = TypeVar("T")
 
@@ -60,7 +67,7 @@ def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: boo
     places = tier_roots(root, tiers)
     if tag is None:
         deciding = [(t, r) for t, r in places if t is None or t.shared or not multi_node] or places
-        found = [c.marker for c in (readable(newest, r) for _, r in deciding) if c is not None]
+        found = newest_of([r for _, r in deciding], strict=multi_node)
         if not found:
             return None
         tag = max(found, key=lambda mk: mk.newness).tag
@@ -83,6 +90,55 @@ def readable(read: Callable[[str], T], place: str) -> T | None:
             raise
         log.warning("cannot read %s, restoring from the other tiers: %s", place, exc.message)
         return None
+
+
+def newest_of(places: list[str], strict: bool) -> list[CommitMarker]:
+    """The newest committed tag's marker at each of ``places``, the tiers that decide the tag, where one is committed.
+
+    An object store is read on a thread of its own beside the file tiers. Where a file tier holds a tag, one that
+    cannot be read (down, refusing) or has not answered within OBJECT_WAIT_S (a hung server: botocore's tries take
+    minutes) is left out, with a warning: one node alone restores what its other tiers hold. Where none does, an
+    object store is waited for, and one that cannot be read raises StorageError: "nothing to restore" would start the
+    training afresh. ``strict`` (a job of several nodes, where the shared tiers decide for every node): no place is
+    left out, and one that cannot be read raises StorageError; nodes that could and nodes that could not read it would
+    otherwise restore different steps.
+    """
+    probes = {p: _in_background(newest, p) for p in places if is_object(p)}
+    found = [c.marker for c in (newest(p) for p in places if not is_object(p)) if c is not None]
+    until = time.monotonic() + OBJECT_WAIT_S if found and not strict else None
+    unreadable: list[tuple[str, DatastatesError]] = []
+    for place, probe in probes.items():
+        try:
+            got = probe.result(None if until is None else max(0.0, until - time.monotonic()))
+        except FutureTimeout:
+            log.warning("%s has not answered in %.0f s: restoring from the other tiers", place, OBJECT_WAIT_S)
+            continue
+        except DatastatesError as exc:  # StorageError; ConfigError with no boto3 here
+            unreadable.append((place, exc))
+            continue
+        if got is not None:
+            found.append(got.marker)
+    for place, exc in unreadable:
+        if strict or not found:
+            why = ("a shared tier that decides the step every node of this job restores, so this node cannot pick "
+                   "one" if strict else "and no other tier holds a committed tag, so whether one exists is unknown")
+            raise StorageError(f"cannot read {place}, {why}: {exc.message}", path=place) from None
+        log.warning("cannot read %s, restoring from the other tiers: %s", place, exc.message)
+    return found
+
+
+def _in_background(fn: Callable[[str], T], arg: str) -> Future:
+    """``fn(arg)`` on a daemon thread: one left waiting on a hung server never holds the process at its exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(arg))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="datastates-tier-probe", daemon=True).start()
+    return future
 
 
 def again_if_deleted(restore: Callable[[], T], root: str) -> T:

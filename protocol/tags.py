@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -22,6 +23,9 @@ from .objectstore import is_object, list_keys, read_object
 from .paths import within
 
 log = logging.getLogger(__name__)
+
+MARKER_READS = 16
+"""Marker objects read at once when a folder of an object store is scanned: half the client's connections."""
 
 
 @dataclass(frozen=True)
@@ -238,20 +242,25 @@ def _object_marker(path: str, sizes: dict[str, int]) -> CommitMarker | None:
 
 
 def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable[[str], bool]) -> list[CommittedTag]:
-    """``committed_tags`` of an object store folder: one listing of it, and a GET of each marker object there."""
+    """``committed_tags`` of an object store folder: one listing of it, and a GET of each marker object there, up to
+    MARKER_READS at once (a run without ``keep_last`` holds a marker per save, each a round trip)."""
     root = root.rstrip("/")
     sizes = dict(list_keys(root))
-    found = []
-    for path in sizes:
-        folder, name = path.rsplit("/", 1)
-        if not is_marker_name(name) or \
-                folder[len(root):].count("/") > depth:
-            continue
+    paths = [path for path in sizes if is_marker_name(path.rsplit("/", 1)[1])
+             and path.rsplit("/", 1)[0][len(root):].count("/") <= depth]
+
+    def read(path: str) -> CommitMarker | None:
         try:
-            marker = _object_marker(path, sizes)
+            return _object_marker(path, sizes)
         except DatastatesError as exc:  # one marker refused (its own ACL, a key): the run's other tags still count
             log.warning("skipping the commit marker %s: %s", path, exc.message)
-            continue
+            return None
+
+    with ThreadPoolExecutor(max(1, min(MARKER_READS, len(paths))), thread_name_prefix="datastates-markers") as pool:
+        markers = list(pool.map(read, paths))
+    found = []
+    for path, marker in zip(paths, markers):
+        folder, name = path.rsplit("/", 1)
         if marker is None or name != marker_name(marker.tag) or not accept(marker.tag):
             continue
         tag = CommittedTag(marker.tag, folder, marker)

@@ -1106,6 +1106,43 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/faults/test_identity.py::test_a_folder_lock_is_free_once_its_commit_is_done_though_a_child_shares_the_"
          "folders_descriptor",),
     ),
+    Mutation(
+        "s3-journal-never-trimmed",
+        "a daemon's upload journal keeps a line for every upload it ever made",
+        (Edit("daemon/storage/s3.py", "        self._ended(handle)\n        size =", "        pass  # MUTATION\n        size ="),),
+        ("tests/test_s3.py::test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon",),
+    ),
+    Mutation(
+        "s3-journal-trimmed-of-open-uploads",
+        "a trimmed journal keeps no upload, the open ones neither",
+        (Edit("daemon/storage/s3.py", "for upload_id, bucket in self._open.items()))", "for upload_id, bucket in {}.items()))  # MUTATION"),),
+        ("tests/test_s3.py::test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon",),
+    ),
+    Mutation(
+        "markers-read-one-by-one",
+        "latest() on a bucket reads its marker objects one after another",
+        (Edit("protocol/tags.py", "MARKER_READS = 16\n", "MARKER_READS = 1  # MUTATION\n"),),
+        ("tests/test_s3.py::test_latest_on_a_bucket_of_many_tags_reads_their_markers_at_once_and_names_the_newest",),
+    ),
+    Mutation(
+        "multi-node-restore-picks-alone",
+        "a node of a multi-node job that cannot read the bucket picks the step from its own disk",
+        (Edit("client/locate.py", "        if strict or not found:\n", "        if not found:  # MUTATION\n"),),
+        ("tests/test_s3.py::test_a_node_that_cannot_read_the_bucket_refuses_to_pick_the_step_on_its_own_in_a_job_of_several_nodes",),
+    ),
+    Mutation(
+        "restore-waits-for-a-hung-bucket",
+        "a restore that found a tag on the fast tier waits for a hung bucket's every try",
+        (Edit("client/locate.py", "    until = time.monotonic() + OBJECT_WAIT_S if found and not strict else None\n",
+              "    until = None  # MUTATION\n"),),
+        ("tests/test_s3.py::test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses_to_guess_with_nothing_else",),
+    ),
+    Mutation(
+        "restore-takes-an-unreadable-bucket-as-empty",
+        "a restore that found nothing on the disk and cannot read the bucket says there is nothing to restore",
+        (Edit("client/locate.py", "        if strict or not found:\n", "        if strict:  # MUTATION\n"),),
+        ("tests/test_s3.py::test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses_to_guess_with_nothing_else",),
+    ),
 )
 def working_tree_files() -> list[str]:
     """The repository's files as the working tree has them: tracked, and untracked ones git does not ignore."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 import datastates
 from datastates.client import Client, daemon_status
 from datastates.protocol import objectstore
-from datastates.protocol.errors import CorruptCheckpointError
+from datastates.protocol.errors import CorruptCheckpointError, StorageError
 from datastates.protocol.format import marker_name
 
 from conftest import DAEMON_LOCKS, DaemonProc, assert_state_equal, rank_client, refused_run, run_datastatesd_many, save
@@ -213,6 +214,37 @@ def test_restore_falls_back_to_s3_when_no_faster_tier_holds_the_tag(
     assert_state_equal(saved, into)
 
 
+@pytest.mark.heavy
+def test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses_to_guess_with_nothing_else(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    """A hung server holds each request for botocore's 6 tries of 60 s: a restore that found a tag on the fast tier
+    goes on without the bucket after OBJECT_WAIT_S, answered or not. One that found nothing there must not take "no
+    checkpoint" from a bucket it cannot read, which would start the training afresh: it raises, naming it."""
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    fast = tmp_path / "fast" / "run"
+    saved = state(1, 1 << 16)
+    with Client(d.endpoint, timeout=120) as c:
+        save(c, saved, fast / "step1" / "rank0.pt")
+        settle(d)
+        answered = proxy.count(any_request)
+        held = proxy.add(Rule(any_request, hold=True))
+        got = c.restore(fast, "rank0.pt")
+        assert (got.tag, got.tier) == ("step1", "fast")
+        assert_state_equal(saved, got.state)
+        assert held.seen >= 1 and proxy.count(any_request) == answered  # the bucket never answered meanwhile
+        proxy.clear()
+        shutil.rmtree(fast)  # a new node: nothing on its disk
+        proxy.add(Rule(lambda m, p, q: m == "GET", fail=-1, status=403))
+        with pytest.raises(StorageError) as err:
+            c.restore(fast, "rank0.pt")
+        assert f"{url}/run" in str(err.value) and "no other tier" in str(err.value), str(err.value)
+        proxy.clear()
+        got = c.restore(fast, "rank0.pt")
+        assert (got.tag, got.tier) == ("step1", CLOUD)
+        assert_state_equal(saved, got.state)
+
+
 def test_a_load_from_the_bucket_downloads_each_byte_about_once(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
     """Egress is billed by the byte and every request costs a round trip: a whole load of an object makes one GET per
@@ -235,6 +267,34 @@ def test_a_load_from_the_bucket_downloads_each_byte_about_once(
         assert [m for m, _ in made] == ["GET"] * len(made) and len(made) <= 2 + 2, made  # 2 pieces, head, tail
         sent = sum(n for _, n in made)
         assert size <= sent <= size + (2 << 20), f"{sent} bytes sent for an object of {size}"
+
+
+def test_latest_on_a_bucket_of_many_tags_reads_their_markers_at_once_and_names_the_newest(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    """Without ``keep_last`` a run's prefix keeps a marker per save, and ``latest()`` must read each (an object's
+    time is no tag's newness): one round trip after another made it a minute for a thousand saves to a far region.
+    The marker GETs are held at the proxy: more than one must be in flight at once, and the answer stays the newest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from datastates.protocol.format import MARKER_PREFIX
+    from datastates.protocol.tags import MARKER_READS
+
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    count = MARKER_READS + 4
+    with Client(d.endpoint, timeout=60) as c:
+        for step in range(count):
+            save(c, state(step, 1 << 10), tmp_path / "fast" / "run" / f"step{step}" / "rank0.pt")
+            settle(d)
+    held = proxy.add(Rule(lambda m, p, q: m == "GET" and f"/{MARKER_PREFIX}" in p, hold=True))
+    with ThreadPoolExecutor(1) as pool:
+        newest = pool.submit(datastates.latest, f"{url}/run")
+        try:
+            wait_for("the markers read at once", lambda: held.seen >= MARKER_READS)
+        finally:
+            held.release()
+        assert newest.result(timeout=60) == f"step{count - 1}"
+    assert held.seen == count
 
 
 def test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored(
@@ -581,6 +641,49 @@ def test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_li
         refusing.down()
 
 
+@pytest.mark.heavy
+def test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    """Each upload a daemon starts is journaled until it completes; a journal past TRIM_LINES is written again with
+    the open uploads alone, so weeks of saves keep it a few KiB in /dev/shm, and a kill still leaves every open upload
+    in it for the next daemon to abort."""
+    from datastates.daemon.storage.s3 import TRIM_LINES
+
+    url = f"s3://{bucket}/jobs"
+    s3 = s3_client(proxy.url)
+    cfg = tiers(tmp_path, url, keep_last=1)
+    d = start_daemon(**cfg)
+    files = 16
+    tags = 2 * TRIM_LINES // files + 1  # uploads enough to pass the threshold twice
+    with Client(d.endpoint, timeout=60) as c:
+        for step in range(tags):
+            for f in range(files):
+                c.snapshot(state(step, 1 << 10), tmp_path / "fast" / "run" / f"step{step}" / f"rank{f}.pt",
+                           tag=f"step{step}")
+            c.wait()
+            c.commit(f"step{step}").result(timeout=120)
+            settle(d)
+    (lock,) = [p for p in DAEMON_LOCKS.glob("*.lock") if str(tmp_path / "fast") in p.read_text()]
+    journal = lock.with_suffix(".uploads")
+    lines = journal.read_text().splitlines()
+    assert len(lines) <= TRIM_LINES < tags * files, f"{len(lines)} lines after {tags * files} uploads"
+    assert uploads(s3, bucket) == []
+    held = proxy.add(Rule(upload_part, hold=True))
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(tags, 5 << 20), tmp_path / "fast" / "run" / "last" / "rank0.pt")
+        wait_for("uploading a part", lambda: held.seen)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+    held.release()
+    proxy.clear()
+    (killed,) = s3.list_multipart_uploads(Bucket=bucket)["Uploads"]
+    assert killed["UploadId"] in journal.read_text()
+    settle(start_daemon(**cfg))  # the next daemon of the same roots
+    assert uploads(s3, bucket) == []  # the killed upload aborted (the new daemon's own transfer, completed)
+    assert not journal.exists()  # and the dead daemon's journal forgotten
+    assert datastates.latest(f"{url}/run") == "last"
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
     try:
@@ -684,6 +787,34 @@ def test_two_nodes_commit_together_on_the_bucket_and_restore_from_it(
     for r in range(4):  # a new node finds nothing on its disk: every rank's file comes from the bucket, whole
         got = datastates.load(f"{url}/run/global_step5/rank{r}.pt")
         assert_state_equal(states[r], got)
+
+
+def test_a_node_that_cannot_read_the_bucket_refuses_to_pick_the_step_on_its_own_in_a_job_of_several_nodes(
+        start_daemons: Callable[..., list[DaemonProc]], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    """In a job of several nodes only the shared tiers decide the step every rank restores. A node that cannot read the
+    bucket must say so, not pick from its own disk (which may hold a step the others lack, or none, and then start
+    afresh beside ranks that restored): one node alone still falls back to its own tiers."""
+    url = f"s3://{bucket}/jobs"
+    nodes = start_daemons(*(node_tiers(tmp_path, url, n) for n in range(2)))
+    states = [state(40 + r) for r in range(4)]
+    save_on_nodes(nodes, tmp_path, "global_step7", states)
+    for d in nodes:
+        assert tier_states(settle(d), "global_step7") == {"fast": "committed", CLOUD: "committed"}
+    root = tmp_path / "node0-fast" / "run"
+    refused = proxy.add(Rule(lambda m, p, q: m == "GET", fail=-1, status=403))
+    with rank_client(nodes[0], 0, 4, 2, 2, job="s3") as c:
+        with pytest.raises(StorageError) as err:
+            c.restore(root, "rank0.pt")
+        assert f"s3://{bucket}/jobs/run" in str(err.value) and "node" in str(err.value), str(err.value)
+    assert refused.failed > 0
+    with Client(nodes[0].endpoint, timeout=60) as alone:  # a job of one node: its own tiers decide
+        got = alone.restore(root, "rank0.pt")
+        assert (got.tag, got.tier) == ("global_step7", "fast")
+    proxy.clear()
+    with rank_client(nodes[0], 0, 4, 2, 2, job="s3") as c:
+        got = c.restore(root, "rank0.pt")
+        assert (got.tag, got.tier) == ("global_step7", "fast")  # the step the bucket decides, read from the disk
+        assert_state_equal(states[0], got.state)
 
 
 @pytest.mark.heavy

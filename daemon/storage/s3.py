@@ -34,11 +34,19 @@ log = logging.getLogger(__name__)
 MAX_PARTS = 10_000
 """The most parts of one upload (the S3 limit): a file of 160 GiB at most."""
 JOURNAL_SUFFIX = ".uploads"
+TRIM_LINES = 64
+"""A journal longer than this, and than twice the uploads still open, is written again with the open ones alone: a
+daemon that runs for weeks keeps a journal of a few KiB in /dev/shm, not a line per upload it ever made."""
 
 
 def journal_path(owner: str) -> str:
     """Where the daemon ``owner`` notes the multipart uploads it starts: one line each, bucket, key and upload id."""
     return os.path.join(daemons_folder(), owner + JOURNAL_SUFFIX)
+
+
+def _line(bucket: str, upload_id: str) -> str:
+    """One upload's journal line: not its key, which may hold any character."""
+    return f"{bucket} {upload_id}\n"
 
 
 @dataclass
@@ -60,6 +68,10 @@ class S3Writer(StorageWriter):
         """``idle``: the upload process under SCHED_IDLE (``storage.upload_priority: idle``), else at nice 19."""
         super().__init__(**options)
         self._journal_lock = threading.Lock()
+        self._open: dict[str, str] = {}
+        """Upload id → its bucket: the uploads journaled and neither completed nor aborted."""
+        self._lines = 0
+        """Lines in the journal now."""
         self.uploader = Uploader(idle)
         self.completed: dict[str, str] = {}
         """url → the ETag of the object this writer's last upload there made: the commit checks the object is still
@@ -81,8 +93,29 @@ class S3Writer(StorageWriter):
                            Metadata={"datastates-owner": self.owner, "datastates-token": token[:128]})
         upload = _Upload(path, where, reply["UploadId"])
         with self._journal_lock, open(journal_path(self.owner), "a") as f:
-            f.write(f"{where.bucket} {upload.upload_id}\n")  # not the key: a key may hold any character
+            f.write(_line(where.bucket, upload.upload_id))
+            self._open[upload.upload_id] = where.bucket
+            self._lines += 1
         return upload
+
+    def _ended(self, handle: _Upload) -> None:
+        """``handle``'s upload is completed or aborted, so no later daemon needs to abort it: once the journal is
+        long, write it again with the open uploads alone, under a temporary name and renamed over it (a kill midway
+        leaves the old journal whole, and the temporary one, which the next daemon reads too and removes with it)."""
+        with self._journal_lock:
+            self._open.pop(handle.upload_id, None)
+            if self._lines <= max(TRIM_LINES, 2 * len(self._open)):
+                return
+            journal = journal_path(self.owner)
+            trimmed = journal.removesuffix(JOURNAL_SUFFIX) + ".trim" + JOURNAL_SUFFIX
+            try:
+                with open(trimmed, "w") as f:
+                    f.write("".join(_line(bucket, upload_id) for upload_id, bucket in self._open.items()))
+                os.replace(trimmed, journal)
+            except OSError as exc:  # /dev/shm full: the journal stays long, and right; no upload fails for it
+                log.warning("cannot shorten the upload journal %s (%s); it is tried again later", journal, exc)
+                return
+            self._lines = len(self._open)
 
     def write(self, handle: _Upload, offset: int, data: memoryview) -> None:
         raise StorageError(f"cannot write {handle.url}: an object is uploaded from a committed file (a tier "
@@ -130,6 +163,7 @@ class S3Writer(StorageWriter):
         handle.done = True
         with self._journal_lock:
             self.completed[handle.url] = reply.get("ETag", "")
+        self._ended(handle)
         size = self._call("cannot check", handle.url, s3.head_object, Bucket=handle.where.bucket,
                           Key=handle.where.key)["ContentLength"]
         if size != handle.end:
@@ -146,6 +180,8 @@ class S3Writer(StorageWriter):
         except Exception as exc:  # noqa: BLE001 - never raises: the next daemon's recovery aborts it
             log.warning("cannot abort the upload of %s (%s); the next daemon of this node aborts it",
                         handle.url, object_error("abort", handle.url, exc).message)
+        else:
+            self._ended(handle)
 
     def publish(self, path: str, data: bytes, check: Callable[[int], None] | None = None) -> None:
         """One PUT: the object appears whole. ``check`` asks of a folder descriptor, which an object store lacks:
