@@ -55,6 +55,7 @@ import os
 import shutil
 import socket
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -762,6 +763,12 @@ def main() -> int:
     print()
     for name, v in ratios.items():
         print(f"  {name:<52} {v:7.3f}")
+    for name, (xs, ys) in {"S3 on / off": (on, off), "boto3 uploads / off": (b3, off)}.items():
+        per_run = [a / b for a, b in zip(xs, ys)]
+        if len(per_run) > 1:  # the machine's own noise, which a ratio near 1 must be read against
+            print(f"  training {name}, run by run: mean {statistics.mean(per_run):.3f} ± "
+                  f"{statistics.stdev(per_run) / math.sqrt(len(per_run)):.3f} (standard error), from "
+                  f"{min(per_run):.3f} to {max(per_run):.3f}")
     mr = extra.get("moto_range", {})
     if mr:
         print(f"\nmoto: one {mr['range_mib']:.0f} MiB ranged GET of a {mr['object_mib']:.0f} MiB object took "

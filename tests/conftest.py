@@ -195,9 +195,9 @@ class DaemonFactory:
             owner = re.search(r" owner ([0-9a-f]{16}),", d.log_text())
             if owner is not None:
                 shutil.rmtree(SHM / f"datastates-{os.geteuid()}-{owner.group(1)}", ignore_errors=True)
-                for leftover in (f"{owner.group(1)}.lock", f"{owner.group(1)}.uploads"):
+                for leftover in DAEMON_LOCKS.glob(f"{owner.group(1)}.*"):  # its lock, its upload journal
                     with contextlib.suppress(FileNotFoundError):
-                        (DAEMON_LOCKS / leftover).unlink()
+                        leftover.unlink()
         shutil.rmtree(self.sockdir, ignore_errors=True)
 
     def stop_all_later(self) -> None:

@@ -7,6 +7,7 @@ threaded HTTP proxy in front of it (tests/s3server.py) that forwards the signed 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -277,11 +278,10 @@ def test_latest_on_a_bucket_of_many_tags_reads_their_markers_at_once_and_names_t
     from concurrent.futures import ThreadPoolExecutor
 
     from datastates.protocol.format import MARKER_PREFIX
-    from datastates.protocol.tags import MARKER_READS
 
     url = f"s3://{bucket}/jobs"
     d = start_daemon(**tiers(tmp_path, url))
-    count = MARKER_READS + 4
+    count = 20
     with Client(d.endpoint, timeout=60) as c:
         for step in range(count):
             save(c, state(step, 1 << 10), tmp_path / "fast" / "run" / f"step{step}" / "rank0.pt")
@@ -290,7 +290,7 @@ def test_latest_on_a_bucket_of_many_tags_reads_their_markers_at_once_and_names_t
     with ThreadPoolExecutor(1) as pool:
         newest = pool.submit(datastates.latest, f"{url}/run")
         try:
-            wait_for("the markers read at once", lambda: held.seen >= MARKER_READS)
+            wait_for("8 markers read at once", lambda: held.seen >= 8)
         finally:
             held.release()
         assert newest.result(timeout=60) == f"step{count - 1}"
@@ -588,7 +588,12 @@ def list_uploads(method: str, path: str, query: str) -> bool:
 
 def journals_naming(upload_id: str) -> list[str]:
     """The files of this user's daemons folder that name ``upload_id``: the journals that hold it."""
-    return sorted(p.name for p in DAEMON_LOCKS.iterdir() if p.is_file() and upload_id in p.read_text(errors="replace"))
+    found = []
+    for p in DAEMON_LOCKS.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a lock or journal another daemon's recovery removed meanwhile
+            if p.is_file() and upload_id in p.read_text(errors="replace"):
+                found.append(p.name)
+    return sorted(found)
 
 
 @pytest.mark.heavy
@@ -644,44 +649,42 @@ def test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_li
 @pytest.mark.heavy
 def test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
-    """Each upload a daemon starts is journaled until it completes; a journal past TRIM_LINES is written again with
-    the open uploads alone, so weeks of saves keep it a few KiB in /dev/shm, and a kill still leaves every open upload
-    in it for the next daemon to abort."""
+    """Each upload a daemon starts is journaled until it completes or is aborted; a journal past TRIM_LINES is written
+    again with the open uploads alone, so weeks of saves keep it a few KiB in /dev/shm. An upload the server would not
+    let it abort stays in it through every trim, for the next daemon to abort."""
     from datastates.daemon.storage.s3 import TRIM_LINES
 
     url = f"s3://{bucket}/jobs"
     s3 = s3_client(proxy.url)
     cfg = tiers(tmp_path, url, keep_last=1)
     d = start_daemon(**cfg)
+    fast = tmp_path / "fast" / "run"
+    proxy.add(Rule(lambda m, p, q: upload_part(m, p, q) and "/first/" in p, fail=-1, status=403))
+    proxy.add(Rule(lambda m, p, q: m == "DELETE" and "uploadId=" in q and "/first/" in p, fail=-1, status=403))
     files = 16
     tags = 2 * TRIM_LINES // files + 1  # uploads enough to pass the threshold twice
     with Client(d.endpoint, timeout=60) as c:
+        save(c, state(0, 1 << 10), fast / "first" / "rank0.pt")
+        assert transfer(settle(d), "first")["state"] == "failed"
+        (left,) = s3.list_multipart_uploads(Bucket=bucket)["Uploads"]  # its abort refused: open on the server
+        proxy.clear()
         for step in range(tags):
             for f in range(files):
-                c.snapshot(state(step, 1 << 10), tmp_path / "fast" / "run" / f"step{step}" / f"rank{f}.pt",
-                           tag=f"step{step}")
+                c.snapshot(state(step, 1 << 10), fast / f"step{step}" / f"rank{f}.pt", tag=f"step{step}")
             c.wait()
             c.commit(f"step{step}").result(timeout=120)
             settle(d)
-    (lock,) = [p for p in DAEMON_LOCKS.glob("*.lock") if str(tmp_path / "fast") in p.read_text()]
-    journal = lock.with_suffix(".uploads")
+    assert [u["UploadId"] for u in s3.list_multipart_uploads(Bucket=bucket)["Uploads"]] == [left["UploadId"]]
+    (name,) = journals_naming(left["UploadId"])  # through every trim
+    journal = DAEMON_LOCKS / name
     lines = journal.read_text().splitlines()
     assert len(lines) <= TRIM_LINES < tags * files, f"{len(lines)} lines after {tags * files} uploads"
-    assert uploads(s3, bucket) == []
-    held = proxy.add(Rule(upload_part, hold=True))
-    with Client(d.endpoint, timeout=60) as c:
-        save(c, state(tags, 5 << 20), tmp_path / "fast" / "run" / "last" / "rank0.pt")
-        wait_for("uploading a part", lambda: held.seen)
-        d.proc.send_signal(signal.SIGKILL)
-        d.proc.wait()
-    held.release()
-    proxy.clear()
-    (killed,) = s3.list_multipart_uploads(Bucket=bucket)["Uploads"]
-    assert killed["UploadId"] in journal.read_text()
+    assert f"{bucket} {left['UploadId']}" in lines
+    assert d.stop() == 0
     settle(start_daemon(**cfg))  # the next daemon of the same roots
-    assert uploads(s3, bucket) == []  # the killed upload aborted (the new daemon's own transfer, completed)
-    assert not journal.exists()  # and the dead daemon's journal forgotten
-    assert datastates.latest(f"{url}/run") == "last"
+    assert uploads(s3, bucket) == []  # the upload left open, aborted
+    assert not journal.exists()  # and the stopped daemon's journal forgotten
+    assert datastates.latest(f"{url}/run") == f"step{tags - 1}"
 
 
 def alive(pid: int) -> bool:
@@ -795,17 +798,21 @@ def test_a_node_that_cannot_read_the_bucket_refuses_to_pick_the_step_on_its_own_
     bucket must say so, not pick from its own disk (which may hold a step the others lack, or none, and then start
     afresh beside ranks that restored): one node alone still falls back to its own tiers."""
     url = f"s3://{bucket}/jobs"
-    nodes = start_daemons(*(node_tiers(tmp_path, url, n) for n in range(2)))
+    configs = [node_tiers(tmp_path, url, n) for n in range(2)]
+    for cfg in configs:  # a shared file system between the node's disk and the bucket, which decides too
+        cfg["storage"]["tiers"].insert(1, {"name": "lustre", "path": str(tmp_path / "lustre")})
+    nodes = start_daemons(*configs)
     states = [state(40 + r) for r in range(4)]
     save_on_nodes(nodes, tmp_path, "global_step7", states)
     for d in nodes:
-        assert tier_states(settle(d), "global_step7") == {"fast": "committed", CLOUD: "committed"}
+        assert tier_states(settle(d), "global_step7") == {"fast": "committed", "lustre": "committed",
+                                                          CLOUD: "committed"}
     root = tmp_path / "node0-fast" / "run"
     refused = proxy.add(Rule(lambda m, p, q: m == "GET", fail=-1, status=403))
     with rank_client(nodes[0], 0, 4, 2, 2, job="s3") as c:
         with pytest.raises(StorageError) as err:
             c.restore(root, "rank0.pt")
-        assert f"s3://{bucket}/jobs/run" in str(err.value) and "node" in str(err.value), str(err.value)
+        assert f"s3://{bucket}/jobs/run" in str(err.value) and "every node" in str(err.value), str(err.value)
     assert refused.failed > 0
     with Client(nodes[0].endpoint, timeout=60) as alone:  # a job of one node: its own tiers decide
         got = alone.restore(root, "rank0.pt")
