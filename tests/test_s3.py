@@ -270,6 +270,7 @@ def test_a_load_from_the_bucket_downloads_each_byte_about_once(
         assert size <= sent <= size + (2 << 20), f"{sent} bytes sent for an object of {size}"
 
 
+@pytest.mark.heavy
 def test_latest_on_a_bucket_of_many_tags_reads_their_markers_at_once_and_names_the_newest(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
     """Without ``keep_last`` a run's prefix keeps a marker per save, and ``latest()`` must read each (an object's
@@ -792,6 +793,7 @@ def test_two_nodes_commit_together_on_the_bucket_and_restore_from_it(
         assert_state_equal(states[r], got)
 
 
+@pytest.mark.heavy
 def test_a_node_that_cannot_read_the_bucket_refuses_to_pick_the_step_on_its_own_in_a_job_of_several_nodes(
         start_daemons: Callable[..., list[DaemonProc]], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
     """In a job of several nodes only the shared tiers decide the step every rank restores. A node that cannot read the
