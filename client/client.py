@@ -34,7 +34,7 @@ from .cuda import GpuRoute
 from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
 from .inplace import Probe, allow_reader, yama_scope
 from .shm import Staging
-from .locate import again_if_deleted, locate, readable
+from .locate import again_if_deleted, locate
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
 
@@ -624,7 +624,7 @@ class Client:
                 why_not = f"{exc.code}: {exc}"
         state = read(path)
         if is_object(path):  # no rename there: a tag saved again has its objects replaced one by one, under no marker
-            now = readable(trusted_marker, os.path.join(folder, marker_name(tag)))
+            now = trusted_marker(os.path.join(folder, marker_name(tag)))  # the bucket just answered: an error is one
             if now is None or now.sequence != marker.sequence or \
                     next((f.snapshot for f in now.files if f.path == name), None) != entry.snapshot:
                 raise FileNotFoundError(2, "the tag was saved again while it was read", path)  # picked anew

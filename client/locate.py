@@ -71,32 +71,31 @@ def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: boo
         if not found:
             return None
         tag = max(found, key=lambda mk: mk.newness).tag
-    for tier, place in places:
+    unreadable: StorageError | None = None
+    for tier, place in places:  # fastest first
         folder = os.path.join(place, tag)
-        marker = readable(trusted_marker, os.path.join(folder, marker_name(tag)))
+        try:
+            marker = trusted_marker(os.path.join(folder, marker_name(tag)))
+        except DatastatesError as exc:  # StorageError; ConfigError with no boto3 here
+            if not is_object(place):
+                raise
+            log.warning("cannot read %s, looking on the other tiers: %s", folder, exc.message)
+            unreadable = unreadable or StorageError(f"cannot read {folder}, and no other tier holds tag {tag!r} "
+                                                    f"committed: {exc.message}", path=folder)
+            continue
         if marker is not None:
             return Located(tag, folder, marker, tier.name if tier else "", os.path.join(places[0][1], tag))
+    if unreadable is not None:  # not "not committed": that tier may well hold it
+        raise unreadable
     where = ", ".join(r for _, r in places)
     raise CommitError(f"tag {tag!r} is not committed under {where} (no valid {marker_name(tag)})", tag=tag)
-
-
-def readable(read: Callable[[str], T], place: str) -> T | None:
-    """``read(place)``; None, logged, where ``place`` is an object store that cannot be read now (down, refusing): a
-    restore then takes what the other tiers hold."""
-    try:
-        return read(place)
-    except DatastatesError as exc:  # StorageError; ConfigError with no boto3 here
-        if not is_object(place):
-            raise
-        log.warning("cannot read %s, restoring from the other tiers: %s", place, exc.message)
-        return None
 
 
 def newest_of(places: list[str], strict: bool) -> list[CommitMarker]:
     """The newest committed tag's marker at each of ``places``, the tiers that decide the tag, where one is committed.
 
     An object store is read on a thread of its own beside the file tiers. Where a file tier holds a tag, one that
-    cannot be read (down, refusing) or has not answered within OBJECT_WAIT_S (a hung server: botocore's tries take
+    cannot be read (down, refusing, or any one of its marker objects: that one might be the newest) or has not answered within OBJECT_WAIT_S (a hung server: botocore's tries take
     minutes) is left out, with a warning: one node alone restores what its other tiers hold. Where none does, an
     object store is waited for, and one that cannot be read raises StorageError: "nothing to restore" would start the
     training afresh. ``strict`` (a job of several nodes, where the shared tiers decide for every node): no place is

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from .errors import DatastatesError
 from .format import (INDEX_AT, PREAMBLE_SIZE, CommitMarker, MarkerFile, header_snapshot, index_at, is_marker_name,
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 MARKER_READS = 16
 """Marker objects read at once when a folder of an object store is scanned: half the client's connections."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -195,14 +196,16 @@ def trusted_marker(path: str, whole: bool = True) -> CommitMarker | None:
 
 
 def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
-                   accept: Callable[[str], bool] = lambda tag: True) -> list[CommittedTag]:
+                   accept: Callable[[str], bool] = lambda tag: True, strict: bool = False) -> list[CommittedTag]:
     """The committed tags in ``root`` and ``depth`` folders down, newest first (``CommitMarker.newness``).
 
     ``own_folder``: only tags whose marker is in a folder named after the tag (below
     ``root``, never ``root`` itself), the ones retention and the tier resume deal with.
+    ``strict``: a marker object that cannot be read raises, rather than being skipped: the
+    newest tag cannot be named without it (``newest``).
     """
     if is_object(root):
-        return _committed_objects(root, depth, own_folder, accept)
+        return _committed_objects(root, depth, own_folder, accept, strict)
     found = []
     for path in marker_paths(root, depth):
         marker = trusted_marker(path)
@@ -241,7 +244,8 @@ def _object_marker(path: str, sizes: dict[str, int]) -> CommitMarker | None:
     return marker
 
 
-def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable[[str], bool]) -> list[CommittedTag]:
+def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable[[str], bool],
+                       strict: bool) -> list[CommittedTag]:
     """``committed_tags`` of an object store folder: one listing of it, and a GET of each marker object there, up to
     MARKER_READS at once (a run without ``keep_last`` holds a marker per save, each a round trip)."""
     root = root.rstrip("/")
@@ -253,11 +257,12 @@ def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable
         try:
             return _object_marker(path, sizes)
         except DatastatesError as exc:  # one marker refused (its own ACL, a key): the run's other tags still count
+            if strict:
+                raise
             log.warning("skipping the commit marker %s: %s", path, exc.message)
             return None
 
-    with ThreadPoolExecutor(max(1, min(MARKER_READS, len(paths))), thread_name_prefix="datastates-markers") as pool:
-        markers = list(pool.map(read, paths))
+    markers = _on_daemon_threads(read, paths, MARKER_READS)
     found = []
     for path, marker in zip(paths, markers):
         folder, name = path.rsplit("/", 1)
@@ -268,6 +273,38 @@ def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable
             continue
         found.append(tag)
     return sorted(found, key=lambda c: c.marker.newness, reverse=True)
+
+
+def _on_daemon_threads(fn: Callable[[str], T], items: list[str], at_once: int) -> list[T]:
+    """``fn`` of each of ``items``, ``at_once`` at a time, in order; the first error raised once the calls under way
+    end, and no new one started after it. On daemon threads: one waiting on a hung server never holds the process at
+    its exit, as a ThreadPoolExecutor's would (a restore goes on without that server, client/locate.py)."""
+    results: list[Any] = [None] * len(items)
+    errors: list[BaseException] = []
+    todo = iter(range(len(items)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = None if errors else next(todo, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                with lock:
+                    errors.append(exc)
+
+    threads = [threading.Thread(target=work, name="datastates-markers", daemon=True)
+               for _ in range(min(at_once, len(items)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def listing(path: str, depth: int = 3, roots: Sequence[str] | None = None) -> list[tuple[str, CommitMarker, MarkerFile]]:
@@ -315,6 +352,7 @@ def next_sequence(run: str) -> int:
 
 
 def newest(root: str, depth: int = 1) -> CommittedTag | None:
-    """The newest committed tag under ``root``, or None."""
-    tags = committed_tags(root, depth)
+    """The newest committed tag under ``root``, or None; StorageError where one of its marker objects cannot be read,
+    which might be the newest."""
+    tags = committed_tags(root, depth, strict=True)
     return tags[0] if tags else None

@@ -1109,13 +1109,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-journal-never-trimmed",
         "a daemon's upload journal keeps a line for every upload it ever made",
-        (Edit("daemon/storage/s3.py", "        self._ended(handle)\n        size =", "        pass  # MUTATION\n        size ="),),
+        (Edit("daemon/storage/s3.py", "        self._journal.ended(handle.upload_id)\n        size =", "        pass  # MUTATION\n        size ="),),
         ("tests/test_s3.py::test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon",),
     ),
     Mutation(
         "s3-journal-trimmed-of-open-uploads",
         "a trimmed journal keeps no upload, the open ones neither",
-        (Edit("daemon/storage/s3.py", "for upload_id, bucket in self._open.items()))", "for upload_id, bucket in {}.items()))  # MUTATION"),),
+        (Edit("daemon/storage/s3.py", "for upload_id, bucket in self.open.items()))", "for upload_id, bucket in {}.items()))  # MUTATION"),),
         ("tests/test_s3.py::test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon",),
     ),
     Mutation(
@@ -1129,6 +1129,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a node of a multi-node job that cannot read the bucket picks the step from its own disk",
         (Edit("client/locate.py", "        if strict or not found:\n", "        if not found:  # MUTATION\n"),),
         ("tests/test_s3.py::test_a_node_that_cannot_read_the_bucket_refuses_to_pick_the_step_on_its_own_in_a_job_of_several_nodes",),
+    ),
+    Mutation(
+        "newest-skips-an-unreadable-marker",
+        "latest() and a restore's choice skip a marker object they cannot read, the newest one perhaps",
+        (Edit("protocol/tags.py", "            if strict:\n                raise\n", "            if False:  # MUTATION\n                raise\n"),),
+        ("tests/test_s3.py::test_a_node_that_cannot_read_the_bucket_refuses_to_pick_the_step_on_its_own_in_a_job_of_several_nodes",),
+    ),
+    Mutation(
+        "marker-reads-hold-the-exit",
+        "the marker reads a restore left waiting on a hung server hold its process at exit",
+        (Edit("protocol/tags.py", 'threading.Thread(target=work, name="datastates-markers", daemon=True)',
+              'threading.Thread(target=work, name="datastates-markers", daemon=False)  # MUTATION'),),
+        ("tests/test_s3.py::test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses_to_guess_with_nothing_else",),
     ),
     Mutation(
         "restore-waits-for-a-hung-bucket",

@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -27,7 +29,7 @@ from datastates.protocol.errors import CorruptCheckpointError, StorageError
 from datastates.protocol.format import marker_name
 
 from conftest import DAEMON_LOCKS, DaemonProc, assert_state_equal, rank_client, refused_run, run_datastatesd_many, save
-from s3server import FaultProxy, Moto, Rule, any_request, upload_part
+from s3server import HOLD_MAX_S, FaultProxy, Moto, Rule, any_request, upload_part
 from test_tiers import settle, tier_states
 
 REGION = "us-east-1"
@@ -219,8 +221,11 @@ def test_restore_falls_back_to_s3_when_no_faster_tier_holds_the_tag(
 def test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses_to_guess_with_nothing_else(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
     """A hung server holds each request for botocore's 6 tries of 60 s: a restore that found a tag on the fast tier
-    goes on without the bucket after OBJECT_WAIT_S, answered or not. One that found nothing there must not take "no
-    checkpoint" from a bucket it cannot read, which would start the training afresh: it raises, naming it."""
+    goes on without the bucket after OBJECT_WAIT_S, answered or not, and its process exits at once after it, not
+    once the reads it left waiting end. One that found nothing there must not take "no checkpoint" from a bucket it
+    cannot read, which would start the training afresh: it raises, naming it."""
+    from datastates.protocol.format import MARKER_PREFIX
+
     url = f"s3://{bucket}/jobs"
     d = start_daemon(**tiers(tmp_path, url))
     fast = tmp_path / "fast" / "run"
@@ -228,13 +233,21 @@ def test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses
     with Client(d.endpoint, timeout=120) as c:
         save(c, saved, fast / "step1" / "rank0.pt")
         settle(d)
-        answered = proxy.count(any_request)
-        held = proxy.add(Rule(any_request, hold=True))
-        got = c.restore(fast, "rank0.pt")
-        assert (got.tag, got.tier) == ("step1", "fast")
-        assert_state_equal(saved, got.state)
-        assert held.seen >= 1 and proxy.count(any_request) == answered  # the bucket never answered meanwhile
-        proxy.clear()
+    def marker_get(m: str, p: str, q: str) -> bool:
+        return m == "GET" and f"/{MARKER_PREFIX}" in p
+
+    answered = proxy.count(marker_get)
+    held = proxy.add(Rule(marker_get, hold=True))  # listings answer, marker reads hang
+    trainer = subprocess.run(  # a trainer's process, which restores and ends
+        [sys.executable, "-c", "import sys\nfrom datastates.client import Client\n"
+         "with Client(sys.argv[1], timeout=120) as c:\n    got = c.restore(sys.argv[2], 'rank0.pt')\n"
+         "print(got.tag, got.tier)\n", d.endpoint, str(fast)],
+        capture_output=True, text=True, timeout=HOLD_MAX_S + 60)
+    assert trainer.returncode == 0 and trainer.stdout.split() == ["step1", "fast"], (trainer.stdout, trainer.stderr[-2000:])
+    assert held.seen >= 1 and proxy.count(marker_get) == answered, \
+        "the bucket answered a marker read before the restoring process had ended"
+    proxy.clear()
+    with Client(d.endpoint, timeout=120) as c:
         shutil.rmtree(fast)  # a new node: nothing on its disk
         proxy.add(Rule(lambda m, p, q: m == "GET", fail=-1, status=403))
         with pytest.raises(StorageError) as err:
@@ -797,33 +810,36 @@ def test_two_nodes_commit_together_on_the_bucket_and_restore_from_it(
 def test_a_node_that_cannot_read_the_bucket_refuses_to_pick_the_step_on_its_own_in_a_job_of_several_nodes(
         start_daemons: Callable[..., list[DaemonProc]], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
     """In a job of several nodes only the shared tiers decide the step every rank restores. A node that cannot read the
-    bucket must say so, not pick from its own disk (which may hold a step the others lack, or none, and then start
-    afresh beside ranks that restored): one node alone still falls back to its own tiers."""
+    bucket, or only the newest tag's marker there (the others' newness then tells nothing), must say so, not pick from
+    what it can read (its own disk may hold a step the others lack, or none, and then start afresh beside ranks that
+    restored): one node alone still falls back to its own tiers."""
     url = f"s3://{bucket}/jobs"
     configs = [node_tiers(tmp_path, url, n) for n in range(2)]
     for cfg in configs:  # a shared file system between the node's disk and the bucket, which decides too
         cfg["storage"]["tiers"].insert(1, {"name": "lustre", "path": str(tmp_path / "lustre")})
     nodes = start_daemons(*configs)
-    states = [state(40 + r) for r in range(4)]
-    save_on_nodes(nodes, tmp_path, "global_step7", states)
-    for d in nodes:
-        assert tier_states(settle(d), "global_step7") == {"fast": "committed", "lustre": "committed",
-                                                          CLOUD: "committed"}
+    states = {tag: [state(step * 10 + r) for r in range(4)] for step, tag in ((7, "global_step7"), (8, "global_step8"))}
+    for tag, saved in states.items():
+        save_on_nodes(nodes, tmp_path, tag, saved)
+        for d in nodes:
+            assert tier_states(settle(d), tag) == {"fast": "committed", "lustre": "committed", CLOUD: "committed"}
     root = tmp_path / "node0-fast" / "run"
-    refused = proxy.add(Rule(lambda m, p, q: m == "GET", fail=-1, status=403))
-    with rank_client(nodes[0], 0, 4, 2, 2, job="s3") as c:
-        with pytest.raises(StorageError) as err:
-            c.restore(root, "rank0.pt")
-        assert f"s3://{bucket}/jobs/run" in str(err.value) and "every node" in str(err.value), str(err.value)
-    assert refused.failed > 0
-    with Client(nodes[0].endpoint, timeout=60) as alone:  # a job of one node: its own tiers decide
-        got = alone.restore(root, "rank0.pt")
-        assert (got.tag, got.tier) == ("global_step7", "fast")
-    proxy.clear()
+    newest_marker = marker_name("global_step8")
+    for refusing in (lambda m, p, q: m == "GET" and p.endswith(f"/{newest_marker}"), lambda m, p, q: m == "GET"):
+        refused = proxy.add(Rule(refusing, fail=-1, status=403))
+        with rank_client(nodes[0], 0, 4, 2, 2, job="s3") as c:
+            with pytest.raises(StorageError) as err:
+                c.restore(root, "rank0.pt")
+            assert f"s3://{bucket}/jobs/run" in str(err.value) and "every node" in str(err.value), str(err.value)
+        assert refused.failed > 0
+        with Client(nodes[0].endpoint, timeout=60) as alone:  # a job of one node: its own tiers decide
+            got = alone.restore(root, "rank0.pt")
+            assert (got.tag, got.tier) == ("global_step8", "fast")
+        proxy.clear()
     with rank_client(nodes[0], 0, 4, 2, 2, job="s3") as c:
         got = c.restore(root, "rank0.pt")
-        assert (got.tag, got.tier) == ("global_step7", "fast")  # the step the bucket decides, read from the disk
-        assert_state_equal(states[0], got.state)
+        assert (got.tag, got.tier) == ("global_step8", "fast")  # the step the shared tiers decide, read from the disk
+        assert_state_equal(states["global_step8"][0], got.state)
 
 
 @pytest.mark.heavy

@@ -49,6 +49,55 @@ def _line(bucket: str, upload_id: str) -> str:
     return f"{bucket} {upload_id}\n"
 
 
+class _Journal:
+    """One daemon's upload journal, shared by every S3Writer of that owner: what it appends and what its trim keeps
+    must be one list, or one writer's trim would drop the other's open uploads."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.lock = threading.Lock()
+        self.open: dict[str, str] = {}
+        """Upload id → its bucket: the uploads journaled and neither completed nor aborted."""
+        self.lines = 0
+        """Lines in the journal now."""
+
+    def started(self, bucket: str, upload_id: str) -> None:
+        with self.lock, open(journal_path(self.owner), "a") as f:
+            f.write(_line(bucket, upload_id))
+            self.open[upload_id] = bucket
+            self.lines += 1
+
+    def ended(self, upload_id: str) -> None:
+        """The upload is completed or aborted, so no later daemon needs to abort it: once the journal is long, write
+        it again with the open uploads alone, under a temporary name and renamed over it (a kill midway leaves the
+        old journal whole, and the temporary one, which the next daemon reads too and removes with it)."""
+        with self.lock:
+            self.open.pop(upload_id, None)
+            if self.lines <= max(TRIM_LINES, 2 * len(self.open)):
+                return
+            path = journal_path(self.owner)
+            trimmed = path.removesuffix(JOURNAL_SUFFIX) + ".trim" + JOURNAL_SUFFIX
+            try:
+                with open(trimmed, "w") as f:
+                    f.write("".join(_line(bucket, upload_id) for upload_id, bucket in self.open.items()))
+                os.replace(trimmed, path)
+            except OSError as exc:  # /dev/shm full: the journal stays long, and right; no upload fails for it
+                log.warning("cannot shorten the upload journal %s (%s); it is tried again later", path, exc)
+                return
+            self.lines = len(self.open)
+
+
+_JOURNALS: dict[str, _Journal] = {}
+_JOURNALS_LOCK = threading.Lock()
+
+
+def _journal(owner: str) -> _Journal:
+    with _JOURNALS_LOCK:
+        if owner not in _JOURNALS:
+            _JOURNALS[owner] = _Journal(owner)
+        return _JOURNALS[owner]
+
+
 @dataclass
 class _Upload:
     url: str
@@ -67,11 +116,8 @@ class S3Writer(StorageWriter):
     def __init__(self, idle: bool = False, **options: Any) -> None:
         """``idle``: the upload process under SCHED_IDLE (``storage.upload_priority: idle``), else at nice 19."""
         super().__init__(**options)
-        self._journal_lock = threading.Lock()
-        self._open: dict[str, str] = {}
-        """Upload id → its bucket: the uploads journaled and neither completed nor aborted."""
-        self._lines = 0
-        """Lines in the journal now."""
+        self._lock = threading.Lock()
+        self._journal = _journal(self.owner)
         self.uploader = Uploader(idle)
         self.completed: dict[str, str] = {}
         """url → the ETag of the object this writer's last upload there made: the commit checks the object is still
@@ -92,30 +138,8 @@ class S3Writer(StorageWriter):
                            Key=where.key, ChecksumAlgorithm="CRC32",
                            Metadata={"datastates-owner": self.owner, "datastates-token": token[:128]})
         upload = _Upload(path, where, reply["UploadId"])
-        with self._journal_lock, open(journal_path(self.owner), "a") as f:
-            f.write(_line(where.bucket, upload.upload_id))
-            self._open[upload.upload_id] = where.bucket
-            self._lines += 1
+        self._journal.started(where.bucket, upload.upload_id)
         return upload
-
-    def _ended(self, handle: _Upload) -> None:
-        """``handle``'s upload is completed or aborted, so no later daemon needs to abort it: once the journal is
-        long, write it again with the open uploads alone, under a temporary name and renamed over it (a kill midway
-        leaves the old journal whole, and the temporary one, which the next daemon reads too and removes with it)."""
-        with self._journal_lock:
-            self._open.pop(handle.upload_id, None)
-            if self._lines <= max(TRIM_LINES, 2 * len(self._open)):
-                return
-            journal = journal_path(self.owner)
-            trimmed = journal.removesuffix(JOURNAL_SUFFIX) + ".trim" + JOURNAL_SUFFIX
-            try:
-                with open(trimmed, "w") as f:
-                    f.write("".join(_line(bucket, upload_id) for upload_id, bucket in self._open.items()))
-                os.replace(trimmed, journal)
-            except OSError as exc:  # /dev/shm full: the journal stays long, and right; no upload fails for it
-                log.warning("cannot shorten the upload journal %s (%s); it is tried again later", journal, exc)
-                return
-            self._lines = len(self._open)
 
     def write(self, handle: _Upload, offset: int, data: memoryview) -> None:
         raise StorageError(f"cannot write {handle.url}: an object is uploaded from a committed file (a tier "
@@ -153,7 +177,7 @@ class S3Writer(StorageWriter):
             self.abort(handle)
             reply = self._call("cannot write", handle.url, s3.put_object, Bucket=handle.where.bucket,
                                Key=handle.where.key, Body=b"")
-            with self._journal_lock:
+            with self._lock:
                 self.completed[handle.url] = reply.get("ETag", "")
             return
         reply = self._call("cannot complete", handle.url, s3.complete_multipart_upload, Bucket=handle.where.bucket,
@@ -161,9 +185,9 @@ class S3Writer(StorageWriter):
                            MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e, "ChecksumCRC32": c}
                                                       for n, (e, c) in parts]})
         handle.done = True
-        with self._journal_lock:
+        with self._lock:
             self.completed[handle.url] = reply.get("ETag", "")
-        self._ended(handle)
+        self._journal.ended(handle.upload_id)
         size = self._call("cannot check", handle.url, s3.head_object, Bucket=handle.where.bucket,
                           Key=handle.where.key)["ContentLength"]
         if size != handle.end:
@@ -181,7 +205,7 @@ class S3Writer(StorageWriter):
             log.warning("cannot abort the upload of %s (%s); the next daemon of this node aborts it",
                         handle.url, object_error("abort", handle.url, exc).message)
         else:
-            self._ended(handle)
+            self._journal.ended(handle.upload_id)
 
     def publish(self, path: str, data: bytes, check: Callable[[int], None] | None = None) -> None:
         """One PUT: the object appears whole. ``check`` asks of a folder descriptor, which an object store lacks:
