@@ -243,7 +243,8 @@ def test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses
          "with Client(sys.argv[1], timeout=120) as c:\n    got = c.restore(sys.argv[2], 'rank0.pt')\n"
          "print(got.tag, got.tier)\n", d.endpoint, str(fast)],
         capture_output=True, text=True, timeout=HOLD_MAX_S + 60)
-    assert trainer.returncode == 0 and trainer.stdout.split() == ["step1", "fast"], (trainer.stdout, trainer.stderr[-2000:])
+    assert trainer.returncode == 0 and trainer.stdout.split() == ["step1", "fast"], \
+        (trainer.stdout, trainer.stderr[-2000:])
     assert held.seen >= 1 and proxy.count(marker_get) == answered, \
         "the bucket answered a marker read before the restoring process had ended"
     proxy.clear()
