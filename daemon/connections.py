@@ -13,7 +13,10 @@ poll without HELLO: shut between two polls, a request on its way would be lost),
 first, when more than ``max_unintroduced`` are kept or the
 daemon's open descriptors reach ``shed_at``: both bounds follow the open-files limit, so a
 daemon that may not raise a low hard limit sheds before ZeroMQ meets it. A connection whose
-request is being handled (a HELLO being welcomed) is never shut. Shutting the oldest gives a
+request is being handled (a HELLO being welcomed) is never shut, and one just answered is spared
+the count bound for ``REPLY_GRACE_S``: ZeroMQ's I/O thread writes the reply later, behind a
+flood seconds later, and a shut socket drops what it has not written (a ``datastatesctl status``
+amid 2,000 reconnecting peers lost its reply about once in 40). Shutting the oldest gives a
 new trainer the whole queue's time to say HELLO even while a flood churns.
 
 Descriptor numbers are reused as soon as ZeroMQ closes one, and the monitor's events arrive
@@ -47,6 +50,9 @@ UNINTRODUCED_S = 10.0
 """How long a connection may stay without its HELLO welcomed, or a request served, before it is shut."""
 MAX_UNINTRODUCED = 256
 """The most connections kept that are not introduced yet, where the open-files limit allows that many."""
+REPLY_GRACE_S = 2.0
+"""How long a connection not introduced is spared the count bound after a request on it was answered, for its
+reply to leave: the bound on open descriptors still sheds it if nothing else is left."""
 SWEEP_S = 0.5
 """How often connections past their time, and closed ones, are looked for (each costs a stat per connection)."""
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
@@ -61,6 +67,8 @@ class _Pending:
     """A request on it got an answer other than an error: a tool that polls without HELLO, never shut for its age."""
     busy: int = 0
     """Requests of this connection being handled: it is not shut under them."""
+    replied: float = float("-inf")
+    """When a request on it was last answered: its reply may still be on its way out (``REPLY_GRACE_S``)."""
 
 
 def bounds(limit: int) -> tuple[int, int]:
@@ -114,7 +122,7 @@ class Connections:
             self._introduced[inode] = fd
         else:
             self._pending[fd] = entry
-            entry.since = time.monotonic()
+            entry.since = entry.replied = time.monotonic()
             entry.served |= served
 
     def status(self) -> dict[str, int]:
@@ -162,7 +170,7 @@ class Connections:
         """Keep at most ``max_unintroduced`` connections, shutting the oldest idle ones."""
         excess = len(self._pending) - self.max_unintroduced
         if excess > 0:
-            for fd in self._oldest_idle(excess):
+            for fd in self._oldest_idle(excess, spare_replies=True):
                 self._shut(fd, f"over {self.max_unintroduced} connections not introduced")
 
     def _shed_near_limit(self) -> None:
@@ -173,8 +181,12 @@ class Connections:
                 if self._shut(fd, f"{self.shed_at} of {self.limit} descriptors open"):
                     self.shed_near_limit += 1
 
-    def _oldest_idle(self, n: int) -> list[int]:
-        return [fd for fd, e in self._pending.items() if not e.busy][:n]
+    def _oldest_idle(self, n: int, spare_replies: bool = False) -> list[int]:
+        """The ``n`` oldest connections with no request being handled; ``spare_replies``: nor one answered within
+        ``REPLY_GRACE_S`` whose socket is still open."""
+        now = time.monotonic()
+        return [fd for fd, e in self._pending.items() if not e.busy and not (
+            spare_replies and now - e.replied < REPLY_GRACE_S and _inode(fd) == e.inode)][:n]
 
     def _shut(self, fd: int, why: str) -> bool:
         entry = self._pending.pop(fd)

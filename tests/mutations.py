@@ -340,6 +340,15 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_connections_that_send_one_byte_and_never_say_hello_are_shed_under_a_hard_limit_of_256",),
     ),
     Mutation(
+        "answered-connection-not-spared",
+        "a connection not introduced is shed by the count bound as soon as its request is answered, before ZeroMQ "
+        "has written the reply: amid a flood a status tool waits for an answer that never comes",
+        (Edit("daemon/connections.py",
+              "spare_replies and now - e.replied < REPLY_GRACE_S and _inode(fd) == e.inode)][:n]",
+              "spare_replies and False)][:n]  # MUTATION: no reply spared"),),
+        ("tests/faults/test_connections.py::test_two_thousand_silent_connections_cost_bounded_descriptors",),
+    ),
+    Mutation(
         "unintroduced-bound-ignores-limit",
         "the daemon keeps 256 unintroduced connections whatever its open-files limit: under 256 ZeroMQ meets it",
         (Edit("daemon/connections.py",
