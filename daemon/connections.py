@@ -13,11 +13,12 @@ poll without HELLO: shut between two polls, a request on its way would be lost),
 first, when more than ``max_unintroduced`` are kept or the
 daemon's open descriptors reach ``shed_at``: both bounds follow the open-files limit, so a
 daemon that may not raise a low hard limit sheds before ZeroMQ meets it. A connection whose
-request is being handled (a HELLO being welcomed) is never shut, and one just answered is spared
-the count bound for ``REPLY_GRACE_S``: ZeroMQ's I/O thread writes the reply later, behind a
-flood seconds later, and a shut socket drops what it has not written (a ``datastatesctl status``
-amid 2,000 reconnecting peers lost its reply about once in 40). Shutting the oldest gives a
-new trainer the whole queue's time to say HELLO even while a flood churns.
+request is being handled (a HELLO being welcomed) is never shut, and one answered within
+``REPLY_GRACE_S`` is shut only after every older and younger one that was not: ZeroMQ's I/O
+thread writes the reply later, behind a flood seconds later, and a shut socket drops what it
+has not written (a ``datastatesctl status`` amid 2,000 reconnecting peers lost its reply about
+3 times in 100). Shutting the oldest gives a new trainer the whole queue's time to say HELLO
+even while a flood churns.
 
 Descriptor numbers are reused as soon as ZeroMQ closes one, and the monitor's events arrive
 late (behind a flood, seconds late), so a connection is known by its socket's inode: an
@@ -51,8 +52,7 @@ UNINTRODUCED_S = 10.0
 MAX_UNINTRODUCED = 256
 """The most connections kept that are not introduced yet, where the open-files limit allows that many."""
 REPLY_GRACE_S = 2.0
-"""How long a connection not introduced is spared the count bound after a request on it was answered, for its
-reply to leave: the bound on open descriptors still sheds it if nothing else is left."""
+"""How long after a request on it was answered a connection not introduced is shed last, for its reply to leave."""
 SWEEP_S = 0.5
 """How often connections past their time, and closed ones, are looked for (each costs a stat per connection)."""
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
@@ -170,7 +170,7 @@ class Connections:
         """Keep at most ``max_unintroduced`` connections, shutting the oldest idle ones."""
         excess = len(self._pending) - self.max_unintroduced
         if excess > 0:
-            for fd in self._oldest_idle(excess, spare_replies=True):
+            for fd in self._oldest_idle(excess):
                 self._shut(fd, f"over {self.max_unintroduced} connections not introduced")
 
     def _shed_near_limit(self) -> None:
@@ -181,12 +181,11 @@ class Connections:
                 if self._shut(fd, f"{self.shed_at} of {self.limit} descriptors open"):
                     self.shed_near_limit += 1
 
-    def _oldest_idle(self, n: int, spare_replies: bool = False) -> list[int]:
-        """The ``n`` oldest connections with no request being handled; ``spare_replies``: nor one answered within
-        ``REPLY_GRACE_S`` whose socket is still open."""
+    def _oldest_idle(self, n: int) -> list[int]:
+        """The ``n`` oldest connections with no request being handled, those answered within ``REPLY_GRACE_S`` last."""
         now = time.monotonic()
-        return [fd for fd, e in self._pending.items() if not e.busy and not (
-            spare_replies and now - e.replied < REPLY_GRACE_S and _inode(fd) == e.inode)][:n]
+        idle = [(now - e.replied < REPLY_GRACE_S, fd) for fd, e in self._pending.items() if not e.busy]
+        return [fd for _, fd in sorted(idle, key=lambda spared_fd: spared_fd[0])[:n]]
 
     def _shut(self, fd: int, why: str) -> bool:
         entry = self._pending.pop(fd)

@@ -341,11 +341,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "answered-connection-not-spared",
-        "a connection not introduced is shed by the count bound as soon as its request is answered, before ZeroMQ "
-        "has written the reply: amid a flood a status tool waits for an answer that never comes",
+        "a connection not introduced is shed, the oldest, as soon as its request is answered, before ZeroMQ has "
+        "written the reply: amid a flood a status tool waits for an answer that never comes",
         (Edit("daemon/connections.py",
-              "spare_replies and now - e.replied < REPLY_GRACE_S and _inode(fd) == e.inode)][:n]",
-              "spare_replies and False)][:n]  # MUTATION: no reply spared"),),
+              "idle = [(now - e.replied < REPLY_GRACE_S, fd)",
+              "idle = [(False, fd)"),),
         ("tests/faults/test_connections.py::test_two_thousand_silent_connections_cost_bounded_descriptors",),
     ),
     Mutation(
