@@ -13,12 +13,14 @@ poll without HELLO: shut between two polls, a request on its way would be lost),
 first, when more than ``max_unintroduced`` are kept or the
 daemon's open descriptors reach ``shed_at``: both bounds follow the open-files limit, so a
 daemon that may not raise a low hard limit sheds before ZeroMQ meets it. A connection whose
-request is being handled (a HELLO being welcomed) is never shut, and one answered within
-``REPLY_GRACE_S`` is shut only after every older and younger one that was not: ZeroMQ's I/O
-thread writes the reply later, behind a flood seconds later, and a shut socket drops what it
-has not written (a ``datastatesctl status`` amid 2,000 reconnecting peers lost its reply about
-3 times in 100). Shutting the oldest gives a new trainer the whole queue's time to say HELLO
-even while a flood churns.
+request is being handled (a HELLO being welcomed) is never shut. One answered within
+``REPLY_GRACE_S`` is shut after the others, if it is among the newest ``max_replying`` (an
+eighth of the bound) so answered: ZeroMQ's I/O thread writes a reply after the handler
+returns, seconds after behind a flood, and a shut socket drops what it has not written (a
+``datastatesctl status`` amid 2,000 reconnecting peers lost its reply about 3 times in 100).
+Only a few, or connections that keep asking would rank every new one first, and a trainer
+would be shut before its HELLO. Shutting the oldest gives a new trainer the whole queue's
+time to say HELLO even while a flood churns.
 
 Descriptor numbers are reused as soon as ZeroMQ closes one, and the monitor's events arrive
 late (behind a flood, seconds late), so a connection is known by its socket's inode: an
@@ -40,6 +42,7 @@ import socket
 import stat
 import time
 from dataclasses import dataclass
+from itertools import chain, islice
 
 import zmq
 import zmq.asyncio
@@ -52,7 +55,8 @@ UNINTRODUCED_S = 10.0
 MAX_UNINTRODUCED = 256
 """The most connections kept that are not introduced yet, where the open-files limit allows that many."""
 REPLY_GRACE_S = 2.0
-"""How long after a request on it was answered a connection not introduced is shed last, for its reply to leave."""
+"""How long after a request on it was answered a connection not introduced is shed last (one of the newest
+``max_replying``), for its reply to leave."""
 SWEEP_S = 0.5
 """How often connections past their time, and closed ones, are looked for (each costs a stat per connection)."""
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
@@ -87,6 +91,8 @@ class Connections:
         """Socket inode → descriptor, for connections a registered client speaks on, while that socket is open."""
         self.limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.max_unintroduced, self.shed_at = bounds(self.limit)
+        self.max_replying = max(1, self.max_unintroduced // 8)
+        """The most connections answered within ``REPLY_GRACE_S`` that are shed last."""
         self.shut_down = 0
         """Unintroduced connections shut so far, for ``status``."""
         self.shed_near_limit = 0
@@ -110,9 +116,9 @@ class Connections:
 
     def answered(self, fd: int, inode: int | None, introduced: bool, served: bool) -> None:
         """The message ``heard`` returned ``inode`` for is handled. ``introduced``: it came from a registered client,
-        whose connection this is now; else the connection goes to the end of the queue, and ``served`` (answered
-        without an error, as ``datastatesctl status --watch`` is) spares it the age limit from now on; the bound on
-        their number still holds."""
+        whose connection this is now; else the connection goes to the end of the queue, is shed last while its reply
+        leaves (``REPLY_GRACE_S``), and ``served`` (answered without an error, as ``datastatesctl status --watch`` is)
+        spares it the age limit from now on; the bound on their number still holds."""
         entry = self._pending.get(fd)
         if entry is None or entry.inode != inode or inode is None:
             return
@@ -182,10 +188,14 @@ class Connections:
                     self.shed_near_limit += 1
 
     def _oldest_idle(self, n: int) -> list[int]:
-        """The ``n`` oldest connections with no request being handled, those answered within ``REPLY_GRACE_S`` last."""
+        """The ``n`` oldest connections with no request being handled, the newest ``max_replying`` of those answered
+        within ``REPLY_GRACE_S`` last."""
         now = time.monotonic()
-        idle = [(now - e.replied < REPLY_GRACE_S, fd) for fd, e in self._pending.items() if not e.busy]
-        return [fd for _, fd in sorted(idle, key=lambda spared_fd: spared_fd[0])[:n]]
+        idle = [fd for fd, e in self._pending.items() if not e.busy]
+        # an answer moves its connection to the end of the queue: the newest answered come last
+        replying = set(islice((fd for fd in reversed(idle) if now - self._pending[fd].replied < REPLY_GRACE_S),
+                              self.max_replying))
+        return list(islice(chain((fd for fd in idle if fd not in replying), (fd for fd in idle if fd in replying)), n))
 
     def _shut(self, fd: int, why: str) -> bool:
         entry = self._pending.pop(fd)

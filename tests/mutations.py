@@ -344,9 +344,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a connection not introduced is shed, the oldest, as soon as its request is answered, before ZeroMQ has "
         "written the reply: amid a flood a status tool waits for an answer that never comes",
         (Edit("daemon/connections.py",
-              "idle = [(now - e.replied < REPLY_GRACE_S, fd)",
-              "idle = [(False, fd)"),),
+              "if now - self._pending[fd].replied < REPLY_GRACE_S),",
+              "if False),"),),
         ("tests/faults/test_connections.py::test_two_thousand_silent_connections_cost_bounded_descriptors",),
+    ),
+    Mutation(
+        "every-answered-connection-shed-last",
+        "every connection answered in the last 2 s is shed after the others: connections that keep asking without "
+        "HELLO rank a new trainer first, and it is shut before its HELLO",
+        (Edit("daemon/connections.py", "                              self.max_replying))",
+              "                              len(idle)))"),),
+        ("tests/faults/test_connections.py::"
+         "test_connections_that_keep_asking_without_hello_do_not_push_a_new_trainer_out",),
     ),
     Mutation(
         "unintroduced-bound-ignores-limit",

@@ -14,6 +14,8 @@ that connected and never speaks forever. These start real daemons under a given
 - a connection every 10 ms that sends one byte (a raw socket: half a greeting; a ZeroMQ peer: a
   one-byte message) and never says HELLO, under a hard limit of 256 the daemon may not raise:
   it keeps at most a quarter of its limit unintroduced, sheds the rest, and serves a trainer;
+- as many connections as the daemon keeps unintroduced, each asking something other than HELLO
+  every second: a trainer that connects meanwhile is served;
 - eight trainers of 600 storages each checkpoint at a hard ``ulimit -n 1024`` (storages
   read in place cost the daemon no descriptor);
 - beyond ``max_clients`` a new client gets a clear refusal, and the others are served.
@@ -84,10 +86,10 @@ def _flood_and_train(d: DaemonProc) -> None:
         unanswered = 0
         for _ in range(STATUS_POLLS):
             try:
-                daemon_status(d.endpoint, timeout=5)
+                daemon_status(d.endpoint, timeout=20)
             except DaemonUnavailable:
                 unanswered += 1
-        assert unanswered == 0, f"{unanswered} of {STATUS_POLLS} status requests amid the flood got no answer in 5 s"
+        assert unanswered == 0, f"{unanswered} of {STATUS_POLLS} status requests amid the flood got no answer in 20 s"
     finally:
         peers.kill()
         peers.wait()
@@ -114,6 +116,7 @@ def test_two_thousand_silent_connections_cost_bounded_descriptors(start_daemon: 
     _flood_and_train(d)
 
 
+@pytest.mark.heavy
 def test_a_privileged_daemon_lifts_a_hard_limit_of_1024_and_outlives_the_flood(
         start_daemon: Callable[..., DaemonProc]) -> None:
     """Run as root (as deploy/datastatesd.service does), the daemon raises even the hard limit, so a burst of
@@ -201,6 +204,55 @@ def test_connections_that_send_one_byte_and_never_say_hello_are_shed_under_a_har
         peers.wait()
     assert d.proc.poll() is None
     assert "shut down a connection that never said HELLO" in d.log_text()
+
+
+CHATTY_PEERS = r"""
+import sys, time, zmq
+ctx = zmq.Context()
+socks = [ctx.socket(zmq.DEALER) for _ in range(int(sys.argv[2]))]
+for s in socks:
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(sys.argv[1])
+rounds = 0
+while True:  # each peer sends a one-byte request a second, and reads whatever came back
+    start = time.monotonic()
+    for s in socks:
+        try:
+            s.send(b"x", zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        while s.poll(0):
+            s.recv()
+    rounds += 1
+    if rounds == 3:
+        print("ASKING", flush=True)
+    time.sleep(max(0.0, start + 1 - time.monotonic()))
+"""
+
+
+@pytest.mark.heavy
+def test_connections_that_keep_asking_without_hello_do_not_push_a_new_trainer_out(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """As many connections as the daemon keeps unintroduced, each sending a request that is not HELLO every
+    second: each answer ranks its connection last among those to shed while its reply leaves, but only the newest
+    few are ranked so, so a trainer that connects meanwhile still has the queue's time to say HELLO."""
+    from datastates.daemon.connections import MAX_UNINTRODUCED
+
+    d = start_daemon()
+    assert daemon_status(d.endpoint)["connections"]["max_unintroduced"] == MAX_UNINTRODUCED
+    peers = subprocess.Popen([sys.executable, "-c", CHATTY_PEERS, d.endpoint, str(MAX_UNINTRODUCED)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert peers.stdout is not None and peers.stdout.readline().strip() == "ASKING"
+        for i in range(5):
+            with Client(d.endpoint, timeout=30) as c:
+                state = {"w": torch.full((100,), float(i))}
+                save(c, state, d.root / "amid-asking" / f"m{i}.pt")
+            assert_state_equal(state, datastates.load(d.root / "amid-asking" / f"m{i}.pt"))
+    finally:
+        peers.kill()
+        peers.wait()
+    assert d.proc.poll() is None
 
 
 TRAINER = r"""
