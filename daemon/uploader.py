@@ -287,15 +287,18 @@ def main(argv: list[str]) -> int:
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != daemon:  # the daemon died before the line above
         return 0
-    os.setpriority(os.PRIO_PROCESS, 0, max(UPLOAD_NICE, os.getpriority(os.PRIO_PROCESS, 0)))  # every thread's
-    if priority == "idle":
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # inherited by the threads started below
-    sock = socket.socket(fileno=sock_fd)
+    # its clients first, at the daemon's priority (the process starts with the daemon, before the trainers): boto3's
+    # import and a client's making cost about 0.2 CPU s, which at nice 19 behind a busy node took a minute and held
+    # the first upload as long (under SCHED_IDLE, as long as the node stayed busy)
     for endpoint, region in places:
         try:
             client(endpoint, region)
         except DatastatesError:  # said again by the first part there, as the failure of its transfer
             pass
+    os.setpriority(os.PRIO_PROCESS, 0, max(UPLOAD_NICE, os.getpriority(os.PRIO_PROCESS, 0)))  # every thread's
+    if priority == "idle":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # inherited by the threads started below
+    sock = socket.socket(fileno=sock_fd)
     buffers: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(PARTS_AT_ONCE):
         buffers.put(mmap.mmap(-1, PART))
