@@ -287,9 +287,10 @@ def main(argv: list[str]) -> int:
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != daemon:  # the daemon died before the line above
         return 0
-    # its clients first, at the daemon's priority (the process starts with the daemon, before the trainers): boto3's
-    # import and a client's making cost about 0.2 CPU s, which at nice 19 behind a busy node took a minute and held
-    # the first upload as long (under SCHED_IDLE, as long as the node stayed busy)
+    # its clients first, at the daemon's priority (the process starts with the daemon, before the trainers; started
+    # again after one died, it takes that from them once): boto3's import and a client's making cost about 0.2 CPU s,
+    # which at nice 19 behind a busy node took a minute and held the first upload as long (under SCHED_IDLE, as long
+    # as the node stayed busy)
     for endpoint, region in places:
         try:
             client(endpoint, region)
