@@ -64,6 +64,7 @@ def render(status: dict[str, Any]) -> str:
         f" {mem['chunks_copying']} copying, {mem['chunks_flushing']} waiting to be flushed, {mem['chunks_free']} free"
         f" (peak {human_size(mem['peak_in_use_bytes'])} in use, {mem['waiting_copies']} copies waiting)",
         f"pending snapshots: {status['pending']}   pending commits: {status['commits_pending']}",
+        _replica_line(status["replicas"]),
         "",
         f"clients ({len(status['clients'])}):",
     ]
@@ -97,6 +98,16 @@ def render(status: dict[str, Any]) -> str:
     lines += ["", "committed tags:"]
     lines += [f"  {c['tag']:<24} {c['files']} file(s)  {c['marker']}" for c in status["committed"]]
     return "\n".join(lines)
+
+
+def _replica_line(replicas: dict[str, Any]) -> str:
+    """The replica budget's use: when it is full, new files' restores read storage."""
+    if replicas["policy"] == "none":
+        return "replicas: off (memory_restore: none)"
+    return (f"replicas: {len(replicas['replicas'])} held, {human_size(replicas['used_bytes'])} of"
+            f" {human_size(replicas['budget_bytes'])} memory_restore_budget used"
+            f" ({human_size(replicas['spare_bytes'])} spares)"
+            + (f", {replicas['released']} released for newer files" if replicas.get("released") else ""))
 
 
 def _tier_cell(transfer: dict[str, Any] | None) -> str:

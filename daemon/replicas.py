@@ -30,6 +30,14 @@ the next replica. Its pages are mapped then too, as are a superseded replica's t
 rather than filled in place: a replica filled over a spare mapped on its own path waited
 0.05-0.1 s more at the fence (0.76 GB).
 
+A rank file that is not saved again (a finished run, a dropped rank, a run folder its process moved on from)
+would hold its replica and spare for as long as the daemon lives, and a new run's files would find no room. So
+when a new replica does not fit, the store releases what no one saves any more: the spares, then the replicas,
+of the rank files whose last saver is gone, or has begun two newer tags since (``_release_stale``), least
+recently saved or restored first. Never a rank file still saved, nor the replica a connected client was handed by
+a restore (it may be reading it now): a job's restart seconds after its clients went still finds its newest
+replicas unless another file needed their room.
+
 A replica is a plain checkpoint file in shared memory: the restarted trainer maps it with
 ``datastates.load``, which checks every checksum. The tag to restore is chosen from the
 storage's commit markers, the same for every rank; a replica is used only if it is of that
@@ -41,7 +49,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from datastates.protocol.descriptors import Ranks
@@ -77,6 +85,9 @@ class Replica:
     served: bool = False
     """A restore was handed this file: a trainer may map it (copy-on-write, which still shows the file's later
     changes on pages it has not written), so its pages are never written over, only unlinked."""
+    readers: set[str] = field(default_factory=set)
+    """The clients a restore handed it to: while one is connected it may be reading it, and it is never released
+    for another file's room."""
 
     @property
     def rank_file(self) -> tuple[str, str]:
@@ -86,6 +97,18 @@ class Replica:
 def rank_file(path: str) -> tuple[str, str]:
     """The run folder above the tag folder and the file's name: one rank's file, tag after tag, in a run or its restart."""
     return os.path.dirname(os.path.dirname(path)), os.path.basename(path)
+
+
+@dataclass
+class _Use:
+    """Who saved a rank file last and when: whether it is still saved, and which goes first when room is short."""
+
+    saver: str
+    """The client that saved it last."""
+    round: int
+    """Its saver's tag count (``ReplicaStore._rounds``) at that save."""
+    last: int
+    """The store's clock at its last save or restore."""
 
 
 @dataclass
@@ -132,8 +155,18 @@ then calls its last argument on the loop with what that raised (or None)."""
 
 class ReplicaStore:
     def __init__(self, policy: str, budget: int, owner: str, on_removed: Callable[[], None] = lambda: None,
-                 ready_ahead: ReadyAhead | None = None) -> None:
+                 ready_ahead: ReadyAhead | None = None, alive: Callable[[str], bool] = lambda client: False) -> None:
         self.policy = policy
+        self._alive = alive
+        """Whether a client (by id) is still connected."""
+        self._uses: dict[tuple[str, str], _Use] = {}
+        """Per rank file the store holds something of (or saves now), its last save or restore."""
+        self._rounds: dict[str, tuple[str, int]] = {}
+        """Per connected client that saved, its last tag and how many tags it began."""
+        self._clock = 0
+        self.released = 0
+        """Replicas and spares released for another file's room (``_release_stale``), and their bytes."""
+        self.released_bytes = 0
         self._on_removed = on_removed
         """Called once files were removed: the storage writer may still map them (their pages are freed then)."""
         self._ready_ahead = ready_ahead
@@ -153,11 +186,14 @@ class ReplicaStore:
         if policy != "none":
             os.makedirs(self.folder, mode=0o700, exist_ok=True)
 
-    def reserve(self, job_id: int, path: str, tag: str, size: int, ranks: Ranks, snapshot: str) -> Replica | None:
-        """A replica to write for snapshot ``job_id``, or None when the policy is off or the budget or /dev/shm has no room."""
+    def reserve(self, job_id: int, path: str, tag: str, size: int, ranks: Ranks, snapshot: str,
+                client: str) -> Replica | None:
+        """A replica to write for snapshot ``job_id`` of ``client``, or None when the policy is off or the budget or
+        /dev/shm has no room."""
         if self.policy == "none":
             return None
         self._pins.release_removed()  # replicas removed under the daemon: their locked pages go
+        self._saved(rank_file(path), tag, client)
         spare = self._spares.pop(rank_file(path), None)
         spare_key = _spare_key(rank_file(path))
         if spare is not None:
@@ -168,6 +204,7 @@ class ReplicaStore:
             dropped = self._spares.pop(key)  # another rank file's, allocated ahead: a replica needs the room more
             self.used -= dropped.size
             self._remove(dropped.file)
+        self._release_stale(size)
         if self.used + size > self.budget:
             self._pins.unpin(spare_key)
             self._remove(spare.file if spare else "")
@@ -227,6 +264,58 @@ class ReplicaStore:
                     log.info("spare %s not mapped ahead: %s", spare, error)
 
             self._ready_ahead(spare, replica.size, mapped)
+
+    def _saved(self, key: tuple[str, str], tag: str, client: str) -> None:
+        """``client`` saves rank file ``key`` for ``tag``: its use now, and the client's tag count."""
+        if client not in self._rounds:  # the clients gone since forget their counts: none saves again
+            self._rounds = {c: r for c, r in self._rounds.items() if self._alive(c)}
+        last, count = self._rounds.get(client, ("", 0))
+        self._rounds[client] = (tag, count + (tag != last))
+        if key not in self._uses:  # the rank files the store holds nothing of any more forget their uses
+            held = {r.rank_file for r in self._held.values()} | set(self._spares) | set(self._making)
+            self._uses = {k: u for k, u in self._uses.items() if k in held}
+        self._clock += 1
+        self._uses[key] = _Use(client, self._rounds[client][1], self._clock)
+
+    def _stale(self, key: tuple[str, str]) -> bool:
+        """Whether no one saves rank file ``key`` any more: its last saver is gone, or began two newer tags since
+        (one newer tag is the next save, which may not be committed yet)."""
+        use = self._uses.get(key)
+        if use is None:
+            return True
+        if not self._alive(use.saver):
+            return True
+        return self._rounds.get(use.saver, ("", 0))[1] >= use.round + 2
+
+    def _release_stale(self, size: int) -> None:
+        """Make room for ``size`` more bytes from rank files no one saves any more: their spares first, then their
+        replicas (committed, or written and never committed), least recently saved or restored first; never a
+        replica a connected client was handed by a restore."""
+        if self.used + size <= self.budget:
+            return
+        for key in sorted((k for k in self._spares if self._stale(k)), key=self._last_use):
+            if self.used + size <= self.budget:
+                return
+            spare = self._spares.pop(key)
+            self._pins.unpin(_spare_key(key))
+            self.used -= spare.size
+            self._remove(spare.file)
+            self._count_released(spare.size)
+        for replica in sorted((r for r in self._held.values() if self._stale(r.rank_file)
+                               and not any(self._alive(c) for c in r.readers)
+                               and (r.committed or os.path.exists(r.file))), key=lambda r: self._last_use(r.rank_file)):
+            if self.used + size <= self.budget:
+                return
+            self.discard(replica.job_id)
+            self._count_released(replica.size)
+
+    def _last_use(self, key: tuple[str, str]) -> int:
+        use = self._uses.get(key)
+        return -1 if use is None else use.last
+
+    def _count_released(self, size: int) -> None:
+        self.released += 1
+        self.released_bytes += size
 
     def _remove(self, *paths: str) -> None:
         for path in paths:
@@ -294,8 +383,9 @@ class ReplicaStore:
         """Replicas hold no tag on storage."""
         return set()
 
-    def lookup(self, path: str, tag: str, size: int, snapshot: str) -> tuple[Replica | None, str]:
-        """The committed replica of ``path`` for ``tag`` holding ``snapshot`` (what its marker lists), or None and why not."""
+    def lookup(self, path: str, tag: str, size: int, snapshot: str, reader: str) -> tuple[Replica | None, str]:
+        """The committed replica of ``path`` for ``tag`` holding ``snapshot`` (what its marker lists), or None and why
+        not; handed to client ``reader``."""
         if self.policy == "none":
             return None, "memory_restore is none on this daemon"
         found = [r for r in self._held.values() if r.path == path]
@@ -311,6 +401,11 @@ class ReplicaStore:
             return None, (f"the daemon holds no replica of the version of tag {tag!r} its marker lists "
                           f"(snapshot {snapshot or 'not named'}), only of another version")
         match[0].served = True
+        match[0].readers.add(reader)
+        use = self._uses.get(match[0].rank_file)
+        if use is not None:
+            self._clock += 1
+            use.last = self._clock
         return match[0], ""
 
     def close(self) -> None:
@@ -330,6 +425,8 @@ class ReplicaStore:
             "locks_pending": self._pins.pending,
             "lock_refused": self._pins.refused,
             "folder": self.folder,
+            "released": self.released,
+            "released_bytes": self.released_bytes,
             "replicas": [{"tag": r.tag, "path": r.path, "file": r.file, "size": r.size, "rank": r.rank[1], "job": r.rank[0],
                           "snapshot": r.snapshot, "committed": r.committed, "in_place": r.in_place}
                          for r in self._held.values()],

@@ -83,7 +83,8 @@ class Daemon:
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger, owner, cfg.commit_timeout)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
                                      on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed(),
-                                     ready_ahead=lambda path, size, done: self._spawn(self._ready_ahead(path, size, done)))
+                                     ready_ahead=lambda path, size, done: self._spawn(self._ready_ahead(path, size, done)),
+                                     alive=lambda client: self.clients.alive(client, cfg.client_timeout))
         self.ledger.subscribe(self.replicas)
         self._tasks: set[asyncio.Task] = set()
         self._left: dict[str, str] = {}
@@ -256,7 +257,7 @@ class Daemon:
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
         job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision, fences=fences,
                           owner_alive=lambda: self.clients.alive(client.id, self.cfg.client_timeout))
-        job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks, job.snapshot)
+        job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks, job.snapshot, client.id)
         self.jobs.add(job)
         self.ledger.add(job, client.ranks)
         self._spawn(self._run(job, earlier))
@@ -332,9 +333,9 @@ class Daemon:
         return committed
 
     async def _restore(self, identity: bytes, body: m.Restore) -> m.RestoreReply:
-        self.clients.get(identity)
+        client = self.clients.get(identity)
         replica, why_not = self.replicas.lookup(check_path(body.path, self.cfg.storage.roots), body.tag, body.size,
-                                                body.snapshot)
+                                                body.snapshot, client.id)
         return m.RestoreReply(replica=replica.file if replica else "", why_not=why_not)
 
     async def _status(self, identity: bytes, body: m.Status) -> m.StatusReply:
