@@ -83,18 +83,20 @@ def test_a_finished_runs_replicas_make_room_for_the_next_runs_files(start_daemon
 
 def test_a_restarted_job_finds_its_newest_replicas_after_another_run_took_room(
         start_daemon: Callable[..., DaemonProc]) -> None:
-    """Job a's clients are all gone; job b's file needs 1 MiB more than is free: one of a's spares goes, never a
-    replica, so a's restart restores every rank from memory, and b does too."""
+    """Runs old, then a, end (their clients all gone) holding 42 of 48 MiB; run b's two rank files need 28 MiB: the
+    three spares go first, then the least recently saved replica, old's, never a's: a's restart restores both its
+    ranks from memory, and b does too."""
     d = start_daemon(memory_restore_budget="48MiB")
-    run(d, "a", steps=2)
-    run(d, "b", steps=1, ranks=1)
-    got_b = restore(d, "b", 0)
-    assert (got_b.tag, got_b.source) == ("step1", "memory"), got_b.why_not_memory
-    got = [restore(d, "a", rank) for rank in range(3)]
-    assert [(r.tag, r.source) for r in got] == [("step2", "memory")] * 3, [r.why_not_memory for r in got]
-    for rank, r in enumerate(got):
-        assert_state_equal(state("a", 2, rank), r.state)
-    assert replicas(d)["released"] == 1
+    run(d, "old", steps=2, ranks=1)
+    run(d, "a", steps=2, ranks=2)
+    run(d, "b", steps=2, ranks=2)
+    got = {(name, rank): restore(d, name, rank) for name in ("a", "b") for rank in range(2)}
+    assert {k: (r.tag, r.source) for k, r in got.items()} == {k: ("step2", "memory") for k in got}, \
+        {k: r.why_not_memory for k, r in got.items()}
+    for (name, rank), r in got.items():
+        assert_state_equal(state(name, 2, rank), r.state)
+    assert restore(d, "old", 0).source == "storage"
+    assert replicas(d)["released"] == 4
 
 
 def test_a_replica_being_read_by_a_restore_is_never_released(start_daemon: Callable[..., DaemonProc]) -> None:
