@@ -154,8 +154,8 @@ then calls its last argument on the loop with what that raised (or None)."""
 
 
 class ReplicaStore:
-    def __init__(self, policy: str, budget: int, owner: str, on_removed: Callable[[], None] = lambda: None,
-                 ready_ahead: ReadyAhead | None = None, alive: Callable[[str], bool] = lambda client: False) -> None:
+    def __init__(self, policy: str, budget: int, owner: str, alive: Callable[[str], bool],
+                 on_removed: Callable[[], None] = lambda: None, ready_ahead: ReadyAhead | None = None) -> None:
         self.policy = policy
         self._alive = alive
         """Whether a client (by id) is still connected."""
