@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItem,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -184,6 +185,7 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         self.tag = os.path.basename(self.folder)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        _needs_id(self.folder, "DatastatesStorageWriter")
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -266,8 +268,9 @@ class DatastatesStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata of a committed checkpoint; CommitError for a folder that is not one."""
+        _needs_id(self.folder, "DatastatesStorageReader")
         tag = os.path.basename(self.folder)
-        marker = trusted_marker(os.path.join(self.folder, marker_name(tag))) if self.folder else None
+        marker = trusted_marker(os.path.join(self.folder, marker_name(tag)))
         self.files = {f.path for f in marker.files} if marker is not None else set()
         if METADATA not in self.files:
             dcp_own = os.path.exists(os.path.join(self.folder, ".metadata"))
@@ -331,9 +334,10 @@ class DatastatesStorageReader(StorageReader):
             for item in items:
                 key = self.storage_data[item.storage_index].key
                 if item.type == LoadItemType.BYTE_IO:
+                    pickled = _pickled(states[name], key, os.path.join(self.folder, name))
                     if self.weights_only:
-                        _safe(states[name][key], name, item.storage_index.fqn)
-                    planner.load_bytes(item, io.BytesIO(states[name][key]))
+                        _safe(pickled, name, item.storage_index.fqn)
+                    planner.load_bytes(item, io.BytesIO(pickled))
                     continue
                 planner.commit_tensor(item, into[key] if into is not None else slices[id(item)].into)
         fut: Future[None] = Future()
@@ -374,6 +378,22 @@ class DatastatesStorageReader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
+def _needs_id(folder: str, who: str) -> None:
+    """InvalidRequestError for a save or load given no checkpoint_id (DCP then never calls ``reset``)."""
+    if not folder:
+        raise InvalidRequestError(f"{who} needs a checkpoint_id: the checkpoint's folder, whose name is its tag")
+
+
+def _pickled(state: Any, key: str, path: str) -> bytes:
+    """The object DCP pickled that a file's ``state`` holds at ``key``, where the checkpoint's metadata says it is;
+    CorruptCheckpointError where the file holds no bytes there."""
+    value = state.get(key) if isinstance(state, dict) else None
+    if not isinstance(value, bytes):
+        raise CorruptCheckpointError(f"{path}: the checkpoint's metadata says {key!r} is an object pickled there, "
+                                     f"but the file holds {type(value).__name__} at {key!r}", path=path)
+    return value
+
+
 def _safe(pickled: bytes, name: str, fqn: str) -> None:
     """Refuse an object DCP pickled that torch's safe unpickler will not build (WeightsOnlyError naming it)."""
     try:
@@ -387,10 +407,15 @@ def _safe(pickled: bytes, name: str, fqn: str) -> None:
 def to_filesystem(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     """Write the committed datastates DCP checkpoint ``folder`` in DCP's own ``FileSystemWriter`` layout at ``out``,
     for stock ``dcp.load`` or ``format_utils.dcp_to_torch_save``; returns ``out``. Every item is read whole (the
-    state at its saved, global shapes) in this one process."""
+    state at its saved, global shapes) in this one process. A failure is raised as its own error (CommitError: not a
+    committed checkpoint), not as DCP's CheckpointException."""
     state: dict[str, Any] = {}
     reader = DatastatesStorageReader()
     reader.reset(folder)
-    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    dcp_save(state, storage_writer=FileSystemWriter(os.fspath(out)), no_dist=True)
+    reader.read_metadata()  # its error as it is: DCP's loader would log it with its traceback, then wrap it
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        dcp_save(state, storage_writer=FileSystemWriter(os.fspath(out)), no_dist=True)
+    except CheckpointException as exc:  # a BaseException, the one rank's error and traceback in it
+        raise next(iter(exc.failures.values()))[0] from None
     return os.fspath(out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Callable
 
 import torch
@@ -23,8 +24,15 @@ from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestErr
 
 FORMAT = 1
 """Bumped on any incompatible change to the JSON below; a reader refuses every other."""
-MAX_INDEX = 1 << 24
-"""The largest list index a ``planner_data`` key path may hold: DCP's loader fills a list up to it."""
+MAX_DIMS = 64
+"""The most dimensions an item's size may have (torch's CUDA kernels take 25): each is compared per chunk and slice."""
+MAX_DEPTH = 64
+"""The most keys a ``planner_data`` path may hold: DCP rebuilds the state along it and walks it back recursively."""
+MAX_GAPS = 1024
+"""List elements no item fills, in all lists of the state DCP rebuilds from ``planner_data`` (``set_element`` fills a
+list with None up to its largest index, and DCP flattens each of them again): a list index alone, a few bytes, would
+otherwise cost work and memory in proportion to its value. DCP's own saves name every element of a list but an empty
+dict."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,18 +101,16 @@ def decode(raw: bytes, path: str) -> Metadata:
                 raise bad(f"item {fqn!r} has a chunk {list(chunk.offsets)} + {list(chunk.sizes)} outside its size "
                           f"{list(size)}")
             chunks.append(chunk)
+        if math.prod(size) > sum(math.prod(c.sizes) for c in chunks):
+            raise bad(f"item {fqn!r} of size {list(size)} has chunks of fewer elements: a load of its whole size "
+                      "would fill the rest with no stored data")
         props = TensorProperties(dtype=_torch(item.get("dtype"), torch.dtype, fqn, bad),
                                  layout=_torch(item.get("layout"), torch.layout, fqn, bad),
                                  requires_grad=_check(item.get("requires_grad"), bool, f"{fqn!r} requires_grad", bad),
                                  memory_format=_torch(item.get("memory_format"), torch.memory_format, fqn, bad),
                                  pin_memory=_check(item.get("pin_memory"), bool, f"{fqn!r} pin_memory", bad))
         state[fqn] = TensorStorageMetadata(props, size, chunks)
-    planner = {k: tuple(_check(v, list, f"planner path of {k!r}", bad))
-               for k, v in _check(doc.get("planner_data"), dict, "planner_data", bad).items()}
-    if not all(v and isinstance(v[0], str) and all(isinstance(x, str) or (type(x) is int and 0 <= x < MAX_INDEX)
-                                                   for x in v) for v in planner.values()):
-        raise bad(f"planner_data holds a key path that is not a name followed by names and indexes (below "
-                  f"{MAX_INDEX})")
+    planner = _planner(doc.get("planner_data"), state, bad)
     storage: dict[MetadataIndex, ShardAt] = {}
     for row in _check(doc.get("storage"), list, "storage", bad):
         if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and all(isinstance(x, str)
@@ -136,6 +142,44 @@ def decode(raw: bytes, path: str) -> Metadata:
     return Metadata(state, planner_data=planner, storage_data=storage, storage_meta=meta, version=version)
 
 
+def _planner(doc: Any, items: dict[str, Any], bad: Callable[[str], CorruptCheckpointError]) -> dict[str, tuple]:
+    """``planner_data``, where each item goes in the state DCP rebuilds from it (``_EmptyStateDictLoadPlanner``,
+    ``datastatesctl convert --to dcp``), checked so that rebuilding costs in proportion to the metadata: each path is
+    a name, then at most MAX_DEPTH - 1 names and indexes, that joined with dots is its item's name (as DCP's
+    flattening makes it); no path ends at or inside another's; lists have at most MAX_GAPS elements in all that no
+    path names."""
+    planner = {k: tuple(_check(v, list, f"planner_data path of {k[:80]!r}", bad))
+               for k, v in _check(doc, dict, "planner_data", bad).items()}
+    tree: dict[str | int, Any] = {}
+    for fqn in planner.keys() | items.keys():
+        path = planner.get(fqn, (fqn,))
+        if fqn not in items:
+            raise bad(f"planner_data names {fqn[:80]!r}, which is no item")
+        if not 0 < len(path) <= MAX_DEPTH:
+            raise bad(f"planner_data path of {fqn[:80]!r} has {len(path)} keys, not 1 to {MAX_DEPTH}")
+        if not (isinstance(path[0], str) and all(isinstance(k, str) or (type(k) is int and k >= 0) for k in path)
+                and ".".join(map(str, path)) == fqn):
+            raise bad(f"planner_data path of {fqn[:80]!r} is not a name followed by names and indexes that joined "
+                      "with dots make the item's name")
+        node: Any = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {}) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or path[-1] in node:
+            raise bad(f"planner_data path of {fqn[:80]!r} ends at or inside another item's")
+        node[path[-1]] = fqn
+    gaps, todo = 0, [tree]
+    while todo:
+        node = todo.pop()
+        indexes = [k for k in node if type(k) is int]
+        if indexes and len(indexes) != len(node):
+            raise bad("planner_data puts items by name and by index into one container")
+        gaps += max(indexes, default=-1) + 1 - len(indexes)
+        todo.extend(v for v in node.values() if isinstance(v, dict))
+    if gaps > MAX_GAPS:
+        raise bad(f"planner_data's list indexes leave {gaps} list elements no item fills (at most {MAX_GAPS})")
+    return planner
+
+
 def _name(value: torch.dtype | torch.layout | torch.memory_format) -> str:
     return str(value).removeprefix("torch.")
 
@@ -149,6 +193,8 @@ def _check(value: Any, kind: type, what: str, bad: Callable[[str], CorruptCheckp
 def _size(value: Any, fqn: str, bad: Callable[[str], CorruptCheckpointError]) -> torch.Size:
     if not isinstance(value, list) or not all(type(x) is int and 0 <= x < 1 << 63 for x in value):
         raise bad(f"item {fqn!r} has a size or offset that is not a list of integers from 0 to 2^63")
+    if len(value) > MAX_DIMS:
+        raise bad(f"item {fqn!r} has a size or offset of {len(value)} dimensions (at most {MAX_DIMS})")
     return torch.Size(value)
 
 

@@ -188,6 +188,8 @@ def trusted_marker(path: str, whole: bool = True) -> CommitMarker | None:
     """
     if is_object(path):  # who may write the bucket is its policy's to say
         return read_marker(path) if whole else read_marker_object(path)
+    if not os.path.lexists(path):  # no tag committed here (a new node's fast tier, an interrupted save): no warning
+        return None
     why = distrust(path)
     if why:
         log.warning("skipping the commit marker %s: %s", path, why)
