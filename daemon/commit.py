@@ -182,6 +182,23 @@ class CommitLedger:
                     raise PathNotAllowedError(f"path {path!r} refused: this client saved it for tag {held!r}, {state}; "
                                               f"a file belongs to one tag (save {tag!r} elsewhere)", path=path)
 
+    def check_tag_owner(self, tag: str, folder: str, client_id: str, ranks: Ranks, alive: Callable[[str], bool]) -> None:
+        """Refuse a snapshot of ``tag`` in ``folder`` from a client of a one-rank job while another client holds
+        uncommitted snapshots of that tag there, as ``check_owner`` holds files: the two saves' files would meet
+        under one marker, so one commit would list a mix of both, or each save refuse a file of the other's and
+        neither commit (two DCP saves of one checkpoint_id at once, each file of its own). The ranks of one job
+        share their tags: their commit gathers them. A gone client holds nothing but a commit under way."""
+        if ranks.world_size > 1:
+            return
+        for table in (self._open, self._committing, self._failed):
+            for (other, held), jobs in list(table.items()):
+                if other == client_id or held != tag or not any(j.folder == folder for j in jobs):
+                    continue
+                if table is self._committing or alive(other):
+                    raise PathNotAllowedError(f"tag {tag!r} refused in {folder}: client {other} is saving it there, "
+                                              "not yet committed; two clients must not save one tag at once",
+                                              path=folder)
+
     def committing(self, client_id: str, tag: str, folder: str) -> bool:
         """Whether this client's commit of ``tag`` with files in ``folder`` is in flight: its marker may land at any
         moment, so the client's new save of the tag must be written as a new version, never renamed over a file

@@ -39,12 +39,14 @@ def _quiet(fut: asyncio.Future) -> None:
 class SnapshotJob:
     def __init__(self, job_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region],
                  decision: tuple[str, str] | None = None, owner_alive: Callable[[], bool] | None = None,
-                 fences: Fences | None = None) -> None:
+                 fences: Fences | None = None, folder: str = "") -> None:
         loop = asyncio.get_running_loop()
         self.id = job_id
         self.client_id = client_id
         self.tag = tag
         self.path = plan.path
+        self.folder = folder
+        """Its tag's folder, where the tag's marker goes (commit.tag_folder), also while ``path`` is a new version's."""
         self.plan: FilePlan | None = plan
         self.regions: Sequence[Region] = regions
         self.total_bytes = plan.total_bytes

@@ -235,7 +235,7 @@ class Daemon:
 
         job_id = self.jobs.next_id()
 
-        def admit() -> tuple[Any, str, Any]:
+        def admit() -> tuple[Any, str, str, Any, Any]:
             roots = self.cfg.storage.roots
             path = check_path(body.path, roots)
             check_derived(path, body.tag, client.ranks.node_rank, self.cfg.storage.tiers)
@@ -246,16 +246,18 @@ class Daemon:
                                     lambda other: self.clients.alive(other, self.cfg.client_timeout))
             plan = plan_snapshot(body, written, self.cfg.chunk_size, f"{self.instance.owner}/{client.id}/{job_id}")
             fences = Fences(check_fences(body.fences), self.cfg.fence_timeout)
-            return plan, path, client.regions_for(path, body.sources), fences
+            return plan, path, folder, client.regions_for(path, body.sources), fences
 
-        plan, path, regions, fences = await asyncio.get_running_loop().run_in_executor(None, admit)
+        plan, path, folder, regions, fences = await asyncio.get_running_loop().run_in_executor(None, admit)
         # again, now with no await before the registration below: another client's snapshot of the same file may
         # have been admitted on another thread meanwhile, and one of the two would be lost (issue 27, item 2)
         self.ledger.check_owner(plan.path, client.id, body.tag,
                                 lambda other: self.clients.alive(other, self.cfg.client_timeout))
+        self.ledger.check_tag_owner(body.tag, folder, client.id, client.ranks,
+                                    lambda other: self.clients.alive(other, self.cfg.client_timeout))
         earlier = self.jobs.pending_at(plan.path)
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
-        job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision, fences=fences,
+        job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision, fences=fences, folder=folder,
                           owner_alive=lambda: self.clients.alive(client.id, self.cfg.client_timeout))
         job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks, job.snapshot, client.id)
         self.jobs.add(job)

@@ -314,6 +314,14 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_two_clients_that_snapshot_one_file_at_the_same_instant_are_never_both_told_it_committed",),
     ),
     Mutation(
+        "two-clients-save-one-tag-at-once",
+        "a client's snapshot of a tag another client is saving in the same folder is admitted when it is a file of "
+        "its own: two DCP saves of one checkpoint_id each refuse a file of the other's, and neither commits",
+        (Edit("daemon/commit.py", "held != tag or not any(j.folder == folder for j in jobs):",
+              "held != tag or True:  # MUTATION"),),
+        ("tests/faults/test_dcp_resave.py::test_two_clients_saving_one_checkpoint_at_once_commit_one_of_them_whole",),
+    ),
+    Mutation(
         "derived-names-past-path-max",
         "a path whose tag marker, staging copy or temporary names pass PATH_MAX is admitted: its tag commits unseen",
         (Edit("protocol/paths.py",
@@ -981,6 +989,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "was let go to change are checkpointed",
         (Edit("client/client.py", "            if self._given_up:\n", "            if False:  # MUTATION\n"),),
         ("tests/integrations/test_dcp.py::test_a_snapshot_expected_but_never_sent_fails_the_fence_once_instead_of_hanging",),
+    ),
+    Mutation(
+        "dcp-second-save-of-a-tag-through-one-client",
+        "a DCP save of a checkpoint_id while the same client's save of it is under way is not refused: the daemon "
+        "commits the two saves' files as one, and both succeed",
+        (Edit("integrations/dcp.py", "            if other is not None and not other.over():\n",
+              "            if False:  # MUTATION\n"),),
+        ("tests/faults/test_dcp_resave.py::"
+         "test_a_save_of_a_checkpoint_the_clients_async_save_is_still_writing_is_refused[async_save]",
+         "tests/faults/test_dcp_resave.py::test_back_to_back_saves_of_one_checkpoint_never_both_commit"),
+    ),
+    Mutation(
+        "dcp-failed-save-holds-its-tag",
+        "a DCP save whose writer DCP stops calling (its coordinator's finish never comes) holds its tag for as long "
+        "as its thread lives: the next save of that checkpoint_id on the same thread is refused",
+        (Edit("integrations/dcp.py", "        return not self.thread.is_alive() or self.thread is threading.current_thread()\n",
+              "        return not self.thread.is_alive()  # MUTATION\n"),),
+        ("tests/faults/test_dcp_resave.py::"
+         "test_a_save_of_a_checkpoint_the_clients_async_save_is_still_writing_is_refused[async_save]",),
     ),
     Mutation(
         "replica-no-spare-ahead",
