@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import datastates
 import torch
 
-from datastates.client import Client, daemon_status
+import datastates
+from datastates.client import Client, Restored, daemon_status
 
 from conftest import DaemonProc, assert_state_equal, save
 
@@ -57,7 +57,7 @@ def held(d: DaemonProc, name: str) -> list[str]:
                   if Path(r["path"]).parent.parent.name == name and r["committed"])
 
 
-def restore(d: DaemonProc, name: str, rank: int) -> datastates.client.client.Restored:
+def restore(d: DaemonProc, name: str, rank: int) -> Restored:
     with Client(d.endpoint, timeout=60) as c:
         restored = c.restore(d.root / name, f"rank{rank}.pt")
     assert restored is not None
