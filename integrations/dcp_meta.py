@@ -150,11 +150,12 @@ def _planner(doc: Any, items: dict[str, Any], bad: Callable[[str], CorruptCheckp
     path names."""
     planner = {k: tuple(_check(v, list, f"planner_data path of {k[:80]!r}", bad))
                for k, v in _check(doc, dict, "planner_data", bad).items()}
+    strays = planner.keys() - items.keys()
+    if strays:
+        raise bad(f"planner_data names {min(strays)[:80]!r}, which is no item")
     tree: dict[str | int, Any] = {}
-    for fqn in planner.keys() | items.keys():
+    for fqn in items:
         path = planner.get(fqn, (fqn,))
-        if fqn not in items:
-            raise bad(f"planner_data names {fqn[:80]!r}, which is no item")
         if not 0 < len(path) <= MAX_DEPTH:
             raise bad(f"planner_data path of {fqn[:80]!r} has {len(path)} keys, not 1 to {MAX_DEPTH}")
         if not (isinstance(path[0], str) and all(isinstance(k, str) or (type(k) is int and k >= 0) for k in path)

@@ -984,6 +984,83 @@ MUTATIONS: tuple[Mutation, ...] = (
          "[a torch function for a dtype]",),
     ),
     Mutation(
+        "dcp-metadata-list-gaps-unbounded",
+        "the DCP reader takes any list index in planner_data: DCP's converter fills the list up to it and flattens "
+        "each element again (an index of 2^20, 320 bytes of JSON, cost 10 s and 830 MiB)",
+        (Edit("integrations/dcp_meta.py", "    if gaps > MAX_GAPS:\n", "    if False:  # MUTATION\n"),),
+        ("tests/faults/test_crafted_dcp_meta.py::test_each_crafted_field_that_drives_work_is_refused_naming_it[a list index of 2^24 - 1]",
+         "tests/faults/test_crafted_dcp_meta.py::test_each_crafted_field_that_drives_work_is_refused_naming_it[an index per nested list]"),
+    ),
+    Mutation(
+        "dcp-metadata-path-depth-unbounded",
+        "the DCP reader takes a planner_data path of any length: DCP rebuilds and walks the state recursively",
+        (Edit("integrations/dcp_meta.py", "        if not 0 < len(path) <= MAX_DEPTH:\n",
+              "        if not path:  # MUTATION\n"),),
+        ("tests/faults/test_crafted_dcp_meta.py::test_each_crafted_field_that_drives_work_is_refused_naming_it[a path of 5000 keys]",),
+    ),
+    Mutation(
+        "dcp-metadata-paths-unjoined",
+        "the DCP reader takes a planner_data path that is not its item's name: DCP's converter rebuilds a state "
+        "whose names its own metadata lacks",
+        (Edit("integrations/dcp_meta.py", '                and ".".join(map(str, path)) == fqn):\n',
+              "                ):  # MUTATION\n"),),
+        ("tests/faults/test_crafted_dcp_meta.py::test_each_crafted_field_that_drives_work_is_refused_naming_it[a path that is not its item's name]",),
+    ),
+    Mutation(
+        "dcp-metadata-paths-overlap",
+        "the DCP reader takes planner_data paths that end at or inside another item's, or put names and indexes into "
+        "one list: DCP's converter overwrites an item or fails with a TypeError",
+        (Edit("integrations/dcp_meta.py", "        if not isinstance(node, dict) or path[-1] in node:\n",
+              "        if False:  # MUTATION\n"),
+         Edit("integrations/dcp_meta.py", "        if indexes and len(indexes) != len(node):\n",
+              "        if False:  # MUTATION\n")),
+        ("tests/faults/test_crafted_dcp_meta.py::test_each_crafted_field_that_drives_work_is_refused_naming_it[a path inside another]", "tests/faults/test_crafted_dcp_meta.py::test_each_crafted_field_that_drives_work_is_refused_naming_it[names and indexes in one list]"),
+    ),
+    Mutation(
+        "dcp-metadata-size-uncovered",
+        "the DCP reader takes an item whose size its chunks do not cover: DCP's converter allocates and writes the "
+        "whole size (2^30 elements of 3 stored: 4 GiB written)",
+        (Edit("integrations/dcp_meta.py", "        if math.prod(size) > sum(", "        if False and math.prod(size) > sum("),),
+        ("tests/faults/test_crafted_dcp_meta.py::test_each_crafted_field_that_drives_work_is_refused_naming_it[a size of 2^30 stored in 3 elements]",),
+    ),
+    Mutation(
+        "dcp-metadata-dims-unbounded",
+        "the DCP reader takes a size of any number of dimensions",
+        (Edit("integrations/dcp_meta.py", "    if len(value) > MAX_DIMS:\n", "    if False:  # MUTATION\n"),),
+        ("tests/faults/test_crafted_dcp_meta.py::test_each_crafted_field_that_drives_work_is_refused_naming_it[65 dimensions]",),
+    ),
+    Mutation(
+        "dcp-object-unchecked",
+        "a DCP load takes whatever a file holds where its metadata names an object: a tensor there is a TypeError, "
+        "nothing there a KeyError",
+        (Edit("integrations/dcp.py", "    if not isinstance(value, bytes):\n", "    if False:  # MUTATION\n"),),
+        ("tests/faults/test_crafted_dcp_meta.py::test_a_resharded_load_of_an_object_the_file_does_not_hold_names_it[a tensor]",),
+    ),
+    Mutation(
+        "dcp-checkpoint-id-unchecked",
+        "a DCP save or load given checkpoint_id=None goes on with no folder: the daemon answers `invalid tag ''`",
+        (Edit("integrations/dcp.py", "    if not folder:\n", "    if False:  # MUTATION\n"),),
+        ("tests/faults/test_crafted_dcp_meta.py::test_a_checkpoint_id_of_none_is_refused_saying_so[save]",
+         "tests/faults/test_crafted_dcp_meta.py::test_a_checkpoint_id_of_none_is_refused_saying_so[load]"),
+    ),
+    Mutation(
+        "convert-dcp-traceback",
+        "`datastatesctl convert --to dcp` lets DCP read the metadata and raise its CheckpointException: a folder "
+        "that is no committed checkpoint prints a traceback",
+        (Edit("integrations/dcp.py", "    reader.read_metadata()  # its error", "    # MUTATION reader.read_metadata()"),
+         Edit("integrations/dcp.py", "        raise next(iter(exc.failures.values()))[0] from None\n",
+              "        raise\n")),
+        ("tests/faults/test_crafted_dcp_meta.py::test_convert_to_dcp_of_no_checkpoint_says_so_in_one_line_and_to_filesystem_raises_the_error_itself",),
+    ),
+    Mutation(
+        "missing-marker-warned",
+        "a restore warns of every tier that holds no marker for the tag: each restore on a new node logs 'skipping "
+        "the commit marker ...: No such file or directory'",
+        (Edit("protocol/tags.py", "    if not os.path.lexists(path):  # no tag committed here",
+              "    if False:  # MUTATION"),),
+        ("tests/faults/test_crafted_dcp_meta.py::test_a_restore_from_the_next_tier_on_a_node_whose_fast_tier_holds_nothing_warns_of_nothing",),
+    ),
+    Mutation(
         "dcp-late-snapshot-taken",
         "a snapshot the fence gave up waiting for is still taken when its save thread sends it: tensors the trainer "
         "was let go to change are checkpointed",
