@@ -12,10 +12,13 @@ plain tensor), copied by the daemon lazily, and the few objects DCP pickles itse
 coordinator adds ``metadata.pt`` (DCP's ``Metadata`` as JSON, ``dcp_meta``, each item's file and key in it)
 once every rank's results are in, and the checkpoint folder's name is the tag: it is
 committed once, with every rank's file and the metadata durable, and ``dcp.save`` returns
-(``async_save``'s future resolves) only then. ``async_save`` stages nothing: ``stage()``
-takes references to the items on the caller's thread (no copy) and ``client.expect()`` makes the
-fence (``client.protect(optimizer)``) wait for the snapshot DCP's save thread sends, and
-then for the daemon's copy, before the optimizer changes a shard.
+(``async_save``'s future resolves) only then. A second save of a tag while one is under
+way (an ``async_save`` not yet resolved, then another save of that checkpoint_id) is refused
+with CommitError: through the same client by its writer, through another client by the
+daemon. ``async_save`` stages nothing: ``stage()`` takes references to the items on the
+caller's thread (no copy) and ``client.expect()`` makes the fence
+(``client.protect(optimizer)``) wait for the snapshot DCP's save thread sends, and then for
+the daemon's copy, before the optimizer changes a shard.
 
 Call order (DCP's): ``stage`` (``async_save`` only), ``reset(checkpoint_id)``,
 ``set_up_storage_writer``, ``prepare_local_plan``, ``prepare_global_plan``, ``write_data``
@@ -42,7 +45,10 @@ import contextlib
 import io
 import os
 import pickle
+import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -123,6 +129,54 @@ FILES_AT_ONCE = 4
 load from a checkpoint of 64 ranks into one must not start 64 of them."""
 
 
+@dataclass(eq=False)
+class _Save:
+    """One save's hold on its tag through one client: its folder, and the thread running it."""
+
+    folder: str
+    thread: threading.Thread
+
+    def over(self) -> bool:
+        """Whether this save has ended without releasing its hold: DCP calls no more of a coordinator's writer once
+        another rank's write failed. Its thread has ended (``async_save``'s own), or saves again (``save``)."""
+        return not self.thread.is_alive() or self.thread is threading.current_thread()
+
+
+class _TagsUnderWay:
+    """Per client, the tag each of its DCP saves has under way: from ``write_data`` until its commit is answered.
+
+    The daemon tells one client's snapshots of a tag apart by nothing: two saves of a tag at
+    once (an ``async_save`` not yet finished, then another save to the same checkpoint_id) would
+    be committed as one, their files mixed. The later to write is refused instead (``claim``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._saves: weakref.WeakKeyDictionary[Client, dict[str, _Save]] = weakref.WeakKeyDictionary()
+
+    def claim(self, client: Client, tag: str, folder: str) -> _Save:
+        """Hold ``tag`` for a save into ``folder`` through ``client``; CommitError while another save holds it."""
+        with self._lock:
+            saves = self._saves.setdefault(client, {})
+            other = saves.get(tag)
+            if other is not None and not other.over():
+                raise CommitError(f"checkpoint {folder!r} not saved: this client's save of tag {tag!r} into "
+                                  f"{other.folder!r} is still under way (an async_save whose future has not resolved, "
+                                  "or a save on another thread); a client saves a tag once at a time, so wait for "
+                                  "that save first", tag=tag)
+            save = saves[tag] = _Save(folder, threading.current_thread())
+            return save
+
+    def release(self, client: Client, tag: str, save: _Save) -> None:
+        with self._lock:
+            saves = self._saves.get(client, {})
+            if saves.get(tag) is save:
+                del saves[tag]
+
+
+_UNDER_WAY = _TagsUnderWay()
+
+
 class DatastatesStorageWriter(StorageWriter, AsyncStager):
     """DCP's storage layer as snapshots and one commit through this rank's ``client`` (see the module's docstring).
 
@@ -140,9 +194,12 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self._staged: dict[str, Any] | None = None
         self._coming: Expected | None = None
+        self._save: _Save | None = None
+        """This save's hold on its tag through ``client`` (``_TagsUnderWay``), from ``write_data`` on."""
 
     def __reduce__(self) -> Any:
         self._release()  # the process executor pickles it after stage(): the fence must not wait for it
+        self._let_go()
         raise TypeError("DatastatesStorageWriter holds this rank's connection to its daemon and cannot be sent to "
                         "another process: use async_save's default thread executor")
 
@@ -184,6 +241,12 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         self.folder = os.path.abspath(os.fspath(checkpoint_id))
         self.tag = os.path.basename(self.folder)
 
+    def _let_go(self) -> None:
+        """This save no longer holds its tag: its commit was answered, or it failed before."""
+        if self._save is not None:
+            _UNDER_WAY.release(self.client, self.tag, self._save)
+            self._save = None
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         _needs_id(self.folder, "DatastatesStorageWriter")
         self.is_coordinator = is_coordinator
@@ -200,6 +263,7 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         entries: dict[str, Any] = {}
         results: list[WriteResult] = []
         try:
+            self._save = _UNDER_WAY.claim(self.client, self.tag, self.folder)  # where DCP tells every rank of a failure
             for item in plan.items:
                 key = entry_key(item.index)
                 if key in entries:
@@ -210,10 +274,13 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
                                            storage_data=ShardAt(name, key)))
             with self._coming.sending() if self._coming is not None else contextlib.nullcontext():
                 self.client.snapshot(entries, os.path.join(self.folder, name), tag=self.tag)
+        except BaseException:
+            self._let_go()
+            raise
         finally:
             self._release()
         if not self.is_coordinator:  # the coordinator commits in finish(), with the metadata
-            self.client.commit(self.tag)
+            self.client.commit(self.tag).add_done_callback(lambda _: self._let_go())
         fut: Future[list[WriteResult]] = Future()  # torch's: DCP waits on it
         fut.set_result(results)
         return fut
@@ -231,13 +298,17 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator's metadata joins its own file in the tag, which it then commits for every rank; returns
         once committed (CommitError: a rank's part failed, so the checkpoint is not visible)."""
-        if len(results) != self.client.ranks.world_size:
-            raise InvalidRequestError(f"this save has {len(results)} rank(s), the job {self.client.ranks.world_size}: "
-                                      "a tag commits once every rank of the job commits it, so save on every rank "
-                                      "(DCP's default process group), not a subgroup or no_dist")
-        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        self.client.snapshot({"dcp": encode(metadata)}, os.path.join(self.folder, METADATA), tag=self.tag)
-        self.client.commit(self.tag).result()
+        try:
+            if len(results) != self.client.ranks.world_size:
+                raise InvalidRequestError(f"this save has {len(results)} rank(s), the job "
+                                          f"{self.client.ranks.world_size}: a tag commits once every rank of the job "
+                                          "commits it, so save on every rank (DCP's default process group), not a "
+                                          "subgroup or no_dist")
+            metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+            self.client.snapshot({"dcp": encode(metadata)}, os.path.join(self.folder, METADATA), tag=self.tag)
+            self.client.commit(self.tag).result()
+        finally:
+            self._let_go()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
