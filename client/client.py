@@ -26,7 +26,7 @@ from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import check_tag, marker_name
 from datastates.protocol.tags import trusted_marker
-from datastates.protocol.liveness import pid_namespace, process_start
+from datastates.protocol.liveness import pid_namespace, process_began_ns, process_start
 from datastates.protocol.paths import check_derived, check_path
 
 from .capture import Capture, capture, gc_paused
@@ -237,6 +237,7 @@ class Client:
         """Where this client and the daemon agree on each snapshot's fate (protocol/outcome.py); the daemon removes it."""
         hello = m.Hello(pid=os.getpid(), name=self._name, host=socket.gethostname(), on_busy=self._on_busy,
                         pidns=pid_namespace(), started=process_start(os.getpid()) or "", ranks=self.ranks,
+                        began_ns=process_began_ns(os.getpid()),
                         decisions=self._decisions, probe=str(self._probe or ""))
         try:
             if self._probe is not None and yama_scope() == 1:  # the daemon is no ancestor: name it our reader first

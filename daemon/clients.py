@@ -88,6 +88,8 @@ class ClientRecord:
     """The client's decision folder (protocol/outcome.py), checked at HELLO; "" if it sent none."""
     started: str | None = None
     """The client process's start time, when the daemon can watch its pid (same host and pid namespace)."""
+    began_ns: int = 0
+    """When the client's process started, as it says (HELLO ``began_ns``): where its job's attempt began."""
     vm_refused: str = "not probed"
     """Why the daemon cannot read this client's CPU memory in place; "" when it can (daemon/sources/vm.py)."""
     gpu_capture: dict[str, str] = field(default_factory=dict)
@@ -270,7 +272,7 @@ class ClientRegistry:
         record = ClientRecord(
             id=f"c{next(self._ids)}-{hello.pid}", identity=identity, pid=hello.pid, name=hello.name[:128],
             host=hello.host[:128], on_busy=hello.on_busy, ranks=hello.ranks.check(),
-            decisions=outcome.check_folder(hello.decisions),
+            decisions=outcome.check_folder(hello.decisions), began_ns=max(0, hello.began_ns),
         )
         if hello.host == self._host and shares_pids(hello.pidns, hello.started, hello.pid):
             record.started = process_start(hello.pid)

@@ -72,7 +72,7 @@ def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
 
 
 def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int, sequence: int, nodes: int = 1,
-                node: int = -1, snapshots: dict[str, str] | None = None) -> CommitMarker:
+                node: int = -1, snapshots: dict[str, str] | None = None, job: str = "", owner: str = "") -> CommitMarker:
     return CommitMarker(
         version=COMMIT_VERSION,
         tag=tag,
@@ -83,6 +83,8 @@ def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int,
         nodes=nodes,
         node=node,
         sequence=sequence,
+        job=job,
+        owner=owner,
     )
 
 
@@ -114,6 +116,10 @@ class _TagGroup:
     """The newest snapshot id among the node's files: see CommitLedger._tracked."""
     sequence: int = 0
     """The sequence of the node's first rank to ask (that named a file): the tag's place among the job's tags."""
+    clients: set[str] = field(default_factory=set)
+    """The clients whose COMMIT joined the round and have not died: once none is left, none is left to tell."""
+    began_ns: int = 0
+    """When the first of those clients' processes started (0: unknown): where this attempt of the job began."""
 
     @classmethod
     def start(cls, ranks: Ranks, requested_ns: int) -> _TagGroup:
@@ -133,8 +139,9 @@ class _TagGroup:
 
 
 class CommitLedger:
-    def __init__(self, engine: Engine, storage: StorageConfig, timeout: float, versions: Versions) -> None:
+    def __init__(self, engine: Engine, storage: StorageConfig, timeout: float, versions: Versions, owner: str) -> None:
         self._engine = engine
+        self._owner = owner
         self._versions = versions
         self._storage = storage
         self._roots = storage.roots
@@ -283,6 +290,13 @@ class CommitLedger:
                     self._versions.abandon([j.path for j in jobs])
         return opened
 
+    def died(self, client_id: str) -> None:
+        """A client gone without BYE (killed, or silent past liveness): the rounds it asked to commit have one rank
+        fewer to tell; a node other than 0 takes its part of a round back once none is left (daemon/gather.py). A
+        client that said BYE left on purpose: its commit stands."""
+        for group in self._groups.values():
+            group.clients.discard(client_id)
+
     def rank_lost(self, ranks: Ranks, opened: set[str], peers: set[str]) -> None:
         """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout:
         the rounds under way, those of the tags it had snapshotted (``opened``) that no rank asked to commit yet, and
@@ -309,7 +323,8 @@ class CommitLedger:
         return [{"tag": tag, "job": job, "committed_ranks": sorted(g.committed), "local_ranks": g.ranks.local_world_size,
                  "nodes": g.ranks.num_nodes} for (job, _, tag), g in self._groups.items() if not g.failed]
 
-    async def commit(self, client_id: str, tag: str, ranks: Ranks) -> m.Committed:
+    async def commit(self, client_id: str, tag: str, ranks: Ranks, began_ns: int = 0) -> m.Committed:
+        """Commit ``tag`` for this client; ``began_ns``: when its process started (``ClientRecord.began_ns``)."""
         key = (client_id, tag)
         skipped, refused = self._skipped.pop(key, ""), self._refused.pop(key, "")
         if skipped or refused:  # none of the tag's snapshots will ever be committed
@@ -328,7 +343,7 @@ class CommitLedger:
             sequence = await self._next_sequence(tag, jobs, ranks)
             if ranks.world_size == 1:
                 return await self._commit_alone(client_id, tag, jobs, requested_ns, sequence)
-            return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns, sequence)
+            return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns, sequence, began_ns)
         finally:
             self.pending -= 1
             if self._committing.get(key) is jobs:  # answered: committed (its marker lists them) or kept for a retry
@@ -418,6 +433,7 @@ class CommitLedger:
 
     async def _commit_rank(
         self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob], requested_ns: int, sequence: int,
+        began_ns: int,
     ) -> m.Committed:
         """One rank's share; the node's last rank to arrive finishes the tag for all of them.
 
@@ -435,6 +451,9 @@ class CommitLedger:
             raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
         group.sequence = group.sequence or sequence  # the first rank to ask, unless it named no file
         group.committed.add(ranks.rank)
+        group.clients.add(client_id)
+        if began_ns:
+            group.began_ns = min(group.began_ns or began_ns, began_ns)
         if not group.failed:
             try:
                 group.files.update(await self._durable(tag, jobs))
@@ -477,7 +496,8 @@ class CommitLedger:
         if not group.files:
             raise CommitError(f"tag {tag!r} not committed: no rank of this node snapshotted a file for it", tag=tag)
         return await self._first_commit(CommitEvent(client_id, tag, group.files, group.ranks, group.requested_ns,
-                                                    group.order, group.sequence, group.snapshots))
+                                                    group.order, group.sequence, group.snapshots,
+                                                    began_ns=group.began_ns, present=lambda: bool(group.clients)))
 
     async def _first_commit(self, commit: CommitEvent) -> m.Committed:
         """The commit a client asked for, on the tier its files were written to, then announced."""
@@ -515,13 +535,15 @@ class CommitLedger:
             return await self._publish(client_id, tag, marker, folder, order, wanted=commit.wanted), sequence
         if os.path.basename(folder) != tag:
             raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
-        mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank, commit.snapshots)
+        mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank, commit.snapshots,
+                           ranks.job, self._owner)
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
-            marker = await self._nodes.await_marker(tag, folder, mine.committed_ns, nodes, ranks.node_rank)
+            marker = await self._nodes.await_marker(tag, folder, mine.committed_ns, nodes, ranks.node_rank,
+                                                    commit.present)
             return m.Committed(tag=tag, marker=os.path.join(folder, marker_name(tag)), files=tag_files(folder, marker)), \
                 marker.sequence
-        everyone, snapshots = await self._nodes.gather(tag, folder, nodes)
+        everyone, snapshots = await self._nodes.gather(tag, folder, nodes, ranks.job, commit.began_ns, commit.present)
         committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, sequence, nodes,
                                                                     snapshots=snapshots), folder, order,
                                         wanted=functools.partial(still_reported, tag, folder, nodes))

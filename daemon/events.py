@@ -31,12 +31,19 @@ class CommitEvent:
     wanted: Callable[[], None] | None = None
     """Raises SnapshotFailedError once the trainer went on saving these files itself (it lost this daemon, and
     ``fallback="local"``): asked in the flush call that renames the marker in, and right before a version switch."""
+    began_ns: int = 0
+    """When the job's attempt began here (its ranks' first process start; 0: unknown): node 0 takes no done marker
+    written before it (daemon/gather.py)."""
+    present: Callable[[], bool] = lambda: True
+    """Whether a rank that asked for the commit is still alive to be told: once none is, node 0 stops gathering
+    the other nodes' done markers, and any other node stops waiting for node 0's marker and takes its own back."""
 
     def moved(self, place: Callable[[str], str]) -> CommitEvent:
         """The same commit with every file at ``place(path)``: a new version switched in, or a lower tier (which
         the trainer's later moves never concern: ``wanted`` stays with the first commit)."""
         return dataclasses.replace(self, files={place(p): n for p, n in self.files.items()},
-                                   snapshots={place(p): s for p, s in self.snapshots.items()}, wanted=None)
+                                   snapshots={place(p): s for p, s in self.snapshots.items()}, wanted=None,
+                                   present=lambda: True)
 
 
 class CommitListener(Protocol):

@@ -13,8 +13,17 @@ short of first (docs/scale.md), so every wait is frugal with it:
   grows, so a node that is late by minutes costs a look a second, not a storm;
 - node 0 removes the done markers through one descriptor of the folder.
 
-A node that gives up waiting (``commit_timeout``) withdraws its done marker before it tells
-its ranks, and node 0 checks that every done marker is still there right before its marker
+A done marker counts only for the attempt of the job that wrote it: node 0 takes none of
+another job (``Ranks.job``, which holds the launcher's restart count), nor one written before
+its own ranks' processes started (less ``CLOCK_SKEW_S``): a rank's process starts before any
+collective of its attempt, so a node's part of a tag of this attempt is never older, and the
+part a failed attempt left behind always is. Such a leftover waits to be replaced by its
+node's part of this attempt (renamed over it), or goes when the tag commits.
+
+A node that gives up waiting (``commit_timeout``), or whose ranks that asked for the tag all
+died (a dead attempt: no rank is left to be told; node 0 then stops gathering too, so the
+restart's save of the tag is not refused), withdraws its done marker before it tells its
+ranks, and node 0 checks that every done marker is still there right before its marker
 is renamed in, so a tag never commits on node 0 after another node said it failed (but
 for the instant between that check and the rename, which a last look closes from the
 other side: see ``await_marker``).
@@ -48,6 +57,8 @@ FEW_MISSING = 2
 LOOKS_PER_S = 1000
 """What the nodes other than node 0 ask the metadata server at most a second, together, while they await the tag's
 marker: each waits at least ``(nodes - 1) / LOOKS_PER_S`` s between looks (2,048 nodes: 2 s), spread at random."""
+CLOCK_SKEW_S = 1.0
+"""How far the nodes' clocks may differ: a done marker older than node 0's attempt by more is a failed attempt's."""
 
 
 def _pauses(least: float, longest: float) -> Iterator[float]:
@@ -66,12 +77,16 @@ class NodeGather:
         self._engine = engine
         self._timeout = timeout
 
-    async def gather(self, tag: str, folder: str, nodes: int) -> tuple[dict[str, int], dict[str, str]]:
-        """Node 0: every node's files (path → size, path → snapshot), from their done markers; CommitError naming the
-        nodes that never reported."""
+    async def gather(self, tag: str, folder: str, nodes: int, job: str, began_ns: int, present: Callable[[], bool],
+                     ) -> tuple[dict[str, int], dict[str, str]]:
+        """Node 0: every node's files (path → size, path → snapshot), from their done markers of this attempt of
+        ``job`` (which began at ``began_ns``, 0: unknown); CommitError naming the nodes that never reported, or once
+        no rank of this node that asked for the tag is ``present`` (the attempt died: its restart saves the tag anew,
+        and must not find the dead attempt's round still holding its files)."""
         deadline = time.monotonic() + self._timeout
         names = {done_name(tag, node): node for node in range(nodes)}
         found: dict[int, CommitMarker] = {}
+        stale: dict[int, str] = {}
         pauses = _pauses(0.0, LONGEST_LOOK_S)
         while True:
             missing = sorted(names.keys() - {done_name(tag, n) for n in found})
@@ -79,23 +94,37 @@ class NodeGather:
                 missing = await self._engine.flush(_present, folder, missing)
             for name in missing:
                 marker = await self._engine.flush(CommitMarker.read, os.path.join(folder, name))
-                if marker is not None and marker.tag == tag:
+                if marker is None:
+                    continue
+                why = _not_of_attempt(marker, tag, job, began_ns)
+                if not why:
                     found[names[name]] = marker
+                elif stale.get(names[name]) != why:
+                    stale[names[name]] = why
+                    log.warning("tag %s: node %d's done marker in %s is not of this attempt (%s): waiting for its "
+                                "part of this one", tag, names[name], folder, why)
             if len(found) == nodes:
                 listed = [(os.path.join(folder, f.path), f) for mk in found.values() for f in mk.files]
                 return {p: f.size for p, f in listed}, {p: f.snapshot for p, f in listed}
+            if not present():
+                raise CommitError(f"tag {tag!r} not committed: every rank of this node that asked for it is gone",
+                                  tag=tag)
             if time.monotonic() > deadline:
                 missing_nodes = [n for n in range(nodes) if n not in found]
+                left = f"; what is there of node(s) {sorted(stale)} is a failed attempt's" if stale else ""
                 raise CommitError(
                     f"tag {tag!r} not committed: node(s) {missing_nodes} wrote no done marker in {folder} within "
-                    f"{self._timeout:.0f} s (their daemon or ranks may have died)", tag=tag, missing=str(missing_nodes),
+                    f"{self._timeout:.0f} s (their daemon or ranks may have died){left}", tag=tag,
+                    missing=str(missing_nodes),
                 )
             await asyncio.sleep(next(pauses))
 
-    async def await_marker(self, tag: str, folder: str, since_ns: int, nodes: int, node: int) -> CommitMarker:
+    async def await_marker(self, tag: str, folder: str, since_ns: int, nodes: int, node: int,
+                           present: Callable[[], bool]) -> CommitMarker:
         """A node other than 0: the tag's marker, once node 0 has written it (after this node's done marker).
 
-        Past the timeout this node withdraws its done marker, then looks once more: node 0
+        Past the timeout, or once no rank that asked for the tag is ``present`` (its attempt
+        died: none is left to be told), this node withdraws its done marker, then looks once more: node 0
         commits only while every done marker is in place (``still_reported``, right before its
         marker is renamed in), so a marker found now stands, and none found now never will be.
         """
@@ -108,13 +137,16 @@ class NodeGather:
             marker = await self._engine.flush(_newer_marker, path, since_ns)
             if marker is not None:
                 return marker
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not present():
                 break
             await asyncio.sleep(next(pauses))
         await self._engine.flush(_best_effort, remove, os.path.join(folder, done_name(tag, node)))
         marker = await self._engine.flush(_newer_marker, path, since_ns)
         if marker is not None:
             return marker
+        if not present():
+            raise CommitError(f"tag {tag!r} not committed: every rank of this node that asked for it is gone, so its "
+                              f"part was taken back from {folder}", tag=tag)
         raise CommitError(f"tag {tag!r} not committed: node 0 wrote no marker in {folder} within {self._timeout:.0f} s", tag=tag)
 
     async def tidy(self, tag: str, folder: str, nodes: int) -> None:
@@ -135,6 +167,18 @@ def still_reported(tag: str, folder: str, nodes: int) -> None:
     if gone:
         raise CommitError(f"tag {tag!r} not committed: node(s) {gone} gave up waiting for it and withdrew their done "
                           f"marker from {folder}", tag=tag, missing=str(gone))
+
+
+def _not_of_attempt(done: CommitMarker, tag: str, job: str, began_ns: int) -> str:
+    """Why ``done`` is not a part of this attempt's commit of ``tag`` ('' when it is)."""
+    if done.tag != tag:
+        return f"it is of tag {done.tag!r}"
+    if done.job != job:
+        return f"it is of job {done.job!r}, not {job!r}"
+    if began_ns and done.committed_ns < began_ns - CLOCK_SKEW_S * 1e9:
+        return (f"written {(began_ns - done.committed_ns) / 1e9:.1f} s before this node's ranks of the job started: a "
+                "failed attempt's")
+    return ""
 
 
 def _newer_marker(path: str, since_ns: int) -> CommitMarker | None:

@@ -79,7 +79,7 @@ class Daemon:
         self.clients = ClientRegistry()
         self.jobs = JobTable()
         self.versions = Versions(self.instance.owner)
-        self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions)
+        self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions, owner)
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger, owner, cfg.commit_timeout)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
                                      on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed(),
@@ -330,7 +330,7 @@ class Daemon:
         await self.jobs.admitted(client.id)
         if body.lost:  # part of the tag went with a daemon the client lost: the rest alone would be a partial tag
             self.ledger.refuse(client.id, check_tag(body.tag), body.lost, client.ranks)
-        committed = await self.ledger.commit(client.id, check_tag(body.tag), client.ranks)
+        committed = await self.ledger.commit(client.id, check_tag(body.tag), client.ranks, client.began_ns)
         log.info("tag %s committed by %s: %s", body.tag, client.id, committed.marker)
         return committed
 
@@ -363,6 +363,8 @@ class Daemon:
         BYE while another client of that rank is still here (a process may hold several), which may yet commit them;
         a killed rank's restart saves anew, in the next round."""
         opened = self.ledger.forget(record.id)
+        if not said_bye:
+            self.ledger.died(record.id)
         self._left_behind(record)
         if record.ranks.world_size > 1 and not (said_bye and self.clients.has_rank(record.ranks)):
             self.ledger.rank_lost(record.ranks, opened, self.clients.of_job(record.ranks))

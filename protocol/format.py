@@ -401,6 +401,11 @@ class CommitMarker:
     (the folder holding the tag's folder) when the commit was asked for. The job's own order,
     not a clock: a node whose clock runs ahead or steps back changes nothing. 0 in markers
     written before it existed, so every newer commit sorts after them."""
+    job: str = ""
+    """A done marker's job attempt (``Ranks.job``): node 0 commits a tag only with done markers of its own attempt."""
+    owner: str = ""
+    """A done marker's writer (the daemon's owner tag, daemon/instances.py): a later daemon of that node removes it
+    once the writer is dead, since no rank of the writer's is left to be told the tag committed."""
 
     @property
     def newness(self) -> tuple[int, int, int]:

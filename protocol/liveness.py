@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 _DEAD_STATES = frozenset("ZXx")
 """/proc/<pid>/stat states of a process that has exited: zombie, dead."""
@@ -34,6 +35,17 @@ def process_start(pid: int) -> str | None:
     if len(fields) <= 19 or fields[0] in _DEAD_STATES or int(fields[6]) & PF_EXITING:
         return None
     return fields[19]
+
+
+def process_began_ns(pid: int) -> int:
+    """When process ``pid`` started, on the wall clock (ns, to a clock tick), or 0 where /proc does not tell. A rank's
+    start precedes every collective it takes part in, so no other node's part of a tag of its attempt is older than
+    it (daemon/gather.py). From the time since boot, not /proc/stat's ``btime``, which is kept to the second."""
+    started = process_start(pid)
+    if started is None:
+        return 0
+    since_start_ns = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - int(started) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    return time.time_ns() - since_start_ns
 
 
 def shares_pids(pidns: int, started: str, pid: int) -> bool:

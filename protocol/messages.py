@@ -78,6 +78,9 @@ class Hello(Body):
     """The client's start time as its own /proc says: where namespaces cannot be read, a daemon that reads the
     same for ``pid`` watches it (protocol/liveness.py ``shares_pids``)."""
     ranks: Ranks = field(default_factory=Ranks)
+    began_ns: int = 0
+    """When the client's process started (wall clock, ns; 0: unknown): the start of its job's attempt, before which
+    no other node's part of a tag of the attempt can have been written (daemon/gather.py)."""
     decisions: str = ""
     """The client's folder of per-snapshot decisions (protocol/outcome.py); "" for a client that never gives up."""
     probe: str = ""

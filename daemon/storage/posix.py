@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 from datastates.protocol.errors import PathNotAllowedError
 from datastates.protocol.fileio import (MADV_POPULATE_WRITE, PAGE, RENAME_EXCHANGE, RENAME_NOREPLACE, on_tmpfs, open_folder,
                                        remove, rename_within)
-from datastates.protocol.format import TEMP_SUFFIX, TEMP_TOKEN_MAX
+from datastates.protocol.format import DONE_PREFIX, TEMP_SUFFIX, TEMP_TOKEN_MAX, CommitMarker
 from datastates.protocol.paths import shallow_walk
 from datastates.protocol.tags import file_snapshot, listing
 
@@ -381,15 +381,25 @@ class PosixWriter(StorageWriter):
         removed = []
         for folder, _, files in shallow_walk(root, LEFTOVER_DEPTH):  # checkpoints live at <root>/<tag>/<file>
             for name in files:
-                owner = _TEMP_RE.fullmatch(name)
                 path = os.path.join(folder, name)
-                if owner and gone(owner.group(1), path):
+                if _left_by(name, path, gone):
                     try:
                         remove(path, trusted=root)
                         removed.append(path)
                     except OSError:
                         continue
         return removed
+
+
+def _left_by(name: str, path: str, gone: Gone) -> bool:
+    """Whether ``path`` is a temporary file or a done marker (daemon/gather.py) of a dead writer (``gone``)."""
+    temp = _TEMP_RE.fullmatch(name)
+    if temp:
+        return gone(temp.group(1), path)
+    if name.startswith(DONE_PREFIX):
+        done = CommitMarker.read(path)
+        return done is not None and gone(done.owner, path)
+    return False
 
 
 register_writer(PosixWriter)
