@@ -274,13 +274,13 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
                                            storage_data=ShardAt(name, key)))
             with self._coming.sending() if self._coming is not None else contextlib.nullcontext():
                 self.client.snapshot(entries, os.path.join(self.folder, name), tag=self.tag)
+            if not self.is_coordinator:  # the coordinator commits in finish(), with the metadata
+                self.client.commit(self.tag).add_done_callback(lambda _: self._let_go())
         except BaseException:
             self._let_go()
             raise
         finally:
             self._release()
-        if not self.is_coordinator:  # the coordinator commits in finish(), with the metadata
-            self.client.commit(self.tag).add_done_callback(lambda _: self._let_go())
         fut: Future[list[WriteResult]] = Future()  # torch's: DCP waits on it
         fut.set_result(results)
         return fut
