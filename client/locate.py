@@ -32,7 +32,8 @@ RESTORE_TRIES = 8
 """How many tags in a row a restore may find deleted while it reads them before it gives up."""
 OBJECT_WAIT_S = 30.0
 """How long a restore that found a tag on a file tier waits for an object store tier to say whether it holds a newer
-one, before it goes on without it (a hung server would hold it for botocore's 6 tries of 60 s)."""
+one, before it goes on without it (a hung server fails each request only after GIVE_UP_S, and a look there makes
+several in turn: a listing, then the markers)."""
 T = TypeVar("T")
 
 
@@ -96,9 +97,10 @@ def newest_of(places: list[str], strict: bool) -> list[CommitMarker]:
 
     An object store is read on a thread of its own beside the file tiers. Where a file tier holds a tag, one that
     cannot be read (down, refusing, or any one of its marker objects: that one might be the newest) or has not
-    answered within OBJECT_WAIT_S (a hung server: botocore's tries take minutes) is left out, with a warning: one
-    node alone restores what its other tiers hold. Where none does, an object store is waited for, and one that
-    cannot be read raises StorageError: "nothing to restore" would start the training afresh.
+    answered within OBJECT_WAIT_S (a hung server: each of its requests fails only after GIVE_UP_S) is left out, with
+    a warning: one node alone restores what its other tiers hold. Where none does, an object store is waited for
+    (a hung one fails within GIVE_UP_S a request), and one that cannot be read raises StorageError: "nothing to
+    restore" would start the training afresh.
 
     ``strict`` (a job of several nodes, where the shared tiers decide for every node): no place is left out, and one
     that cannot be read raises StorageError; nodes that could and nodes that could not read it would otherwise

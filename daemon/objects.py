@@ -23,11 +23,14 @@ milliseconds between is (an object store has no rename to close that window).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import random
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from datastates.protocol.descriptors import Tier
@@ -50,6 +53,49 @@ CALL_THREADS = 4
 PROBE = ".datastates-probe-"
 
 
+class _Calls:
+    """The threads of the object store calls: daemon threads, so that one left in a call to a hung server (each
+    request tried TIMEOUT_TRIES times, READ_TIMEOUT_S each: protocol/objectstore.py) never holds the daemon's exit,
+    as a ThreadPoolExecutor's, joined at exit, would. What such a call leaves undone, the upload journal and the next
+    daemon's resume take up (daemon/storage/s3.py, daemon/tiers.py). Used from the event loop's thread alone."""
+
+    def __init__(self, threads: int) -> None:
+        self._threads = threads
+        self._queue: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._closed = False
+        for n in range(threads):
+            threading.Thread(target=self._work, name=f"ds-objects-{n}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        if self._closed:
+            future.cancel()
+        else:
+            self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        """Calls not begun are cancelled; each thread ends once its call does."""
+        self._closed = True
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._queue.get_nowait()
+                if item is not None:
+                    item[0].cancel()
+        for _ in range(self._threads):
+            self._queue.put(None)
+
+
 class ObjectTiers:
     """The object store tiers of the node config; owned by the tier transfers."""
 
@@ -63,7 +109,7 @@ class ObjectTiers:
         """Tier name → why its start-up check failed (shown in status); transfers there are still tried."""
         self.checked = not self.tiers
         """Whether that check is over (status says it is under way until then)."""
-        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="ds-objects") if self.tiers else None
+        self._calls = _Calls(CALL_THREADS) if self.tiers else None
         """The object store calls other than part uploads (an upload begun, completed or aborted; a tag's commit, its
         retention): at the daemon's own priority, so a busy trainer never starves a commit (node 0 gathering the
         other nodes' done markers within their ``commit_timeout``)."""
@@ -220,7 +266,7 @@ class ObjectTiers:
 
     def close(self) -> None:
         if self._calls is not None:
-            self._calls.shutdown(wait=False, cancel_futures=True)
+            self._calls.close()
         self.writer.uploader.close()
 
 

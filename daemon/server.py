@@ -411,7 +411,7 @@ class Daemon:
             pending = [j.durable for j in self.jobs.pending()]
             if pending:
                 await asyncio.wait(pending, timeout=0.5)
-            elif self.ledger.pending or self.transfers.pending() or self.jobs.any_admitting():
+            elif self.ledger.pending or self.jobs.any_admitting() or not self.transfers.drained():
                 await asyncio.sleep(0.05)
             else:
                 break

@@ -27,15 +27,16 @@ import dataclasses
 import logging
 import mmap
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from datastates.protocol.descriptors import Ranks
+from datastates.protocol.descriptors import Ranks, Tier
 from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.fileio import open_for_reading, read_range
 from datastates.protocol.format import marker_name
 from datastates.protocol.objectstore import is_object
-from datastates.protocol.tags import CommittedTag, committed_tags, read_marker
+from datastates.protocol.tags import CommittedTag, committed_tags, read_marker, snapshot_in
 
 from .commit import CommitLedger
 from .events import CommitEvent
@@ -52,6 +53,10 @@ SCAN_DEPTH = 4
 """How deep below a tier's root a restart looks for tag folders (<tier>/<run>/<tag>/ is depth 2)."""
 TRANSFER_PIECE = 16 << 20
 """Bytes read and written per flush-thread call: small enough that snapshot pieces interleave."""
+TRANSFER_STALL_S = 20.0
+"""A drain waits for the tier transfers while they move: once none has moved a piece (TRANSFER_PIECE, or an
+uploaded PART), begun or ended for this long (a hung tier), it stops waiting, and the daemon exits; the next daemon
+of the node aborts the uploads left open (their journal) and transfers the tag again (``resume``)."""
 
 
 class TransferState:
@@ -95,6 +100,39 @@ def _transfer_range(src_fd: int, sink: FileSink, buf: mmap.mmap, offset: int, le
     sink.write(offset, read_range(src_fd, buf, offset, length))
 
 
+def _pin(commit: CommitEvent) -> dict[str, int]:
+    """Each file of ``commit`` opened: the version the transfer carries to every lower tier, whatever is switched in at
+    its path meanwhile (a newer version of the tag). Each must be the size and the snapshot the commit lists, else
+    StorageError: the tag was saved again, or the file replaced, before the transfer began."""
+    opened: dict[str, int] = {}
+    try:
+        for src, size in commit.files.items():
+            fd = opened[src] = open_for_reading(src)
+            held = os.fstat(fd).st_size
+            if held != size:
+                raise StorageError(f"cannot transfer {src}: it is {held} bytes, its marker says {size}", path=src)
+            want = commit.snapshots.get(src, "")
+            if want and (got := _snapshot_of(fd, src)) != want:
+                raise StorageError(f"cannot transfer {src}: it holds snapshot {got or '(none: it is no checkpoint)'}, "
+                                   f"not {want}, which tag {commit.tag!r} committed: the tag was saved again, or the "
+                                   "file replaced, since", path=src)
+        return opened
+    except BaseException:
+        for fd in opened.values():
+            os.close(fd)
+        raise
+
+
+def _snapshot_of(fd: int, name: str) -> str:
+    """``snapshot_in`` of the file open at ``fd``, through a descriptor of its own without O_DIRECT (the header's
+    reads are small and unaligned)."""
+    plain = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return snapshot_in(plain, name)
+    finally:
+        os.close(plain)
+
+
 def _newness(entry: TagTransfers) -> tuple[int, int]:
     """Which of two tags of a run is newer (``CommitMarker.newness``, less the clock of the commit's end)."""
     return entry.commit.sequence, entry.commit.requested_ns
@@ -125,6 +163,8 @@ class TierTransfers:
         self._scanning = len(self.tiers) > 1
         """Until ``resume`` has looked, transfers a killed run left may be owed: ``datastatesctl wait`` must not return."""
         self.history: collections.deque[TagTransfers] = collections.deque(maxlen=HISTORY)
+        self._moved = time.monotonic()
+        """When a transfer last moved (``drained``)."""
         ledger.subscribe(self)
 
     # -- the ledger's announcements -----------------------------------------------------
@@ -176,13 +216,14 @@ class TierTransfers:
         try:
             if self.objects.tiers:
                 self.objects.start()
-                await asyncio.get_running_loop().run_in_executor(None, self.objects.check)
+                await asyncio.wrap_future(self.objects.call(self.objects.check))
             undone = await self._engine.flush(self._undone)
         except (OSError, DatastatesError) as exc:
             log.warning("cannot look for tier transfers an earlier run left undone: %s", exc)
             undone = []
         finally:
             self._scanning = False
+            self._progress()
         for found in undone:
             marker = found.marker
             if any(e.run == found.run and _newness(e) >= (marker.sequence, marker.requested_ns) for e in self.history):
@@ -211,6 +252,19 @@ class TierTransfers:
     def pending(self) -> int:
         return len(self._queue) + self._scanning
 
+    def drained(self) -> bool:
+        """Whether a drain may stop: no transfer pending, or none moved for TRANSFER_STALL_S (left for the next
+        daemon)."""
+        stalled = time.monotonic() - self._moved
+        if not self.pending() or stalled < TRANSFER_STALL_S:
+            return not self.pending()
+        log.warning("leaving %d tier transfer(s) for the next daemon: none has moved for %.0f s (a hung tier?)",
+                    self.pending(), stalled)
+        return True
+
+    def _progress(self) -> None:
+        self._moved = time.monotonic()
+
     async def _run(self) -> None:
         while True:
             while not self._queue:
@@ -222,6 +276,7 @@ class TierTransfers:
             except Exception:  # the worker must outlive any one tag
                 log.exception("tier transfer of %s failed", entry.commit.tag)
             finally:
+                self._progress()
                 if self._queue and self._queue[0] is entry:
                     self._queue.popleft()
                 for t in entry.tiers:
@@ -230,45 +285,54 @@ class TierTransfers:
 
     async def _transfer_down(self, entry: TagTransfers) -> None:
         home, commit = self.tiers[entry.source], entry.commit
-        for i, transfer in enumerate(entry.tiers[1:]):
-            tier = self.tiers[entry.source + 1 + i]
-            lower = commit.moved(lambda p, t=tier: t.place(p, home))
-            transfer.state = TransferState.TRANSFERRING
-            try:
-                if is_object(tier.path):
-                    await asyncio.wrap_future(self.objects.call(self.objects.begin, lower))
-                for (src, size), path in zip(commit.files.items(), lower.files):
-                    await self._transfer_file(src, path, size, transfer, f"tier-{commit.order}", is_object(tier.path))
-                if is_object(tier.path):
-                    gone = await asyncio.wrap_future(self.objects.call(
-                        self.objects.commit, lower, tier, self._storage.keep_last_at(tier.path), self.holds()))
-                    self.pruned(gone)
-                else:
-                    await self._ledger.settle(lower)
-            except (DatastatesError, OSError) as exc:
-                transfer.state = TransferState.FAILED
-                transfer.error = getattr(exc, "message", None) or str(exc)
-                log.warning("tag %s not committed on tier %s: %s", commit.tag, tier.name, transfer.error)
-                return
-            transfer.state = TransferState.COMMITTED
-            log.info("tag %s committed on tier %s", commit.tag, tier.name)
-
-    async def _transfer_file(self, src: str, dest: str, size: int, transfer: TierTransfer, token: str,
-                             to_object: bool) -> None:
-        """``src`` to ``dest`` piece by piece: to a file one at a time on the flush threads; to an object store
-        PARTS_AT_ONCE parts at a time by the upload process (``S3Writer.upload``), its start and end on
-        ``ObjectTiers.call``'s threads."""
-        src_fd = await self._engine.flush(open_for_reading, src)
+        entry.tiers[1].state = TransferState.TRANSFERRING  # from here on no newer commit supersedes it
         try:
-            if os.fstat(src_fd).st_size != size:
-                raise StorageError(f"cannot transfer {src}: it is {os.fstat(src_fd).st_size} bytes, its marker says "
-                                   f"{size}", path=src)
-            if to_object:
-                await self._upload_file(src_fd, src, dest, size, transfer, token)
-            else:
-                await self._copy_file(src_fd, dest, size, transfer, token)
+            sources = await self._engine.flush(_pin, commit)
+        except (DatastatesError, OSError) as exc:
+            newer = any(q.run == entry.run and _newness(q) > _newness(entry) for q in self._queue)
+            for t in entry.tiers[1:]:
+                t.state = TransferState.SUPERSEDED if newer else TransferState.FAILED
+                t.error = getattr(exc, "message", None) or str(exc)
+            log.warning("tag %s not transferred down from tier %s: %s", commit.tag, home.name, entry.tiers[1].error)
+            return
+        try:
+            for i, transfer in enumerate(entry.tiers[1:]):
+                if not await self._transfer_to(home, self.tiers[entry.source + 1 + i], commit, sources, transfer):
+                    return
         finally:
-            os.close(src_fd)
+            for fd in sources.values():
+                os.close(fd)
+
+    async def _transfer_to(self, home: Tier, tier: Tier, commit: CommitEvent, sources: dict[str, int],
+                           transfer: TierTransfer) -> bool:
+        """The tag's files on ``home``, read through ``sources`` (``_pin``), to ``tier``, and its commit there; whether
+        it committed."""
+        lower = commit.moved(lambda p: tier.place(p, home))
+        transfer.state = TransferState.TRANSFERRING
+        self._progress()
+        try:
+            if is_object(tier.path):
+                await asyncio.wrap_future(self.objects.call(self.objects.begin, lower))
+            for (src, size), path in zip(commit.files.items(), lower.files):
+                if is_object(tier.path):
+                    await self._upload_file(sources[src], src, path, size, transfer, f"tier-{commit.order}")
+                else:
+                    await self._copy_file(sources[src], path, size, transfer, f"tier-{commit.order}")
+            if is_object(tier.path):
+                gone = await asyncio.wrap_future(self.objects.call(
+                    self.objects.commit, lower, tier, self._storage.keep_last_at(tier.path), self.holds()))
+                self.pruned(gone)
+            else:
+                await self._ledger.settle(lower)
+        except (DatastatesError, OSError) as exc:
+            transfer.state = TransferState.FAILED
+            transfer.error = getattr(exc, "message", None) or str(exc)
+            log.warning("tag %s not committed on tier %s: %s", commit.tag, tier.name, transfer.error)
+            return False
+        transfer.state = TransferState.COMMITTED
+        self._progress()
+        log.info("tag %s committed on tier %s", commit.tag, tier.name)
+        return True
 
     async def _copy_file(self, src_fd: int, dest: str, size: int, transfer: TierTransfer, token: str) -> None:
         sink = FileSink(self._engine.writer(dest), dest, token)
@@ -280,6 +344,7 @@ class TierTransfers:
                     length = min(TRANSFER_PIECE, size - offset)
                     await self._engine.write(_transfer_range, src_fd, sink, buf, offset, length)
                     transfer.bytes_done += length
+                    self._progress()
                 await self._engine.write(sink.finalize)
             except BaseException:
                 await self._engine.flush(sink.abort)
@@ -300,6 +365,7 @@ class TierTransfers:
             length = min(PART, size - offset)
             await asyncio.wrap_future(writer.upload(handle, src_fd, offset, length))
             transfer.bytes_done += length
+            self._progress()
 
         pending: set[asyncio.Future] = set()
         try:

@@ -13,9 +13,12 @@ variables (``AWS_ENDPOINT_URL`` included), profile files, instance metadata. A t
 ``endpoint`` and ``region`` keys override the first two; secrets are never in the node
 config. Path-style addressing wherever an endpoint is given (a local server's buckets are
 not host names). Retries: botocore's standard mode, exponential backoff with jitter on 5xx,
-throttling and dropped connections. Every uploaded part carries a CRC32 the server checks, so
-over HTTPS its payload is not also hashed with SHA-256 for the signature (over plain HTTP
-botocore always signs it); downloads are checked against the file's own checksums.
+throttling and dropped connections, ATTEMPTS tries; but a request the server does not answer
+(no byte for READ_TIMEOUT_S, or no connection within CONNECT_TIMEOUT_S) is tried TIMEOUT_TRIES
+times only, so one to a hung server fails within GIVE_UP_S, naming the object and that bound.
+Every uploaded part carries a CRC32 the server checks, so over HTTPS its payload is not also
+hashed with SHA-256 for the signature (over plain HTTP botocore always signs it); downloads
+are checked against the file's own checksums.
 """
 
 from __future__ import annotations
@@ -36,8 +39,13 @@ SCHEME = "s3://"
 ATTEMPTS = 6
 """Tries of one request (botocore's standard retry mode: backoff with jitter, at most 20 s apart)."""
 CONNECT_TIMEOUT_S = 5.0
-READ_TIMEOUT_S = 60.0
-"""A server silent this long on an open request fails that try (then retried)."""
+READ_TIMEOUT_S = 15.0
+"""A server silent this long on an open request fails that try (S3 sends white space while it completes a large
+multipart upload, to keep the connection from timing out)."""
+TIMEOUT_TRIES = 2
+"""Tries of one request whose tries the server leaves unanswered (a hung server): READ_TIMEOUT_S each."""
+GIVE_UP_S = TIMEOUT_TRIES * (READ_TIMEOUT_S + 1)
+"""The longest a request to a hung server waits before it fails: its tries, and botocore's backoff between them."""
 READ_STREAMS = 8
 """Ranged GETs of one object at once: a load's threads on an object (a file's are READ_THREADS)."""
 POOL = 32
@@ -120,8 +128,10 @@ def client(endpoint: str = "", region: str = "") -> Any:
         config = Config(retries={"mode": "standard", "max_attempts": ATTEMPTS}, max_pool_connections=POOL,
                         connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S, s3=s3,
                         response_checksum_validation="when_required")
-        return session.client("s3", endpoint_url=endpoint or None, region_name=region or session.region_name
+        made = session.client("s3", endpoint_url=endpoint or None, region_name=region or session.region_name
                               or "us-east-1", config=config)
+        made.meta.events.register_first("needs-retry.s3", _give_up_unanswered)
+        return made
 
     try:
         session = boto3.session.Session()
@@ -134,6 +144,17 @@ def client(endpoint: str = "", region: str = "") -> Any:
         return made
     except Exception as exc:  # a malformed endpoint or region, an unreadable profile: botocore's own words
         raise ConfigError(f"cannot reach an object store at {endpoint or 'AWS'!r}: {exc}") from None
+
+
+def _give_up_unanswered(attempts: int, caught_exception: BaseException | None = None, **_: Any) -> bool | None:
+    """botocore's retry decision, asked before its own: no further try of a request the server left unanswered
+    TIMEOUT_TRIES times (False); else None, and botocore decides."""
+    return False if _unanswered(caught_exception) and attempts >= TIMEOUT_TRIES else None
+
+
+def _unanswered(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a try the server did not answer: no connection, or no byte, in time."""
+    return type(exc).__name__ in ("ReadTimeoutError", "ConnectTimeoutError")
 
 
 def check_endpoint(endpoint: str) -> str:
@@ -177,6 +198,9 @@ def object_error(what: str, url: str, exc: Exception) -> StorageError:
         code = str(response.get("Error", {}).get("Code", "")) or str(
             response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
         cause = _REFUSED.get(code, f"{code}: {response.get('Error', {}).get('Message', '')}".strip(": "))
+    elif _unanswered(exc):
+        cause = (f"the server did not answer within {READ_TIMEOUT_S:.0f} s, {TIMEOUT_TRIES} tries (about "
+                 f"{GIVE_UP_S:.0f} s in all): it hangs, or is unreachable")
     else:
         cause = f"{type(exc).__name__}: {exc}"
     return StorageError(f"{what} {url}: {cause}", path=url, code=code)

@@ -104,13 +104,20 @@ def file_snapshot(name: str, folder_fd: int) -> str:
     "" for a file that is not a whole checkpoint, which no marker lists as a snapshot."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=folder_fd)
     try:
+        return snapshot_in(fd, name)
+    finally:
+        os.close(fd)
+
+
+def snapshot_in(fd: int, name: str) -> str:
+    """The snapshot identity of the checkpoint file open at ``fd`` (not O_DIRECT; ``name`` for messages): that very
+    file's, wherever its path points now; "" for a file that is not a whole checkpoint."""
+    try:
         container, at = index_at(os.pread(fd, INDEX_AT, 0), name)
         _, header_len, header_hash = parse_preamble(os.pread(fd, PREAMBLE_SIZE, at), name, container)
         return header_snapshot(os.pread(fd, header_len, at + PREAMBLE_SIZE), header_hash, name)
     except DatastatesError:
         return ""
-    finally:
-        os.close(fd)
 
 
 def _folders(root: str, depth: int) -> Iterator[str]:

@@ -9,6 +9,7 @@ a server that stopped.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import signal
@@ -31,8 +32,11 @@ DENIED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</C
 REFUSALS = {503: UNAVAILABLE, 403: DENIED}
 
 
+BUSY_EVERY_S = 5.0
+"""How often a ``busy`` rule's held request gets an interim answer: well within the clients' read timeout."""
 HOLD_MAX_S = 45.0
-"""The longest a held request waits (under the clients' 60 s read timeout), should a test never release it."""
+"""The longest a held request waits, should a test never release it: longer than the clients' read timeout, so a
+request held that long fails its tries, as on a hung server (``hang``: however long)."""
 
 
 def free_port() -> int:
@@ -83,7 +87,14 @@ class Rule:
     body: bytes = b""
     """The refusal's body, if not the one for its status."""
     hold: bool = False
-    """Keep each matching request waiting (unanswered, in flight) until ``release``."""
+    """Keep each matching request waiting (unanswered, in flight) until ``release``, HOLD_MAX_S at most."""
+    busy: bool = False
+    """While a request is held (``hold``, ``hang``), an interim ``100 Continue`` every BUSY_EVERY_S: the client's read
+    timeout never fires, as for a server that keeps the connection busy and never answers; only the client's own
+    bounds end its wait."""
+    hang: bool = False
+    """Keep each matching request waiting, silent, until ``release`` (the proxy's ``clear``, ``release`` or ``down``),
+    however long: a hung server."""
     seen: int = 0
     failed: int = 0
     released: threading.Event = field(default_factory=threading.Event)
@@ -122,8 +133,8 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 rule = proxy._rule(self.command, path, query)
-                if rule is not None and rule.hold:
-                    rule.released.wait(HOLD_MAX_S)
+                if rule is not None and (rule.hold or rule.hang):
+                    self._held(rule)
                 if rule is not None and rule.delay:
                     time.sleep(rule.delay)
                 if rule is not None and (rule.fail < 0 or rule.failed < rule.fail):
@@ -146,6 +157,17 @@ class FaultProxy:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 self._answer(reply.status, out, data, path, query, head=self.command == "HEAD")
+
+            def _held(self, rule: Rule) -> None:
+                """Until ``rule`` is released (HOLD_MAX_S at most, unless it hangs): silent, or ``busy``."""
+                until = None if rule.hang else time.monotonic() + HOLD_MAX_S
+                while True:
+                    left = None if until is None else until - time.monotonic()
+                    step = BUSY_EVERY_S if rule.busy and (left is None or left > BUSY_EVERY_S) else left
+                    if rule.released.wait(step) or (left is not None and step == left):
+                        return
+                    with contextlib.suppress(OSError):  # the client gave up: its answer goes nowhere either
+                        self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
             def _answer(self, status: int, headers: dict[str, str], data: bytes, path: str, query: str,
                         head: bool = False) -> None:
@@ -204,6 +226,7 @@ class FaultProxy:
 
     def down(self) -> None:
         """Stop listening: every new connection is refused, as to a server that stopped."""
+        self.release()  # no handler thread left waiting on a hung rule
         if self.server.socket.fileno() < 0:
             return
         self.server.shutdown()

@@ -220,10 +220,11 @@ def test_restore_falls_back_to_s3_when_no_faster_tier_holds_the_tag(
 @pytest.mark.heavy
 def test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses_to_guess_with_nothing_else(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
-    """A hung server holds each request for botocore's 6 tries of 60 s: a restore that found a tag on the fast tier
-    goes on without the bucket after OBJECT_WAIT_S, answered or not, and its process exits at once after it, not
-    once the reads it left waiting end. One that found nothing there must not take "no checkpoint" from a bucket it
-    cannot read, which would start the training afresh: it raises, naming it."""
+    """A server that never answers the marker reads but keeps their connections busy (so no read timeout fires) holds
+    them as long as it likes: a restore that found a tag on the fast tier goes on without the bucket after
+    OBJECT_WAIT_S, answered or not, and its process exits at once after it, not once the reads it left waiting end.
+    One that found nothing there must not take "no checkpoint" from a bucket it cannot read, which would start the
+    training afresh: it raises, naming it."""
     from datastates.protocol.format import MARKER_PREFIX
 
     url = f"s3://{bucket}/jobs"
@@ -237,7 +238,7 @@ def test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses
         return m == "GET" and f"/{MARKER_PREFIX}" in p
 
     answered = proxy.count(marker_get)
-    held = proxy.add(Rule(marker_get, hold=True))  # listings answer, marker reads hang
+    held = proxy.add(Rule(marker_get, hold=True, busy=True))  # listings answer, marker reads hang
     trainer = subprocess.run(  # a trainer's process, which restores and ends
         [sys.executable, "-c", "import sys\nfrom datastates.client import Client\n"
          "with Client(sys.argv[1], timeout=120) as c:\n    got = c.restore(sys.argv[2], 'rank0.pt')\n"
@@ -433,6 +434,76 @@ def test_a_tag_saved_again_without_one_of_its_files_leaves_no_old_object_on_the_
         datastates.load(f"{url}/run/step1/rank0.pt")
     assert_state_equal(state(2), datastates.load(f"{url}/run/step1/rank1.pt"))
 
+def only_first(match: Callable[[str, str, str], bool]) -> Callable[[str, str, str], bool]:
+    """A rule's match that takes the first request ``match`` takes, and no later one."""
+    taken: list[bool] = []
+
+    def first(method: str, path: str, query: str) -> bool:
+        if taken or not match(method, path, query):
+            return False
+        taken.append(True)
+        return True
+    return first
+
+
+def marker_get(key: str) -> Callable[[str, str, str], bool]:
+    """The GETs of the marker object of ``key`` (bucket/prefix/run/tag): a transfer's first request, ``begin``'s."""
+    return lambda m, p, q: m == "GET" and p.endswith(f"{key}/{marker_name(key.rsplit('/', 1)[1])}")
+
+
+def test_a_tag_saved_again_while_its_last_version_uploads_commits_each_version_whole_on_the_bucket(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    """A rolling tag saved again on the fast tier (a new version switched in) while the last version's transfer is
+    under way: the transfer carries the version it began with, whose files it opened before the switch, so the
+    bucket's marker of that version lists objects of that version, never the next one's (CorruptCheckpointError)."""
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    settle(d)
+    last = tmp_path / "fast" / "run" / "last" / "rank0.pt"
+    first = proxy.add(Rule(only_first(marker_get(f"{bucket}/jobs/run/last")), hold=True))  # v1's transfer has begun
+    then = proxy.add(Rule(only_first(marker_get(f"{bucket}/jobs/run/last")), hold=True))  # v2's transfer begins
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(1), last, tag="last")
+        wait_for("the first version's transfer", lambda: first.seen)
+        save(c, state(2), last, tag="last")  # switched in on the fast tier, the same size
+        first.release()
+        wait_for("the second version's transfer", lambda: then.seen)
+        assert datastates.latest(f"{url}/run") == "last"
+        assert_state_equal(state(1), datastates.load(f"{url}/run/last/rank0.pt"))  # the first version, whole
+        then.release()
+        status = settle(d)
+    assert [t["state"] for e in status["tier_transfers"]["tags"] if e["tag"] == "last"
+            for t in e["tiers"] if t["tier"] == CLOUD] == ["committed", "committed"], status["tier_transfers"]
+    assert datastates.latest(f"{url}/run") == "last"
+    assert_state_equal(state(2), datastates.load(f"{url}/run/last/rank0.pt"))
+
+
+def test_a_fast_tier_file_replaced_before_its_transfer_is_never_committed_on_the_bucket(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    """A committed file replaced on the fast tier by another snapshot's file of the same size (a stray copy) while
+    its tag waits for its transfer: the transfer reads the snapshot identity of the file it opened, and fails the
+    tag there instead of committing another snapshot's bytes under its marker."""
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    settle(d)
+    fast = tmp_path / "fast"
+    ahead = proxy.add(Rule(marker_get(f"{bucket}/jobs/other/step1"), hold=True))  # another run's transfer, ahead
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, state(7), fast / "other" / "step1" / "rank0.pt")
+        wait_for("the other run's transfer", lambda: ahead.seen)
+        save(c, state(1), fast / "run" / "step1" / "rank0.pt")
+        save(c, state(2), fast / "stray" / "step1" / "rank0.pt")
+    stray = fast / "run" / "step1" / "rank0.pt.stray"
+    shutil.copyfile(fast / "stray" / "step1" / "rank0.pt", stray)
+    assert stray.stat().st_size == (fast / "run" / "step1" / "rank0.pt").stat().st_size, "the test needs equal sizes"
+    os.replace(stray, fast / "run" / "step1" / "rank0.pt")
+    ahead.release()
+    status = settle(d)
+    row = next(t for e in status["tier_transfers"]["tags"] for t in e["tiers"] if t["folder"] == f"{url}/run/step1")
+    assert row["state"] == "failed" and "holds snapshot" in row["error"], row
+    assert datastates.latest(f"{url}/run") is None
+
+
 
 # -- faults of the server -----------------------------------------------------------------------------------------------
 
@@ -550,6 +621,61 @@ def test_a_server_that_stops_mid_upload_fails_the_transfer_and_the_daemon_keeps_
     finally:
         p.release()
         own.kill()
+
+
+STOP_GUARD_S = 90.0
+"""How long the hung-bucket tests wait for what must end well within it (a hang guard, not a timing)."""
+
+
+@pytest.mark.heavy
+def test_sigterm_ends_the_daemon_while_the_bucket_hangs_and_the_next_daemon_finishes_the_transfer(
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
+    """A hung server (connections accepted, never answered) holds each request for its read timeouts: the drain
+    leaves a tier transfer that makes no progress for TRANSFER_STALL_S, the daemon exits, and the next daemon of the
+    node resumes the transfer and commits the tag on the bucket."""
+    from datastates.daemon.tiers import TRANSFER_STALL_S
+
+    url = f"s3://{bucket}/jobs"
+    d = start_daemon(**tiers(tmp_path, url))
+    settle(d)
+    hung = proxy.add(Rule(any_request, hang=True))
+    saved = state(1)
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, saved, tmp_path / "fast" / "run" / "step1" / "rank0.pt")
+    wait_for("a request to the hung server", lambda: hung.seen)
+    began = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        d.proc.wait(STOP_GUARD_S)
+    took = time.monotonic() - began
+    assert d.proc.poll() == 0, f"the daemon still drains {took:.0f} s after SIGTERM, the bucket hung ({d.proc.poll()})"
+    assert took < TRANSFER_STALL_S + 20, f"{took:.0f} s"  # the drain's bound on a stalled transfer, and the exit
+    assert "tier transfer(s) for the next daemon" in d.log_text(), d.log_text()[-3000:]
+    proxy.clear()
+    nxt = start_daemon(**tiers(tmp_path, url))
+    assert tier_states(settle(nxt), "step1")[CLOUD] == "committed"
+    assert datastates.latest(f"{url}/run") == "step1"
+    assert_state_equal(saved, datastates.load(f"{url}/run/step1/rank0.pt"))
+
+
+def test_a_read_of_a_hung_bucket_gives_up_with_an_error_naming_it(proxy: FaultProxy, bucket: str) -> None:
+    """``latest`` and ``load`` of a bucket whose server never answers raise StorageError naming the bucket and how
+    long it was waited for (each request: TIMEOUT_TRIES tries of READ_TIMEOUT_S), never wait on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hung = proxy.add(Rule(any_request, hang=True))
+    url = f"s3://{bucket}/jobs/run"
+    pool = ThreadPoolExecutor(2)
+    try:
+        reads = [pool.submit(datastates.latest, url), pool.submit(datastates.load, f"{url}/step1/rank0.pt")]
+        errors = [r.exception(timeout=STOP_GUARD_S) for r in reads]
+    finally:
+        proxy.clear()  # before the pool's end, which waits for its reads
+        pool.shutdown()
+    for exc in errors:
+        assert isinstance(exc, StorageError), repr(exc)
+        assert f"s3://{bucket}/" in exc.message and f"{objectstore.READ_TIMEOUT_S:.0f} s" in exc.message, exc.message
+    assert hung.seen >= 2 * objectstore.TIMEOUT_TRIES
 
 
 # -- a daemon killed mid-upload -----------------------------------------------------------------------------------------
