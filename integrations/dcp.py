@@ -173,6 +173,14 @@ class _TagsUnderWay:
             if saves.get(tag) is save:
                 del saves[tag]
 
+    def begin(self, client: Client) -> None:
+        """An ``async_save`` begins on this thread: the saves through ``client`` this thread ran have ended, one whose
+        ``finish`` DCP never called (another rank's write failed) too; its write runs on DCP's thread, not this one."""
+        with self._lock:
+            saves = self._saves.get(client, {})
+            for tag in [t for t, save in saves.items() if save.thread is threading.current_thread()]:
+                del saves[tag]
+
 
 _UNDER_WAY = _TagsUnderWay()
 
@@ -216,6 +224,7 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
         with torch.no_grad():  # DTensor.to_local is its local tensor, not an autograd call (7 of 15 ms, 447 DTensors)
             for fqn, obj in flatten_state_dict(state_dict)[0].items():
                 staged[fqn] = _reference(obj)
+        _UNDER_WAY.begin(self.client)
         self._staged, self._coming = staged, self.client.expect()
         return state_dict
 

@@ -1123,6 +1123,13 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_a_save_of_a_checkpoint_the_clients_async_save_is_still_writing_is_refused[async_save]",),
     ),
     Mutation(
+        "dcp-failed-save-holds-its-tag-from-async-save",
+        "a DCP save whose finish never came (another rank's write failed) holds its tag against an async_save begun "
+        "on the thread that ran it, whose write runs on DCP's thread: the retry is refused as still under way",
+        (Edit("integrations/dcp.py", "        _UNDER_WAY.begin(self.client)\n", "        pass  # MUTATION\n"),),
+        ("tests/faults/test_dcp_resave.py::test_an_async_save_after_a_save_that_never_finished_commits",),
+    ),
+    Mutation(
         "replica-no-spare-ahead",
         "a rank file's first replica gets no spare allocated ahead: its second replica's fresh pages are allocated "
         "while its copies run, as the first's were",

@@ -110,6 +110,19 @@ def held(writer: DatastatesStorageWriter, method: str, before: Callable[[], None
     return writer
 
 
+def never_finished(client: Client) -> DatastatesStorageWriter:
+    """A writer whose save DCP never finishes, as when another rank's write failed: its write is sent, then fails."""
+    writer = DatastatesStorageWriter(client)
+    wrote_data = writer.write_data
+
+    def written_then_failed(*args: Any) -> Any:
+        wrote_data(*args)
+        raise RuntimeError("another rank's write failed")
+
+    writer.write_data = written_then_failed  # type: ignore[method-assign]
+    return writer
+
+
 @pytest.mark.parametrize("second", ["async_save", "save"])
 def test_a_save_of_a_checkpoint_the_clients_async_save_is_still_writing_is_refused(
         second: str, daemon: DaemonProc, client: Client, threads: ThreadPoolExecutor) -> None:
@@ -132,14 +145,8 @@ def test_a_save_of_a_checkpoint_the_clients_async_save_is_still_writing_is_refus
     first.result(timeout=120)
     assert loads_whole(folder, 1000) == ""
 
-    def written_then_failed(*args: Any) -> Any:  # as when another rank's write failed: DCP calls no finish()
-        wrote_data(*args)
-        raise RuntimeError("another rank's write failed")
-
-    writer = DatastatesStorageWriter(client)
-    wrote_data, writer.write_data = writer.write_data, written_then_failed  # type: ignore[method-assign]
     with pytest.raises(CheckpointException, match="another rank's write failed"):
-        dcp.save(state(3000), checkpoint_id=str(folder), storage_writer=writer, no_dist=True)
+        dcp.save(state(3000), checkpoint_id=str(folder), storage_writer=never_finished(client), no_dist=True)
     with pytest.raises(CheckpointException, match="both stored as"):  # refused in write_data, before a snapshot
         dcp.save({"w": torch.ones(2), "w@0": 1}, checkpoint_id=str(folder),
                  storage_writer=DatastatesStorageWriter(client), no_dist=True)
@@ -147,6 +154,18 @@ def test_a_save_of_a_checkpoint_the_clients_async_save_is_still_writing_is_refus
     assert loads_whole(folder, 4000) == ""
     start(second, client, 5000, folder, threads).result(timeout=120)
     assert loads_whole(folder, 5000) == ""
+
+
+def test_an_async_save_after_a_save_that_never_finished_commits(daemon: DaemonProc, client: Client) -> None:
+    """A ``dcp.save`` whose ``finish`` DCP never calls (another rank's write failed) holds nothing once the thread
+    that ran it begins an ``async_save`` of that checkpoint_id (whose write runs on DCP's thread): the retry commits
+    whole, where it was refused as "still under way" for as long as the thread lived."""
+    folder = daemon.root / "run" / "ckpt"
+    with pytest.raises(CheckpointException, match="another rank's write failed"):
+        dcp.save(state(1000), checkpoint_id=str(folder), storage_writer=never_finished(client), no_dist=True)
+    dcp.async_save(state(2000), checkpoint_id=str(folder), storage_writer=DatastatesStorageWriter(client),
+                   no_dist=True).result(timeout=120)
+    assert loads_whole(folder, 2000) == ""
 
 
 def test_two_clients_saving_one_checkpoint_at_once_commit_one_of_them_whole(
