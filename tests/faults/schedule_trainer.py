@@ -10,6 +10,8 @@ system-wide monotonic clock, so the checker orders what two trainers were told.
 Commands, one JSON object per line on stdin; one JSON reply per line on stdout:
   {"op": "client", "endpoint": ..., "fallback": null | "local", "liveness": s}
   {"op": "save", "step": n, "tag": t, "folder": f, "names": [...]}  -> {"wait": outcome}
+  {"op": "dcp_twin", "step": n, "folder": f}  -> {"wait": outcome}: steps n and n + 1 saved with ``dcp.async_save``
+      into checkpoint_id f, the second called as soon as the first returns (``dcp_state``'s layout)
   {"op": "drain", "timeout": s}  -> {} once every commit() has resolved or timed out
   {"op": "close"}  -> {} once the client has drained and left
 """
@@ -25,12 +27,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from datastates.client import Client
+from datastates.integrations.dcp import DatastatesStorageWriter
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError
 
 ELEMENTS = {"model.pt": (2 << 20, 1000), "optim.pt": (1 << 20, 10)}
 """Per file: a large float32 tensor (8 or 4 MiB, several rounds through the daemon's 4 MiB pool) and a small int64 one."""
+
+
+def dcp_state(step: int) -> dict[str, Any]:
+    """What a DCP save of ``step`` holds: model.pt's tensors and the step (an object DCP pickles)."""
+    big, small = ELEMENTS["model.pt"]
+    return {"w": torch.full((big,), float(step)), "i": torch.full((small,), step, dtype=torch.int64), "step": step}
 
 
 class Trainer:
@@ -88,6 +98,32 @@ class Trainer:
         self.record(step=step, event="wait", outcome=told)
         return told
 
+    def dcp_twin(self, step: int, folder: str) -> str:
+        """Two ``dcp.async_save`` calls of one checkpoint_id with no gap (steps ``step`` and ``step + 1``, each a
+        state of its own: DCP takes references); each future's outcome is its step's commit. Then the fence."""
+        assert self.client is not None
+        states = [dcp_state(step), dcp_state(step + 1)]
+        for n in (step, step + 1):
+            self.record(step=n, event="snapshot", tag=Path(folder).name, folder=folder, names=[])
+        try:
+            for n, state in zip((step, step + 1), states):
+                fut = dcp.async_save(state, checkpoint_id=folder, storage_writer=DatastatesStorageWriter(self.client),
+                                     no_dist=True)
+                fut.add_done_callback(lambda f, s=n: self.record(step=s, event="commit", outcome=outcome(f)))
+                self.commits.append(fut)
+            self.client.wait()
+            told = "ok"
+        except DaemonUnavailable:
+            told = "unavailable"
+        except DatastatesError as exc:
+            told = f"error: {type(exc).__name__}: {exc}"
+        for state in states:  # the optimizer step, the moment the fence let it
+            state["w"].neg_()
+            state["i"].neg_()
+        for n in (step, step + 1):
+            self.record(step=n, event="wait", outcome=told)
+        return told
+
     def drain(self, timeout: float) -> None:
         for fut in self.commits:
             try:
@@ -112,6 +148,8 @@ def main() -> None:
             trainer.connect(**cmd)
         elif op == "save":
             reply["wait"] = trainer.save(**cmd)
+        elif op == "dcp_twin":
+            reply["wait"] = trainer.dcp_twin(**cmd)
         elif op == "drain":
             trainer.drain(cmd["timeout"])
         elif op == "close":

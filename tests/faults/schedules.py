@@ -13,7 +13,11 @@ A schedule (``Schedule.draw(seed)``) is a few saves of a tag by the trainer
   (two ranks that picked the same path);
 - ``kill_prune``: ``datastatesctl prune --keep-last 1`` of the run folder killed -9 partway through
   deleting a tag (each older tag's folder first given a few thousand small files, so a kill lands
-  mid-delete), then a second prune or a daemon restart must finish or undo it.
+  mid-delete), then a second prune or a daemon restart must finish or undo it;
+- ``dcp_twin``: the save made instead as two ``dcp.async_save`` calls of one checkpoint_id (the
+  tag's folder) with no gap, two steps: one commits, whole, and the other is refused. Drawn for a
+  fifth of the saves otherwise hit by no fault (not with ``fallback="local"``), with a generator of
+  its own, so that a seed's other saves stay those it drew before.
 
 Saves pick one of three tags, so the same tag and the same paths are saved again, and one
 save in ten puts its files in another tag's folder (two tags sharing a path); one schedule
@@ -46,13 +50,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch.distributed.checkpoint as dcp
+
 import datastates
 from datastates.client import Client, daemon_status
 from datastates.client.reader import verify
+from datastates.integrations.dcp import METADATA, DatastatesStorageReader, rank_file
 from datastates.protocol.format import TEMP_SUFFIX, TRACKER, CommitMarker
 from datastates.protocol.tags import committed_tags, marker_paths, read_marker
 
 from conftest import DATASTATESCTL, DaemonFactory, DaemonProc, sh
+from schedule_trainer import dcp_state
 
 TAGS = ("t0", "t1", "t2")
 NAMES = ("model.pt", "optim.pt")
@@ -60,6 +68,9 @@ FAULTS = {"none": 30, "stall": 12, "kill_daemon": 10, "disk_full": 10, "read_onl
           "clock_step": 12, "twin": 8, "kill_prune": 6}
 """Each fault kind and its weight in a draw."""
 NEEDS_ROOT = {"disk_full", "read_only"}
+DCP_TWINS = 0.2
+"""The share of saves drawn with no fault that are made as a ``dcp_twin`` instead (schedules without the fallback)."""
+DCP_NAMES = (rank_file(0), METADATA)
 LIVENESS = 0.75
 KEEP_LAST = 2
 CLOCK_STEP_NS = 3600 * 10**9
@@ -106,7 +117,12 @@ class Schedule:
             names = NAMES if rng.random() < 0.7 else (rng.choice(NAMES),)
             fault = rng.choices(kinds, weights=[FAULTS[k] for k in kinds])[0]
             saves.append(Save(tag, folder_tag, names, fault, round(rng.uniform(0.0, 0.25), 3)))
-        return Schedule(seed, "local" if rng.random() < 0.2 else None, tuple(saves))
+        fallback = "local" if rng.random() < 0.2 else None
+        apart = random.Random(-seed)  # draws no number of rng's: the seed's other saves stay as they were
+        if fallback is None:
+            saves = [Save(s.tag, s.tag, DCP_NAMES, "dcp_twin", s.delay)
+                     if s.fault == "none" and apart.random() < DCP_TWINS else s for s in saves]
+        return Schedule(seed, fallback, tuple(saves))
 
     def without(self, i: int) -> Schedule:
         return Schedule(self.seed, self.fallback, self.saves[:i] + self.saves[i + 1:])
@@ -240,6 +256,11 @@ class Node:
                 saved[self.step] = save
                 twins.append((self.step - 1, self.step))
                 reply = self._twin_save(save, run, self.step - 1, logs)
+            elif save.fault == "dcp_twin":  # the second save is of the next step
+                self.step += 1
+                saved[self.step] = save
+                twins.append((self.step - 1, self.step))
+                reply = self.trainer.call(op="dcp_twin", step=self.step - 1, folder=str(run / save.tag))
             else:
                 with self._fault(save, run):
                     reply = self.trainer.call(op="save", step=self.step, tag=save.tag,
@@ -343,8 +364,8 @@ class Node:
         markers = [(m, path) for path in marker_paths(str(run), 1)
                    if (m := CommitMarker.read(path)) is not None and m.tag == newest]
         marker, path = max(markers, key=lambda mp: mp[0].newness)  # readers take a tag's newest marker
-        if Path(path).parent.name != newest:  # restore reads a tag from its own folder only
-            return
+        if Path(path).parent.name != newest or METADATA in {f.path for f in marker.files}:  # restore reads a tag
+            return  # from its own folder only; a DCP checkpoint's whole load is check()'s
         client = Client(self.daemon.endpoint, timeout=30)
         try:
             for f in marker.files:
@@ -493,7 +514,8 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]], twins
       (``twins``: two trainers saving the same files of one tag at once) both told committed, the tag
       holds the one whose commit was answered last, or a later step: never the other. Of twin saves one told
       committed and the other told its daemon was lost (the outcome unknown), or one saved in its own process
-      (``fallback="local"``) and one through the daemon, the tag may hold either.
+      (``fallback="local"``) and one through the daemon, the tag may hold either. Of DCP twin saves (``dcp_twin``,
+      one client) never both are told committed; a DCP checkpoint's step is the one it loads as, whole.
     - I4: ``latest()`` names the tag the trainer committed last of those there (by the order of
       its commits, never a clock) and holds a step at least the newest confirmed one; the
       ``latest`` tracker names a committed tag.
@@ -508,7 +530,7 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]], twins
         marker = CommitMarker.read(path)
         if marker is None or read_marker(path) is None:
             raise Violation(f"{path}: a marker that is torn or whose files changed size after commit")
-        steps = {step_of(Path(path).parent / f.path) for f in marker.files}
+        steps = marker_steps(Path(path).parent, marker)
         if len(steps) != 1:
             raise Violation(f"I1: tag {marker.tag} mixes steps {sorted(steps)} across its files")
         step = steps.pop()
@@ -527,6 +549,9 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]], twins
     answered: "it may have died ... check datastates.latest"): admitted after its partner's commit, such a save is
     that tag's next version, and may have been switched in before the daemon died (seed 210293)."""
     for pair in twins:
+        if saved[pair[0]].fault == "dcp_twin" and all(told.get((s, "commit")) == "ok" for s in pair):
+            raise Violation(f"I2: two DCP saves of checkpoint {saved[pair[0]].tag} at once, steps {pair}, were both "
+                            "told committed: one of them is lost, or the checkpoint mixes them")
         for s in pair:
             if (told.get((s, "commit")) or "").startswith("error: DaemonUnavailable"):
                 unknown[saved[s].tag].add(s)
@@ -570,6 +595,21 @@ def check(run: Path, saved: dict[int, Save], events: list[dict[str, Any]], twins
 def leftovers(run: Path) -> list[Path]:
     """Temporary files and staging folders under ``run``: what no reader trusts, and I5 says must go."""
     return [p for p in run.rglob("*") if p.name.endswith(TEMP_SUFFIX) or p.name.startswith(".")]
+
+
+def marker_steps(folder: Path, marker: CommitMarker) -> set[int]:
+    """The steps the files ``marker`` lists hold: of a DCP checkpoint (its metadata listed), the one step it loads
+    as, whole, through DCP, every file verified first."""
+    if METADATA not in {f.path for f in marker.files}:
+        return {step_of(folder / f.path) for f in marker.files}
+    state = dcp_state(0)
+    try:
+        for f in marker.files:
+            verify(folder / f.path)
+        dcp.load(state, checkpoint_id=str(folder), storage_reader=DatastatesStorageReader(), no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to load a committed checkpoint is the finding
+        raise Violation(f"I1: committed DCP checkpoint {folder} does not load: {str(exc)[:400]}") from exc
+    return set(state["w"].unique().tolist()) | set(state["i"].unique().tolist()) | {state["step"]}
 
 
 def step_of(path: Path) -> int:
