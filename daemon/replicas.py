@@ -33,10 +33,10 @@ rather than filled in place: a replica filled over a spare mapped on its own pat
 A rank file that is not saved again (a finished run, a dropped rank, a run folder its process moved on from)
 would hold its replica and spare for as long as the daemon lives, and a new run's files would find no room. So
 when a new replica does not fit, the store releases what no one saves any more: the spares, then the replicas,
-of the rank files whose last saver is gone, or has begun two newer tags since (``_release_stale``), least
-recently saved or restored first. Never a rank file still saved, nor the replica a connected client was handed by
-a restore (it may be reading it now): a job's restart seconds after its clients went still finds its newest
-replicas unless another file needed their room.
+of the rank files whose last saver is gone, or has begun two newer tags since (more, for a file it saves once every
+few tags), least recently saved or restored first (``_release_stale``). Never a rank file still saved, nor the
+replica a connected client was handed by a restore (it may be reading it now): a job's restart seconds after its
+clients went still finds its newest replicas unless another file needed their room.
 
 A replica is a plain checkpoint file in shared memory: the restarted trainer maps it with
 ``datastates.load``, which checks every checksum. The tag to restore is chosen from the
@@ -109,6 +109,9 @@ class _Use:
     """Its saver's tag count (``ReplicaStore._rounds``) at that save."""
     last: int
     """The store's clock at its last save or restore."""
+    every: int = 1
+    """How many of its saver's tags its last two saves were apart (1: each tag saves it): a client saving several
+    run folders in turn, each under a tag of its own, saves each of their rank files once every few tags."""
 
 
 @dataclass
@@ -275,17 +278,21 @@ class ReplicaStore:
             held = {r.rank_file for r in self._held.values()} | set(self._spares) | set(self._making)
             self._uses = {k: u for k, u in self._uses.items() if k in held}
         self._clock += 1
-        self._uses[key] = _Use(client, self._rounds[client][1], self._clock)
+        now, before = self._rounds[client][1], self._uses.get(key)
+        every = 1
+        if before is not None and before.saver == client:
+            every = before.every if now == before.round else now - before.round
+        self._uses[key] = _Use(client, now, self._clock, every)
 
     def _stale(self, key: tuple[str, str]) -> bool:
         """Whether no one saves rank file ``key`` any more: its last saver is gone, or began two newer tags since
-        (one newer tag is the next save, which may not be committed yet)."""
+        than its saves are apart (one newer tag is the next save, which may not be committed yet)."""
         use = self._uses.get(key)
         if use is None:
             return True
         if not self._alive(use.saver):
             return True
-        return self._rounds.get(use.saver, ("", 0))[1] >= use.round + 2
+        return self._rounds.get(use.saver, ("", 0))[1] >= use.round + use.every + 1
 
     def _release_stale(self, size: int) -> None:
         """Make room for ``size`` more bytes from rank files no one saves any more: their spares first, then their

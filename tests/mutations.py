@@ -466,6 +466,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_restore.py::test_ranks_agree_on_the_tag_when_only_one_fits_in_memory",),
     ),
     Mutation(
+        "replica-budget-every-tag-expected",
+        "a rank file its live client saves once every few tags (run folders saved in turn, a tag each) counts as no "
+        "longer saved two tags after its save: its spare and replica are released for another file, every round",
+        (Edit("daemon/replicas.py",
+              "            every = before.every if now == before.round else now - before.round\n",
+              "            every = 1  # MUTATION\n"),),
+        ("tests/test_replica_budget.py::test_a_client_saving_run_folders_in_turn_keeps_their_replicas",),
+    ),
+    Mutation(
         "refused-rank-waits",
         "a rank's refused snapshot fails its own commit only: the other ranks wait for it until commit_timeout",
         (Edit("daemon/commit.py",

@@ -134,3 +134,22 @@ def test_a_process_that_went_on_to_another_run_folder_frees_the_old_ones_replica
     assert got is not None and (got.tag, got.source) == ("step3", "memory"), got.why_not_memory
     assert_state_equal(state("b", 3, 0), got.state)
     assert held(d, "a") == [], held(d, "a")
+
+
+def test_a_client_saving_run_folders_in_turn_keeps_their_replicas(start_daemon: Callable[..., DaemonProc]) -> None:
+    """One client saves three run folders in turn, each under a tag of its own (each rank file once every three
+    tags), holding 42 of 48 MiB; another client's file finds no room each step: it is refused a replica, and the
+    three keep theirs, none released as no longer saved."""
+    d = start_daemon(memory_restore_budget="48MiB")
+    names = ("x", "y", "z")
+    with Client(d.endpoint, timeout=60) as c, Client(d.endpoint, timeout=60) as other:
+        for step in range(1, 4):
+            for name in names:
+                save(c, state(name, step, 0), d.root / name / f"{name}{step}" / "rank0.pt")
+                settle(d)
+            save(other, state("o", step, 0), d.root / "o" / f"o{step}" / "rank0.pt")
+            settle(d)
+        got = {name: c.restore(d.root / name, "rank0.pt") for name in names}
+    assert {n: (r.tag, r.source) for n, r in got.items()} == {n: (f"{n}3", "memory") for n in names}, \
+        {n: r.why_not_memory for n, r in got.items()}
+    assert replicas(d)["released"] == 0, replicas(d)["released"]
