@@ -461,7 +461,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "replica-budget-live-job-released",
         "a live job's newest replicas are released for another rank's file as soon as it saves",
         (Edit("daemon/replicas.py",
-              "        return self._rounds.get(use.saver, (\"\", 0))[1] >= use.round + 2\n",
+              "        return self._rounds.get(use.saver, (\"\", 0))[1] >= use.round + use.every + 1\n",
               "        return True  # MUTATION: saved or not\n"),),
         ("tests/test_restore.py::test_ranks_agree_on_the_tag_when_only_one_fits_in_memory",),
     ),
