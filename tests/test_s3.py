@@ -628,17 +628,18 @@ STOP_GUARD_S = 90.0
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("busy", [False, True], ids=["silent", "busy"])
 def test_sigterm_ends_the_daemon_while_the_bucket_hangs_and_the_next_daemon_finishes_the_transfer(
-        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
-    """A hung server (connections accepted, never answered) holds each request for its read timeouts: the drain
-    leaves a tier transfer that makes no progress for TRANSFER_STALL_S, the daemon exits, and the next daemon of the
-    node resumes the transfer and commits the tag on the bucket."""
+        start_daemon: Callable[..., DaemonProc], tmp_path: Path, proxy: FaultProxy, bucket: str, busy: bool) -> None:
+    """A hung server (connections accepted, never answered: silent, so each request fails its tries; or keeping them
+    busy, so none ever does): the drain leaves a tier transfer that has not moved for TRANSFER_STALL_S, the daemon
+    exits, and the next daemon of the node resumes the transfer and commits the tag on the bucket."""
     from datastates.daemon.tiers import TRANSFER_STALL_S
 
     url = f"s3://{bucket}/jobs"
     d = start_daemon(**tiers(tmp_path, url))
     settle(d)
-    hung = proxy.add(Rule(any_request, hang=True))
+    hung = proxy.add(Rule(any_request, hang=True, busy=busy))
     saved = state(1)
     with Client(d.endpoint, timeout=60) as c:
         save(c, saved, tmp_path / "fast" / "run" / "step1" / "rank0.pt")
