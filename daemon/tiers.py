@@ -10,7 +10,9 @@ then the trackers, then that tier's ``keep_last``. An object store tier (``s3://
 the pieces as the parts of one multipart upload per file, several at once, uploaded by the
 upload process (daemon/uploader.py), and ``ObjectTiers`` (daemon/objects.py) commits the
 tag there instead of the ledger. A transfer that fails leaves the tag uncommitted on that tier only; the faster
-tier's commit stands.
+tier's commit stands. A transfer opens the tag's files once, before any byte moves, each checked to hold the
+snapshot its commit lists, and reads only through those descriptors: a version switched in meanwhile (the tag
+saved again) never mixes into what a lower tier commits, nor does a file replaced before the transfer began.
 
 When the slow tier falls behind, a queued transfer that a newer tag of the same run
 overtakes is skipped as ``superseded``, so the backlog stays at one tag and the fast
