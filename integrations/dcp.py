@@ -41,6 +41,7 @@ writes DCP's own ``FileSystemWriter`` layout of a committed checkpoint.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import os
@@ -129,16 +130,30 @@ FILES_AT_ONCE = 4
 load from a checkpoint of 64 ranks into one must not start 64 of them."""
 
 
+ANSWER_WAIT_S = 10.0
+"""How long a rank's save of a tag waits for the daemon's answer to the commit of its earlier save of it before it is
+refused: a save again right after a save returned may reach ``write_data`` a moment before this rank hears it."""
+
+
 @dataclass(eq=False)
 class _Save:
     """One save's hold on its tag through one client: its folder, and the thread running it."""
 
     folder: str
     thread: threading.Thread
+    commit: concurrent.futures.Future | None = None
+    """A rank other than the coordinator asked its commit: held until the daemon answers it, whatever its thread
+    does. Where another rank's write failed, the coordinator never commits, and the daemon's round of the tag waits
+    with this rank's files in it: a save of the tag that went on would be committed with them."""
+
+    def committing(self) -> bool:
+        return self.commit is not None and not self.commit.done()
 
     def over(self) -> bool:
         """Whether this save has ended without releasing its hold: DCP calls no more of a coordinator's writer once
         another rank's write failed. Its thread has ended (``async_save``'s own), or saves again (``save``)."""
+        if self.commit is not None:
+            return self.commit.done()
         return not self.thread.is_alive() or self.thread is threading.current_thread()
 
 
@@ -157,8 +172,17 @@ class _TagsUnderWay:
     def claim(self, client: Client, tag: str, folder: str) -> _Save:
         """Hold ``tag`` for a save into ``folder`` through ``client``; CommitError while another save holds it."""
         with self._lock:
+            earlier = self._saves.get(client, {}).get(tag)
+        if earlier is not None and earlier.committing():  # the daemon answers a round's ranks at once: this one's
+            concurrent.futures.wait([earlier.commit], ANSWER_WAIT_S)  # answer may be a moment behind the coordinator's
+        with self._lock:
             saves = self._saves.setdefault(client, {})
             other = saves.get(tag)
+            if other is not None and other.committing():
+                raise CommitError(f"checkpoint {folder!r} not saved: this rank's commit of its earlier save of tag "
+                                  f"{tag!r} into {other.folder!r} is not answered yet (another rank's write failed, so "
+                                  "the daemon fails it at its commit_timeout); saving the tag before then would commit "
+                                  "it with this rank's earlier file", tag=tag)
             if other is not None and not other.over():
                 raise CommitError(f"checkpoint {folder!r} not saved: this client's save of tag {tag!r} into "
                                   f"{other.folder!r} is still under way (an async_save whose future has not resolved, "
@@ -178,7 +202,8 @@ class _TagsUnderWay:
         ``finish`` DCP never called (another rank's write failed) too; its write runs on DCP's thread, not this one."""
         with self._lock:
             saves = self._saves.get(client, {})
-            for tag in [t for t, save in saves.items() if save.thread is threading.current_thread()]:
+            for tag in [t for t, save in saves.items() if save.thread is threading.current_thread()
+                        and not save.committing()]:
                 del saves[tag]
 
 
@@ -284,7 +309,8 @@ class DatastatesStorageWriter(StorageWriter, AsyncStager):
             with self._coming.sending() if self._coming is not None else contextlib.nullcontext():
                 self.client.snapshot(entries, os.path.join(self.folder, name), tag=self.tag)
             if not self.is_coordinator:  # the coordinator commits in finish(), with the metadata
-                self.client.commit(self.tag).add_done_callback(lambda _: self._let_go())
+                self._save.commit = self.client.commit(self.tag)
+                self._save.commit.add_done_callback(lambda _: self._let_go())
         except BaseException:
             self._let_go()
             raise

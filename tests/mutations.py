@@ -1139,6 +1139,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/faults/test_dcp_resave.py::test_an_async_save_after_a_save_that_never_finished_commits",),
     ),
     Mutation(
+        "dcp-rank-commit-unanswered-not-held",
+        "a rank's save whose commit the daemon has not answered (the coordinator never committed: another rank's "
+        "write failed) stops holding its tag once its thread saves again: the save again commits the failed save's "
+        "file beside the new metadata",
+        (Edit("integrations/dcp.py", "                self._save.commit = self.client.commit(self.tag)\n"
+              "                self._save.commit.add_done_callback(",
+              "                self.client.commit(self.tag).add_done_callback(  # MUTATION\n"
+              "                    "),),
+        ("tests/faults/test_dcp_resave.py::"
+         "test_a_save_again_after_the_coordinators_write_failed_never_commits_the_failed_saves_file",),
+    ),
+    Mutation(
         "replica-no-spare-ahead",
         "a rank file's first replica gets no spare allocated ahead: its second replica's fresh pages are allocated "
         "while its copies run, as the first's were",

@@ -10,6 +10,10 @@ client's snapshot of a tag another client is saving there.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +31,9 @@ from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker
 
 from conftest import DaemonProc
+from test_multirank import free_port
+
+HERE = Path(__file__).parent
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -166,6 +173,24 @@ def test_an_async_save_after_a_save_that_never_finished_commits(daemon: DaemonPr
     dcp.async_save(state(2000), checkpoint_id=str(folder), storage_writer=DatastatesStorageWriter(client),
                    no_dist=True).result(timeout=120)
     assert loads_whole(folder, 2000) == ""
+
+
+@pytest.mark.heavy
+def test_a_save_again_after_the_coordinators_write_failed_never_commits_the_failed_saves_file(
+        daemon: DaemonProc) -> None:
+    """Two ranks: rank 0's write fails, rank 1's file is sent and its commit asked, and the coordinator never commits;
+    the same save again is refused (CommitError) while rank 1's commit is not answered, and the checkpoint is never
+    committed with rank 1's file of the failed save (it was: the second save's metadata beside it, not loading)."""
+    folder = daemon.root / "run" / "ckpt"
+    env = {**os.environ, "DATASTATES_ENDPOINT": daemon.endpoint, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), str(HERE / "dcp_failed_rank_job.py"),
+                           str(folder)], env=env, capture_output=True, text=True, timeout=300)
+    said = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert len(said) == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert all("No space left" in r["first"] for r in said), said
+    assert all(r["again"].startswith("CommitError") and "not answered yet" in r["again"] for r in said), said
+    assert not (folder / marker_name(folder.name)).exists(), loads_whole(folder, 20)
 
 
 def test_two_clients_saving_one_checkpoint_at_once_commit_one_of_them_whole(
