@@ -434,6 +434,7 @@ def test_a_tag_saved_again_without_one_of_its_files_leaves_no_old_object_on_the_
         datastates.load(f"{url}/run/step1/rank0.pt")
     assert_state_equal(state(2), datastates.load(f"{url}/run/step1/rank1.pt"))
 
+
 def only_first(match: Callable[[str, str, str], bool]) -> Callable[[str, str, str], bool]:
     """A rule's match that takes the first request ``match`` takes, and no later one."""
     taken: list[bool] = []
@@ -502,7 +503,6 @@ def test_a_fast_tier_file_replaced_before_its_transfer_is_never_committed_on_the
     row = next(t for e in status["tier_transfers"]["tags"] for t in e["tiers"] if t["folder"] == f"{url}/run/step1")
     assert row["state"] == "failed" and "holds snapshot" in row["error"], row
     assert datastates.latest(f"{url}/run") is None
-
 
 
 # -- faults of the server -----------------------------------------------------------------------------------------------
@@ -659,6 +659,7 @@ def test_sigterm_ends_the_daemon_while_the_bucket_hangs_and_the_next_daemon_fini
     assert_state_equal(saved, datastates.load(f"{url}/run/step1/rank0.pt"))
 
 
+@pytest.mark.heavy
 def test_a_read_of_a_hung_bucket_gives_up_with_an_error_naming_it(proxy: FaultProxy, bucket: str) -> None:
     """``latest`` and ``load`` of a bucket whose server never answers raise StorageError naming the bucket and how
     long it was waited for (each request: TIMEOUT_TRIES tries of READ_TIMEOUT_S), never wait on."""
