@@ -44,7 +44,7 @@ from datastates.protocol.tags import listing, next_sequence, tag_files, unlisted
 from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .events import CommitEvent, CommitListener
-from .gather import NodeGather, still_reported
+from .gather import Attempt, NodeGather, still_reported
 from .job import SnapshotJob
 from .versions import Staging, Versions
 
@@ -72,7 +72,8 @@ def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
 
 
 def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int, sequence: int, nodes: int = 1,
-                node: int = -1, snapshots: dict[str, str] | None = None, job: str = "", owner: str = "") -> CommitMarker:
+                node: int = -1, snapshots: dict[str, str] | None = None, job: str = "", owner: str = "",
+                began_ns: int = 0) -> CommitMarker:
     return CommitMarker(
         version=COMMIT_VERSION,
         tag=tag,
@@ -85,6 +86,7 @@ def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int,
         sequence=sequence,
         job=job,
         owner=owner,
+        began_ns=began_ns,
     )
 
 
@@ -531,19 +533,19 @@ class CommitLedger:
         folder = tag_folder(tag, files, self._roots)
         if nodes == 1 or not self._storage.shared(folder):
             marker = make_marker(tag, files, folder, requested_ns, sequence, nodes, -1 if nodes == 1 else ranks.node_rank,
-                                 commit.snapshots)
+                                 commit.snapshots, ranks.job)
             return await self._publish(client_id, tag, marker, folder, order, wanted=commit.wanted), sequence
         if os.path.basename(folder) != tag:
             raise CommitError(f"tag {tag!r}: in a multi-node job a tag's files must live under a folder named {tag!r}", tag=tag)
         mine = make_marker(tag, files, folder, requested_ns, sequence, nodes, ranks.node_rank, commit.snapshots,
-                           ranks.job, self._owner)
+                           ranks.job, self._owner, commit.began_ns)
         await self._write(os.path.join(folder, done_name(tag, ranks.node_rank)), mine.encode(), tag)
         if ranks.node_rank != 0:
-            marker = await self._nodes.await_marker(tag, folder, mine.committed_ns, nodes, ranks.node_rank,
-                                                    commit.present)
+            marker = await self._nodes.await_marker(tag, folder, mine, commit.present)
             return m.Committed(tag=tag, marker=os.path.join(folder, marker_name(tag)), files=tag_files(folder, marker)), \
                 marker.sequence
-        everyone, snapshots = await self._nodes.gather(tag, folder, nodes, ranks.job, commit.began_ns, commit.present)
+        everyone, snapshots = await self._nodes.gather(tag, folder, nodes, Attempt(ranks.job, commit.began_ns, requested_ns),
+                                                       commit.present)
         committed = await self._publish(client_id, tag, make_marker(tag, everyone, folder, requested_ns, sequence, nodes,
                                                                     snapshots=snapshots), folder, order,
                                         wanted=functools.partial(still_reported, tag, folder, nodes))

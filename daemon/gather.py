@@ -13,12 +13,18 @@ short of first (docs/scale.md), so every wait is frugal with it:
   grows, so a node that is late by minutes costs a look a second, not a storm;
 - node 0 removes the done markers through one descriptor of the folder.
 
-A done marker counts only for the attempt of the job that wrote it: node 0 takes none of
-another job (``Ranks.job``, which holds the launcher's restart count), nor one written before
-its own ranks' processes started (less ``CLOCK_SKEW_S``): a rank's process starts before any
-collective of its attempt, so a node's part of a tag of this attempt is never older, and the
-part a failed attempt left behind always is. Such a leftover waits to be replaced by its
-node's part of this attempt (renamed over it), or goes when the tag commits.
+A done marker counts only for the attempt of the job that wrote it (``Attempt``): node 0
+takes none of another job (``Ranks.job``; Slurm's step and restart count are part of it), nor
+one written before its own ranks' processes started, nor one whose ranks started after node
+0's round was asked for (each less ``CLOCK_SKEW_S``). A rank's process starts before any
+collective of its attempt, and the ranks of one attempt reach a step only together, so a
+node's part of this attempt's tag is never older than node 0's ranks, and its ranks never
+younger than node 0's request: a failed attempt's leftover always is older, and a later
+attempt's part, met by a round of a failed attempt still waiting, always younger. A leftover
+waits to be replaced by its node's part of this attempt (renamed over it), or goes when the
+tag commits. A node other than 0 confirms only a marker that lists its own files with the
+snapshots its done marker lists, and withdraws only its own done marker, never a later
+attempt's of the same name.
 
 A node that gives up waiting (``commit_timeout``), or whose ranks that asked for the tag all
 died (a dead attempt: no rank is left to be told; node 0 then stops gathering too, so the
@@ -36,6 +42,7 @@ import logging
 import os
 import random
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from datastates.protocol.errors import CommitError
@@ -61,6 +68,32 @@ CLOCK_SKEW_S = 1.0
 """How far the nodes' clocks may differ: a done marker older than node 0's attempt by more is a failed attempt's."""
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """The attempt of a job whose round node 0 commits: which done markers are its parts."""
+
+    job: str
+    began_ns: int
+    """When the first of node 0's ranks in the round started its process (0: unknown)."""
+    requested_ns: int
+    """When node 0's round was asked for (its first rank's COMMIT)."""
+
+    def refuses(self, done: CommitMarker, tag: str) -> str:
+        """Why ``done`` is not a part of this attempt's commit of ``tag`` ('' when it is)."""
+        skew = CLOCK_SKEW_S * 1e9
+        if done.tag != tag:
+            return f"it is of tag {done.tag!r}"
+        if done.job != self.job:
+            return f"it is of job {done.job!r}, not {self.job!r}"
+        if self.began_ns and done.committed_ns < self.began_ns - skew:
+            return (f"written {(self.began_ns - done.committed_ns) / 1e9:.1f} s before this node's ranks of the job "
+                    "started: a failed attempt's")
+        if done.began_ns and done.began_ns > self.requested_ns + skew:
+            return (f"its ranks started {(done.began_ns - self.requested_ns) / 1e9:.1f} s after this node's ranks "
+                    "asked to commit: a later attempt's")
+        return ""
+
+
 def _pauses(least: float, longest: float) -> Iterator[float]:
     """Seconds to wait before each next look: from ``FIRST_LOOK_S``, growing to ``longest``, never under ``least``;
     each within 20 % either way (never under ``least``), so nodes that began together do not keep looking together."""
@@ -77,10 +110,10 @@ class NodeGather:
         self._engine = engine
         self._timeout = timeout
 
-    async def gather(self, tag: str, folder: str, nodes: int, job: str, began_ns: int, present: Callable[[], bool],
+    async def gather(self, tag: str, folder: str, nodes: int, attempt: Attempt, present: Callable[[], bool],
                      ) -> tuple[dict[str, int], dict[str, str]]:
-        """Node 0: every node's files (path → size, path → snapshot), from their done markers of this attempt of
-        ``job`` (which began at ``began_ns``, 0: unknown); CommitError naming the nodes that never reported, or once
+        """Node 0: every node's files (path → size, path → snapshot), from their done markers of ``attempt``;
+        CommitError naming the nodes that never reported, or once
         no rank of this node that asked for the tag is ``present`` (the attempt died: its restart saves the tag anew,
         and must not find the dead attempt's round still holding its files)."""
         deadline = time.monotonic() + self._timeout
@@ -96,7 +129,7 @@ class NodeGather:
                 marker = await self._engine.flush(CommitMarker.read, os.path.join(folder, name))
                 if marker is None:
                     continue
-                why = _not_of_attempt(marker, tag, job, began_ns)
+                why = attempt.refuses(marker, tag)
                 if not why:
                     found[names[name]] = marker
                 elif stale.get(names[name]) != why:
@@ -111,7 +144,7 @@ class NodeGather:
                                   tag=tag)
             if time.monotonic() > deadline:
                 missing_nodes = [n for n in range(nodes) if n not in found]
-                left = f"; what is there of node(s) {sorted(stale)} is a failed attempt's" if stale else ""
+                left = f"; what is there of node(s) {sorted(stale)} is another attempt's" if stale else ""
                 raise CommitError(
                     f"tag {tag!r} not committed: node(s) {missing_nodes} wrote no done marker in {folder} within "
                     f"{self._timeout:.0f} s (their daemon or ranks may have died){left}", tag=tag,
@@ -119,31 +152,33 @@ class NodeGather:
                 )
             await asyncio.sleep(next(pauses))
 
-    async def await_marker(self, tag: str, folder: str, since_ns: int, nodes: int, node: int,
-                           present: Callable[[], bool]) -> CommitMarker:
-        """A node other than 0: the tag's marker, once node 0 has written it (after this node's done marker).
+    async def await_marker(self, tag: str, folder: str, mine: CommitMarker, present: Callable[[], bool],
+                           ) -> CommitMarker:
+        """A node other than 0: the tag's marker, once node 0 has written it after this node's done marker ``mine``,
+        listing this node's files as ``mine`` does; CommitError if one lists others (another attempt's commit).
 
         Past the timeout, or once no rank that asked for the tag is ``present`` (its attempt
         died: none is left to be told), this node withdraws its done marker, then looks once more: node 0
         commits only while every done marker is in place (``still_reported``, right before its
         marker is renamed in), so a marker found now stands, and none found now never will be.
         """
-        path = os.path.join(folder, marker_name(tag))
+        path, nodes = os.path.join(folder, marker_name(tag)), mine.nodes
+        done = os.path.join(folder, done_name(tag, mine.node))
         deadline = time.monotonic() + self._timeout
         least = (nodes - 1) / LOOKS_PER_S
         pauses = _pauses(least, max(LONGEST_LOOK_S, least))
         await asyncio.sleep(least * random.random())  # the nodes' looks spread over the interval from the first
         while True:
-            marker = await self._engine.flush(_newer_marker, path, since_ns)
+            marker = await self._engine.flush(_newer_marker, path, mine.committed_ns)
             if marker is not None:
-                return marker
+                return _listing(marker, mine, folder)
             if time.monotonic() > deadline or not present():
                 break
             await asyncio.sleep(next(pauses))
-        await self._engine.flush(_best_effort, remove, os.path.join(folder, done_name(tag, node)))
-        marker = await self._engine.flush(_newer_marker, path, since_ns)
+        await self._engine.flush(_withdraw, done, mine)
+        marker = await self._engine.flush(_newer_marker, path, mine.committed_ns)
         if marker is not None:
-            return marker
+            return _listing(marker, mine, folder)
         if not present():
             raise CommitError(f"tag {tag!r} not committed: every rank of this node that asked for it is gone, so its "
                               f"part was taken back from {folder}", tag=tag)
@@ -169,16 +204,22 @@ def still_reported(tag: str, folder: str, nodes: int) -> None:
                           f"marker from {folder}", tag=tag, missing=str(gone))
 
 
-def _not_of_attempt(done: CommitMarker, tag: str, job: str, began_ns: int) -> str:
-    """Why ``done`` is not a part of this attempt's commit of ``tag`` ('' when it is)."""
-    if done.tag != tag:
-        return f"it is of tag {done.tag!r}"
-    if done.job != job:
-        return f"it is of job {done.job!r}, not {job!r}"
-    if began_ns and done.committed_ns < began_ns - CLOCK_SKEW_S * 1e9:
-        return (f"written {(began_ns - done.committed_ns) / 1e9:.1f} s before this node's ranks of the job started: a "
-                "failed attempt's")
-    return ""
+def _listing(marker: CommitMarker, mine: CommitMarker, folder: str) -> CommitMarker:
+    """``marker`` if it lists this node's files as its done marker ``mine`` does; else the tag was committed with
+    another attempt's part of this node (a round of this node's still waiting when the job restarted): CommitError,
+    so no rank of this attempt is told the tag holds its files."""
+    listed = {f.path: f.snapshot for f in marker.files}
+    if any(listed.get(f.path) != f.snapshot for f in mine.files):
+        raise CommitError(f"tag {mine.tag!r} not committed with this node's files: its marker in {folder} lists "
+                          "another attempt's (the job restarted while this node waited for node 0)", tag=mine.tag)
+    return marker
+
+
+def _withdraw(path: str, mine: CommitMarker) -> None:
+    """Remove this node's done marker ``mine`` from ``path``, unless another (a later attempt's) has replaced it."""
+    there = CommitMarker.read(path)
+    if there is not None and (there.committed_ns, there.owner) == (mine.committed_ns, mine.owner):
+        _best_effort(remove, path)
 
 
 def _newer_marker(path: str, since_ns: int) -> CommitMarker | None:

@@ -231,7 +231,8 @@ class TierTransfers:
             if any(e.run == found.run and _newness(e) >= (marker.sequence, marker.requested_ns) for e in self.history):
                 continue  # this daemon's own commits since it started announced it, or a newer tag of its run
             ranks = Ranks() if marker.nodes == 1 else Ranks(
-                rank=max(0, marker.node), world_size=marker.nodes, num_nodes=marker.nodes, node_rank=max(0, marker.node))
+                rank=max(0, marker.node), world_size=marker.nodes, num_nodes=marker.nodes, node_rank=max(0, marker.node),
+                job=marker.job)
             files = {os.path.join(found.folder, f.path): f.size for f in marker.files}
             snapshots = {os.path.join(found.folder, f.path): f.snapshot for f in marker.files}
             self.committed(CommitEvent("resumed", marker.tag, files, ranks, marker.requested_ns, 0, marker.sequence,

@@ -403,6 +403,8 @@ class CommitMarker:
     written before it existed, so every newer commit sorts after them."""
     job: str = ""
     """A done marker's job attempt (``Ranks.job``): node 0 commits a tag only with done markers of its own attempt."""
+    began_ns: int = 0
+    """A done marker's attempt start: when the first of its node's ranks started its process (0: unknown)."""
     owner: str = ""
     """A done marker's writer (the daemon's owner tag, daemon/instances.py): a later daemon of that node removes it
     once the writer is dead, since no rank of the writer's is left to be told the tag committed."""
