@@ -118,6 +118,10 @@ class _TagGroup:
     """The newest snapshot id among the node's files: see CommitLedger._tracked."""
     sequence: int = 0
     """The sequence of the node's first rank to ask (that named a file): the tag's place among the job's tags."""
+    paths: set[str] = field(default_factory=set)
+    """The files of the ranks that committed: the version they make is sealed once the node's last rank has (until
+    then the other ranks' snapshots of the tag join it, as DCP's coordinator saves its metadata after the others
+    asked to commit)."""
     clients: set[str] = field(default_factory=set)
     """The clients whose COMMIT joined the round and have not died: once none is left, none is left to tell."""
     began_ns: int = 0
@@ -336,12 +340,14 @@ class CommitLedger:
             self._abstain(ranks, tag, exc)
             raise exc
         jobs = self._committing[key] = self._open.pop(key, None) or []
-        self._versions.seal([j.path for j in jobs])  # before any await: a snapshot admitted next gets its own version
+        if ranks.world_size == 1:  # before any await: a snapshot admitted next gets its own version
+            self._versions.seal([j.path for j in jobs])
         requested_ns = time.time_ns()
         self.pending += 1
         try:
             jobs = self._committing[key] = await self._supersede(client_id, tag, jobs)
-            self._versions.seal([j.path for j in jobs])  # a retry's
+            if ranks.world_size == 1:
+                self._versions.seal([j.path for j in jobs])  # a retry's
             sequence = await self._next_sequence(tag, jobs, ranks)
             if ranks.world_size == 1:
                 return await self._commit_alone(client_id, tag, jobs, requested_ns, sequence)
@@ -453,6 +459,9 @@ class CommitLedger:
             raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
         group.sequence = group.sequence or sequence  # the first rank to ask, unless it named no file
         group.committed.add(ranks.rank)
+        group.paths.update(j.path for j in jobs)
+        if len(group.committed) == ranks.local_world_size:
+            self._versions.seal(sorted(group.paths))  # the node's last rank is in: a later snapshot is a new version
         group.clients.add(client_id)
         if began_ns:
             group.began_ns = min(group.began_ns or began_ns, began_ns)

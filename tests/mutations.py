@@ -183,6 +183,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/faults/test_restarted_job.py::test_a_transfer_resumed_by_a_restarted_daemon_commits_the_tag_on_the_shared_tier",),
     ),
     Mutation(
+        "ranks-seal-the-new-version-one-by-one",
+        "a multi-rank round's new version is sealed at its first rank's commit (a later rank's file starts another)",
+        (Edit("daemon/commit.py", "        if ranks.world_size == 1:  # before any await: a snapshot admitted next gets its own version\n",
+              "        if True:  # MUTATION\n"),),
+        ("tests/faults/test_resave.py::test_ranks_saving_a_committed_tag_again_make_one_new_version_whoever_commits_first",),
+    ),
+    Mutation(
         "node-keeps-its-part-when-its-ranks-die",
         "a node other than 0 keeps its done marker in place after every rank that asked for the tag died",
         (Edit("daemon/gather.py", "            if time.monotonic() > deadline or not present():\n",

@@ -28,7 +28,7 @@ from datastates.protocol.errors import CommitError, DatastatesError, PathNotAllo
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker
 
-from conftest import DaemonProc, save
+from conftest import DaemonProc, rank_client, save
 
 TRIALS = 20
 """With ``--long``; the default run (and ``make test``) does SHORT_TRIALS."""
@@ -246,3 +246,28 @@ def test_two_clients_that_snapshot_one_file_at_the_same_instant_are_never_both_t
         for p in ranks:
             p.kill()
             p.wait()
+
+
+def test_ranks_saving_a_committed_tag_again_make_one_new_version_whoever_commits_first(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """Two ranks of a job on one node save a committed tag again, as DCP's ranks do a checkpoint_id: rank 1 commits
+    first, then rank 0 (DCP's coordinator) saves one more file (its metadata) and commits. The ranks' files are one
+    new version, switched in whole: the commit lists all three, each holding the new step."""
+    d = start_daemon()
+    tag = d.root / "run" / "ckpt"
+    with rank_client(d, 0, 2, 2, 1) as c0, rank_client(d, 1, 2, 2, 1) as c1:
+        for step in (1, 2):
+            c0.snapshot({"w": torch.full((64,), float(step))}, tag / "rank0.pt")
+            c1.snapshot({"w": torch.full((64,), float(step))}, tag / "rank1.pt")
+            c1.wait()
+            second = c1.commit("ckpt")
+            c0.snapshot({"step": step}, tag / "metadata.pt")
+            c0.wait()
+            c0.commit("ckpt").result(timeout=120)
+            second.result(timeout=120)
+            assert sorted(f.path for f in read_marker(str(tag / marker_name("ckpt"))).files) == \
+                ["metadata.pt", "rank0.pt", "rank1.pt"]
+            assert datastates.load(tag / "metadata.pt")["step"] == step
+            for r in (0, 1):
+                assert torch.equal(datastates.load(tag / f"rank{r}.pt")["w"], torch.full((64,), float(step)))
+    assert not [p.name for p in tag.parent.iterdir() if p.name.endswith(".dsgen")], "a staging folder was left"
