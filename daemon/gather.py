@@ -113,9 +113,9 @@ class NodeGather:
     async def gather(self, tag: str, folder: str, nodes: int, attempt: Attempt, present: Callable[[], bool],
                      ) -> tuple[dict[str, int], dict[str, str]]:
         """Node 0: every node's files (path → size, path → snapshot), from their done markers of ``attempt``;
-        CommitError naming the nodes that never reported, or once
-        no rank of this node that asked for the tag is ``present`` (the attempt died: its restart saves the tag anew,
-        and must not find the dead attempt's round still holding its files)."""
+        CommitError naming the nodes that never reported, or once no rank of this node that asked for the tag is
+        ``present`` (the attempt died: its restart saves the tag anew, and must not find the dead attempt's round
+        still holding its files)."""
         deadline = time.monotonic() + self._timeout
         names = {done_name(tag, node): node for node in range(nodes)}
         found: dict[int, CommitMarker] = {}
