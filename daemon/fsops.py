@@ -1,4 +1,4 @@
-"""The daemon's own count of its file-system metadata operations, for ``status`` (issue 31).
+"""The daemon's own count of its file-system metadata operations, for ``status``.
 
 Why: on a parallel file system the metadata server is the scarcest resource of a large
 cluster, and a multi-node commit costs it more the more nodes there are. An operator
