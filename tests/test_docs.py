@@ -1,7 +1,9 @@
-"""The docs a newcomer follows: every link lands, the README stays short, node.yaml lists every key."""
+"""The docs a newcomer follows: every link lands, the README stays short, node.yaml lists every key, the module map
+matches the modules, and the docs stay references a user can read without our tracker."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -14,6 +16,8 @@ from datastates.protocol.descriptors import Tier
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 README_MAX_LINES = 250
+DOCS_MAX_WORDS = 30_000
+PRODUCT = ("protocol", "client", "daemon", "integrations", "datastates")
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -82,3 +86,48 @@ def test_node_yaml_lists_every_config_key(section: str, cls: type) -> None:
         if not re.search(top if not section else nested, text, re.M):
             missing.append(f"{section}.{key}" if section else key)
     assert not missing, f"deploy/node.yaml does not list {missing}"
+
+
+def test_no_page_points_at_the_tracker() -> None:
+    """A user has no issue list: a page says what holds, not which ticket it came from."""
+    mention = re.compile(r"\bissue\s*#?\s*\d+", re.I)
+    found = [f"{page.relative_to(REPO)}: {m.group(0)!r}" for page in PAGES for m in mention.finditer(page.read_text())]
+    assert not found, "pages name tracker items: " + "; ".join(found)
+
+
+def test_the_docs_stay_under_their_word_budget() -> None:
+    """References, not notebooks: history lives in git."""
+    words = sum(len(page.read_text().split()) for page in (REPO / "docs").glob("*.md"))
+    assert words < DOCS_MAX_WORDS, f"docs/ holds {words} words (limit {DOCS_MAX_WORDS}): cut repetition and history"
+
+
+def _product_modules() -> dict[str, Path]:
+    """Every module of the product by its path from the repository root; ``datastates/``'s links to the other
+    folders are skipped, and so are empty ``__init__.py`` files."""
+    modules = {}
+    for top in PRODUCT:
+        for path in sorted((REPO / top).rglob("*.py")):
+            rel = path.relative_to(REPO)
+            if any((REPO / parent).is_symlink() for parent in rel.parents) or not path.read_text().strip():
+                continue
+            modules[rel.as_posix()] = path
+    return modules
+
+
+def test_the_module_map_names_every_module_by_its_own_first_docstring_line() -> None:
+    """docs/architecture.md's map has one line per module, `path`: the module's first docstring line."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    mapped = dict(re.findall(r"^- `([\w/]+\.py)`: (.*)$", section, re.M))
+    modules = _product_modules()
+    wrong = []
+    for name, path in modules.items():
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        if not doc:
+            wrong.append(f"{name} has no docstring")
+        elif name not in mapped:
+            wrong.append(f"{name} is missing from the map")
+        elif mapped[name] != doc.splitlines()[0]:
+            wrong.append(f"{name}: the map says {mapped[name]!r}, its docstring {doc.splitlines()[0]!r}")
+    wrong += [f"{name} is in the map but is no module" for name in mapped if name not in modules]
+    assert not wrong, "docs/architecture.md's module map: " + "; ".join(wrong)
