@@ -32,8 +32,8 @@ from datastates.protocol.paths import check_derived, check_path
 from .capture import Capture, capture, gc_paused
 from .cuda import GpuRoute
 from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
-from .inplace import Probe, allow_reader, yama_scope
-from .shm import Staging
+from .shm import SegmentPool
+from .vm_access import Probe, allow_reader, yama_scope
 from .locate import again_if_deleted, locate
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
@@ -191,8 +191,8 @@ class Client:
         self.in_place = False
         """Whether the daemon reads this process's CPU tensors in place (else through /dev/shm)."""
         self._probe = Probe() if cpu_capture == "auto" else None
-        self._staging = Staging()
-        self._gpu = GpuRoute(gpu_capture, self._staging, self._probe_cuda)
+        self._segments = SegmentPool()
+        self._gpu = GpuRoute(gpu_capture, self._segments, self._probe_cuda)
         self._local: Any = None
         """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
@@ -314,7 +314,7 @@ class Client:
             msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)
             return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg, cap.storages)))
         with gc_paused():
-            cap = capture(state, None if self.in_place else self._staging, self._gpu)
+            cap = capture(state, None if self.in_place else self._segments, self._gpu)
             retired = self._gpu.blocks.take_retired()
             msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
                              ticket=str(next(self._tickets)), fences=cap.fences, retired=retired)
@@ -442,7 +442,7 @@ class Client:
             if abandoned or untold:  # copied but never committed is lost too: the trainer must not think it saved
                 raise self._abandoned(f"datastatesd at {self.endpoint} was found gone", abandoned, untold)
         lost = self.client_id
-        self._gpu = GpuRoute(self._gpu.mode, self._staging, self._probe_cuda)  # the new client shares GPU memory anew
+        self._gpu = GpuRoute(self._gpu.mode, self._segments, self._probe_cuda)  # the new client shares GPU memory anew
         self._connect()
         log.info("connected to datastatesd at %s again, as client %s (was %s): what the lost connection had not "
                  "committed is lost", self.endpoint, self.client_id, lost)
@@ -658,7 +658,7 @@ class Client:
             self._conn.close()
             with self._commits_lock:  # what the daemon has not copied yet it maps itself: our segments may go
                 self._uncopied = []
-            self._staging.clear()
+            self._segments.clear()
 
     def __enter__(self) -> Client:
         return self
