@@ -368,7 +368,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "watch-interval-unchecked",
         "datastatesctl status --watch takes any float for --interval: -1 or nan reach time.sleep as a traceback",
-        (Edit("client/ctl.py",
+        (Edit("client/ctl/__init__.py",
               "    p_status.add_argument(\"--interval\", type=_interval,",
               "    p_status.add_argument(\"--interval\", type=float,  # MUTATION: unchecked\n"),),
         ("tests/test_cli.py::test_status_watch_refuses_bad_arguments_without_a_traceback[--interval -1]",),
