@@ -194,7 +194,7 @@ class Client:
         self._segments = SegmentPool()
         self._gpu = GpuRoute(gpu_capture, self._segments, self._probe_cuda)
         self._local: Any = None
-        """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
+        """The in-process saver (client/local_save.py) once the fallback is in use."""
         self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
         """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
         self._commits: list[tuple[str, Future, Future, list[tuple[Future, m.Snapshot, Capture]]]] = []
@@ -288,7 +288,7 @@ class Client:
         if self.fallback != "local":
             raise exc
         log.warning("%s; fallback='local': checkpoints are now written synchronously by the trainer", exc.message)
-        from datastates.daemon.local import LocalSaver  # the one client → daemon import: the fallback only
+        from .local_save import LocalSaver  # the one client module that imports the daemon: the fallback only
 
         self._local = LocalSaver()
         return self._local

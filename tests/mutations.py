@@ -772,7 +772,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "local-commit-leaves-tracker",
         "a trainer's local commit (fallback='local') leaves the tracker naming an older tag",
-        (Edit("daemon/local.py", "        self._track(tag, folder if staging is None else staging.folder)\n", ""),),
+        (Edit("client/local_save.py", "        self._track(tag, folder if staging is None else staging.folder)\n", ""),),
         ("tests/test_retention.py::test_a_local_commit_moves_the_tracker_on",),
     ),
     Mutation(
