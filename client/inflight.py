@@ -194,13 +194,13 @@ class InFlight:
         try:
             self._wait_daemon(conn, pending, timeout)
         except DaemonUnavailable as exc:
-            abandoned = self.give_up(pending)
+            abandoned = self._give_up(pending)
             if abandoned:  # else the daemon had claimed every one copied: they are safe
-                local = self.go_local(conn, self.abandoned(exc.message, abandoned))
+                local = self.go_local(conn, self._abandoned(exc.message, abandoned))
                 for snap in pending:  # unchanged since snapshot(): this is the fence
                     local.save(snap.msg, snap.capture.storages)
                 saved = pending
-            self.drop(pending)
+            self._drop(pending)
         finally:
             self.waiting = False
             if self.commits:
@@ -226,9 +226,9 @@ class InFlight:
                 raise WaitTimeout(f"{len(ids)} snapshot(s) not copied by the daemon within {timeout} s") from None
             finally:
                 if fut.done():  # copied or failed: either way reported once, by this wait
-                    self.drop(pending)
+                    self._drop(pending)
         else:
-            self.drop(pending)
+            self._drop(pending)
         refused = next((a.exception() for a in acks if a.exception() is not None), None)
         if refused is not None:
             raise refused
@@ -267,7 +267,7 @@ class InFlight:
         if exc is None:
             for s in covered:
                 outcome.forget(self.decisions, s.msg.ticket)
-            self.drop(covered)
+            self._drop(covered)
         if isinstance(exc, DaemonUnavailable) and self.fallback == "local" and (
                 self.waiting or any(s.msg.tag == tag for s in list(self.uncopied))):
             return
@@ -306,7 +306,7 @@ class InFlight:
                 with self.lock:
                     self.commits.append(c)
 
-    def drop(self, done: list[SentSnapshot]) -> None:
+    def _drop(self, done: list[SentSnapshot]) -> None:
         """Forget snapshots known copied (or failed): their captured tensors may go now."""
         gone = set(done)
         with self.lock:  # only those still listed: ``covered`` and ``pending`` may both hold one
@@ -314,7 +314,7 @@ class InFlight:
                 s.capture.give_back()
             self.uncopied = [s for s in self.uncopied if s not in gone]
 
-    def give_up(self, pending: list[SentSnapshot]) -> list[str]:
+    def _give_up(self, pending: list[SentSnapshot]) -> list[str]:
         """Claim every snapshot in ``pending`` abandoned; the paths of those the daemon had not claimed copied first.
 
         From here on the daemon can never write an abandoned snapshot, however long it was
@@ -327,8 +327,8 @@ class InFlight:
                         "comes back", self.endpoint)
         return abandoned
 
-    def abandoned(self, why: str, abandoned: list[str], untold: list[str] = ()) -> DaemonUnavailable:
-        """The one report of a lost daemon: ``why``, the snapshots given up (``give_up``), and the tags saved and not
+    def _abandoned(self, why: str, abandoned: list[str], untold: list[str] = ()) -> DaemonUnavailable:
+        """The one report of a lost daemon: ``why``, the snapshots given up (``_give_up``), and the tags saved and not
         yet committed that no commit future tells of (``untold``)."""
         said = [why]
         if abandoned:
@@ -350,7 +350,7 @@ class InFlight:
     def go_local(self, conn: Connection, exc: DaemonUnavailable) -> Any:
         """Leave the daemon, then switch to local saves for good, or raise ``exc`` if the fallback is off (the next
         call then connects again, as a new client)."""
-        self.leave(conn)
+        self._leave(conn)
         if self.fallback != "local":
             raise exc
         log.warning("%s; fallback='local': checkpoints are now written synchronously by the trainer", exc.message)
@@ -359,7 +359,7 @@ class InFlight:
         self.saver = LocalSaver()
         return self.saver
 
-    def leave(self, conn: Connection) -> list[str]:
+    def _leave(self, conn: Connection) -> list[str]:
         """Leave this connection's daemon for good: a resumed daemon lets this client go instead of waiting on its
         pid, and writes nothing more for it (protocol/outcome.py). The tags it had not committed are lost with it;
         returns those no COMMIT was sent for since their last snapshot, so no commit future tells of them."""
@@ -386,8 +386,8 @@ class InFlight:
         """
         if not self.left:  # the I/O thread met the loss; no call has said so yet
             pending = list(self.uncopied)
-            abandoned = self.give_up(pending) if pending else []
-            self.drop(pending)
-            untold = self.leave(conn)
+            abandoned = self._give_up(pending) if pending else []
+            self._drop(pending)
+            untold = self._leave(conn)
             if abandoned or untold:  # copied but never committed is lost too: the trainer must not think it saved
-                raise self.abandoned(f"datastatesd at {self.endpoint} was found gone", abandoned, untold)
+                raise self._abandoned(f"datastatesd at {self.endpoint} was found gone", abandoned, untold)
