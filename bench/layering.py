@@ -4,10 +4,11 @@ Run: ``.venv/bin/python bench/layering.py`` (no daemon needed). Every ``import``
 source counts, at module level, under ``if TYPE_CHECKING`` (a cycle of types is still a
 cycle a reader follows) or inside a function (lazy: it closes no cycle).
 An upward edge is client → daemon or protocol → client/daemon: the layers are
-protocol → daemon and protocol → client. The one allowed exception is the client's
-lazy import of the local fallback (``daemon/local.py``), inside the function that
-switches to it. ``--check`` exits 1 on any other upward edge or on a cycle
-(tests/test_layering.py runs it).
+protocol → daemon and protocol → client. The one allowed exception is the trainer-side
+fallback (``client/local_save.py``), which runs the daemon's write path in the trainer: it
+may import daemon modules, and every import of it is lazy, inside the function that
+switches to it. ``--check`` exits 1 on any other upward edge, on an eager import of the
+fallback, or on a cycle (tests/test_layering.py runs it).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import sys
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"protocol": "datastates.protocol", "client": "datastates.client", "daemon": "datastates.daemon",
             "datastates": "datastates"}
-ALLOWED = {("datastates.client.client", "datastates.daemon.local", True)}
-"""Upward edges allowed: (from, to, lazy)."""
+FALLBACK = "datastates.client.local_save"
+"""The one client module allowed to import the daemon; imported only lazily, so the client alone never loads it."""
 LAYER = {"datastates.protocol": 0, "datastates.client": 1, "datastates.daemon": 1}
 
 
@@ -148,7 +149,7 @@ def main() -> int:
         print(f"  {lines:5d}  {name}")
     total = sum(s for s, _ in sizes)
     print(f"  total {total} lines in {len(sizes)} modules, median {sorted(s for s, _ in sizes)[len(sizes) // 2]}")
-    wrong = [e for e in up if e not in ALLOWED]
+    wrong = [e for e in up if e[0] != FALLBACK] + [e for e in edges if e[1] == FALLBACK and not e[2]]
     if check and (wrong or cyc):
         print(f"FAILED: {len(wrong)} upward edge(s) not allowed {wrong}, {len(cyc)} cycle(s)")
         return 1

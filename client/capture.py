@@ -24,19 +24,19 @@ from datastates.protocol.errors import InvalidRequestError
 from datastates.protocol.torchzip import PICKLE_PROTOCOL
 
 from .cuda import GpuRoute, record_fences
-from .shm import Staging
+from .shm import SegmentPool
 
 
 @dataclass
 class Capture:
     """What one ``snapshot()`` sends: byte sources, entries, and the root entry's index."""
 
-    staging: Staging | None = None
+    segments: SegmentPool | None = None
     """Where CPU storages are copied for the daemon to map; None: it reads them in place, by address."""
     gpu: GpuRoute | None = None
     """How CUDA storages reach the daemon, per device (client/cuda.py); None: this process saves them itself."""
     staged: list[torch.UntypedStorage] = field(default_factory=list)
-    """The segments this capture took from a staging: given back once the daemon has copied them."""
+    """The segments this capture took from ``segments``: given back once the daemon has copied them."""
     sources: list[SourceDesc] = field(default_factory=list)
     entries: list[EntryDesc] = field(default_factory=list)
     root: int = -1
@@ -71,12 +71,12 @@ class Capture:
             if handle:
                 self._ipc_devices.add(storage.device.index)
                 return SourceDesc(kind=CUDA_IPC, handle=handle, nbytes=nbytes)
-            staging = self.gpu.staging  # the daemon cannot open it: copied here, to host
-        elif self.staging is None:
+            pool = self.gpu.segments  # the daemon cannot open it: copied here, to host
+        elif self.segments is None:
             return SourceDesc(kind=VM, handle=f"{storage.data_ptr():x}", nbytes=nbytes)
         else:
-            staging = self.staging
-        segment, name = staging.stage(storage)
+            pool = self.segments
+        segment, name = pool.copy_in(storage)
         self.staged.append(segment)
         return SourceDesc(kind=SHM, handle=name, nbytes=nbytes)
 
@@ -91,9 +91,9 @@ class Capture:
 
     def give_back(self) -> None:
         """The segments this capture took, free for reuse: the daemon has copied them, or never will."""
-        staging = self.gpu.staging if self.gpu is not None else self.staging  # one Staging per client
-        if self.staged and staging is not None:
-            staging.give_back(self.staged)
+        pool = self.gpu.segments if self.gpu is not None else self.segments  # one SegmentPool per client
+        if self.staged and pool is not None:
+            pool.give_back(self.staged)
             self.staged = []
 
     def _add(self, desc: SourceDesc, storage: torch.UntypedStorage | None) -> int:
@@ -251,9 +251,9 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-def capture(state: Any, staging: Staging | None = None, gpu: GpuRoute | None = None) -> Capture:
-    """Describe ``state`` as sources, leaf entries and a pickled root entry; ``staging``, ``gpu``: see ``Capture``."""
-    cap = Capture(staging=staging, gpu=gpu)
+def capture(state: Any, segments: SegmentPool | None = None, gpu: GpuRoute | None = None) -> Capture:
+    """Describe ``state`` as sources, leaf entries and a pickled root entry; ``segments``, ``gpu``: see ``Capture``."""
+    cap = Capture(segments=segments, gpu=gpu)
     buf = io.BytesIO()
     try:
         _CapturingPickler(buf, cap, _leaf_names(state)).dump(state)

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import os
 import shutil
 import socket
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -21,19 +19,20 @@ from datastates.protocol import objectstore
 from datastates.protocol.objectstore import is_object
 from datastates.protocol import messages as m
 from datastates.protocol import outcome
-from datastates.protocol.descriptors import CUDA_IPC, VM, Ranks, Tier
+from datastates.protocol.descriptors import Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError, WaitTimeout
+from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError
 from datastates.protocol.format import check_tag, marker_name
 from datastates.protocol.tags import trusted_marker
 from datastates.protocol.liveness import pid_namespace, process_began_ns, process_start
 from datastates.protocol.paths import check_derived, check_path
 
-from .capture import Capture, capture, gc_paused
+from .capture import capture, gc_paused
 from .cuda import GpuRoute
 from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F401  (daemon_status: re-exported)
-from .inplace import Probe, allow_reader, yama_scope
-from .shm import Staging
+from .inflight import Expected, InFlight, SentSnapshot
+from .shm import SegmentPool
+from .vm_access import Probe, allow_reader, yama_scope
 from .locate import again_if_deleted, locate
 from .reader import MapLocation, load
 from .ranks import ranks_from_env
@@ -80,63 +79,10 @@ class SnapshotHandle:
         return self.ack.result().skipped
 
 
-def _settle(caller: Future, reply: Future) -> None:
-    """``caller`` resolved as ``reply`` was, once."""
-    exc = reply.exception()
-    _resolve(caller, reply.result() if exc is None else None, exc)
-
-
-def _resolve(fut: Future, value: Any, exc: BaseException | None) -> None:
-    """Resolve ``fut`` unless already done: the connection's thread and ``wait()`` may race to answer one COMMIT."""
-    try:
-        if exc is None:
-            fut.set_result(value)
-        else:
-            fut.set_exception(exc)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
 def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
-
-
-class Expected:
-    """A snapshot another thread is about to send (``Client.expect``), which the fence waits for.
-
-    The sender sends it inside ``sending()``; the fence either sees it sent (and then waits
-    for its copy) or gives up first, after which ``sending()`` raises: a snapshot of tensors
-    the trainer was let go to change is never taken. ``close()``: it will never be sent.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._given_up = False
-
-    @contextlib.contextmanager
-    def sending(self) -> Iterator[None]:
-        with self._lock:
-            if self._given_up:
-                raise WaitTimeout("the fence gave up waiting for this snapshot and let the trainer change its "
-                                  "tensors: it is not taken")
-            try:
-                yield
-            finally:
-                self._done.set()
-
-    def close(self) -> None:
-        self._done.set()
-
-    def wait_or_give_up(self, timeout: float) -> bool:
-        """Whether it was sent (or will never be) within ``timeout`` s; if not, it may no longer be."""
-        if self._done.wait(timeout):
-            return True
-        with self._lock:  # a send under way finishes first
-            self._given_up = not self._done.is_set()
-            return not self._given_up
 
 
 class Client:
@@ -191,36 +137,20 @@ class Client:
         self.in_place = False
         """Whether the daemon reads this process's CPU tensors in place (else through /dev/shm)."""
         self._probe = Probe() if cpu_capture == "auto" else None
-        self._staging = Staging()
-        self._gpu = GpuRoute(gpu_capture, self._staging, self._probe_cuda)
-        self._local: Any = None
-        """The in-process saver (datastates.daemon.local.LocalSaver) once the fallback is in use."""
-        self._uncopied: list[tuple[Future, m.Snapshot, Capture]] = []
-        """Snapshots not yet known to be copied: the daemon's admission reply, the message, the captured leaves."""
-        self._commits: list[tuple[str, Future, Future, list[tuple[Future, m.Snapshot, Capture]]]] = []
-        """COMMITs the daemon has not answered: (tag, the caller's future, the daemon's reply). With the local
-        fallback, a tag whose snapshots ``wait()`` saves again locally is committed locally instead."""
-        self._commits_lock = threading.Lock()
+        self._segments = SegmentPool()
+        self._gpu = GpuRoute(gpu_capture, self._segments, self._probe_cuda)
+        self._inflight = InFlight(self.endpoint, fallback)
         self._reconnecting = threading.RLock()
         """Held while one thread finds the connection lost and makes a new one: a reader's threads restoring files
         at once (integrations/dcp.py) make one, not one each."""
-        self._expected: list[Expected] = []
-        """Snapshots another thread is about to send (``expect``): ``wait()`` waits for each to be set first."""
-        self._waiting = False
-        """Whether ``wait()`` runs: a COMMIT the lost daemon fails meanwhile may be one it commits locally."""
         self._tickets = itertools.count(1)
         self._name = name or f"pid{os.getpid()}"
         self._on_busy = on_busy
         self._liveness = liveness
-        self._left = False
-        """Set once this client left a daemon it lost: without the fallback, the next call connects again."""
-        self._lost: dict[str, set[str]] = {}
-        """Tags part of which went with a daemon this client lost → the paths saved for them on that connection, not
-        committed by it and not saved again since: committing the rest alone would make a partial tag."""
         try:
             self._connect()
         except DaemonUnavailable as exc:
-            self._go_local(exc)
+            self._inflight.go_local(self._conn, exc)
 
     def _connect(self) -> None:
         """Say HELLO on a new connection, with a new decision folder: to the daemon, a new client.
@@ -229,26 +159,22 @@ class Client:
         stalled past liveness, or restarted, does not know the old connection's client.
         """
         self._conn = Connection(self.endpoint, self._liveness)
-        self._saved: dict[str, dict[str, str]] = {}
-        """Tags snapshotted on this connection that no COMMIT it answered covers yet → their paths → the tickets."""
-        self._unasked: set[str] = set()
-        """Tags snapshotted on this connection since their last COMMIT was sent: no commit future would tell their loss."""
-        self._decisions = outcome.make_folder()
-        """Where this client and the daemon agree on each snapshot's fate (protocol/outcome.py); the daemon removes it."""
+        decisions = outcome.make_folder()
+        self._inflight.connecting(decisions)
         hello = m.Hello(pid=os.getpid(), name=self._name, host=socket.gethostname(), on_busy=self._on_busy,
                         pidns=pid_namespace(), started=process_start(os.getpid()) or "", ranks=self.ranks,
                         began_ns=process_began_ns(os.getpid()),
-                        decisions=self._decisions, probe=str(self._probe or ""))
+                        decisions=decisions, probe=str(self._probe or ""))
         try:
             if self._probe is not None and yama_scope() == 1:  # the daemon is no ancestor: name it our reader first
                 allow_reader(self._conn.call(m.Status(), self.timeout).status["daemon"]["pid"])
             welcome = self._conn.call(hello, self.timeout)
         except BaseException:
             # a daemon that welcomed it all the same (its WELCOME too late) takes the folder gone as this client gone
-            shutil.rmtree(self._decisions, ignore_errors=True)
+            shutil.rmtree(decisions, ignore_errors=True)
             self._conn.close()
             raise
-        self._left = False
+        self._inflight.left = False
         self._conn.heartbeat = welcome.heartbeat_s
         self._conn.registered = True
         self.client_id = welcome.client_id
@@ -279,19 +205,7 @@ class Client:
     @property
     def local(self) -> bool:
         """True once this client saves in its own process (``fallback="local"`` and no daemon)."""
-        return self._local is not None
-
-    def _go_local(self, exc: DaemonUnavailable) -> Any:
-        """Leave the daemon, then switch to local saves for good, or raise ``exc`` if the fallback is off (the next
-        call then connects again, as a new client)."""
-        self._leave()
-        if self.fallback != "local":
-            raise exc
-        log.warning("%s; fallback='local': checkpoints are now written synchronously by the trainer", exc.message)
-        from datastates.daemon.local import LocalSaver  # the one client → daemon import: the fallback only
-
-        self._local = LocalSaver()
-        return self._local
+        return self._inflight.saver is not None
 
     def snapshot(self, state: Any, path: str | os.PathLike, tag: str | None = None) -> SnapshotHandle:
         """Hand ``state`` to the daemon, to be written to ``path``; returns once the message is sent.
@@ -303,18 +217,16 @@ class Client:
         """
         path = os.path.abspath(os.fspath(path))
         tag = check_tag(tag if tag is not None else os.path.basename(os.path.dirname(path)))
-        if self._conn.lost and self._local is None and self.fallback == "local":
-            self._go_local(DaemonUnavailable(f"datastatesd at {self.endpoint} was found gone", endpoint=self.endpoint))
-        if self._local is None:
-            conn = self._daemon()  # before the capture: a new connection shares this process's GPU memory anew
-            # the daemon checks both again; this makes the error immediate
-            check_derived(check_path(path, self.roots), tag, self.ranks.node_rank, self.tiers)
-        if self._local is not None:  # this process saves it: it reads every storage itself
+        saver = self._inflight.local_saver(self._conn)
+        if saver is not None:  # this process saves it: it reads every storage itself
             cap = capture(state)
             msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root)
-            return SnapshotHandle(path=path, tag=tag, ack=_done(self._local.save(msg, cap.storages)))
+            return SnapshotHandle(path=path, tag=tag, ack=_done(saver.save(msg, cap.storages)))
+        conn = self._daemon()  # before the capture: a new connection shares this process's GPU memory anew
+        # the daemon checks both again; this makes the error immediate
+        check_derived(check_path(path, self.roots), tag, self.ranks.node_rank, self.tiers)
         with gc_paused():
-            cap = capture(state, None if self.in_place else self._staging, self._gpu)
+            cap = capture(state, None if self.in_place else self._segments, self._gpu)
             retired = self._gpu.blocks.take_retired()
             msg = m.Snapshot(path=path, tag=tag, sources=cap.sources, entries=cap.entries, root=cap.root,
                              ticket=str(next(self._tickets)), fences=cap.fences, retired=retired)
@@ -323,14 +235,7 @@ class Client:
             except BaseException:
                 self._gpu.blocks.untake(retired)
                 raise
-        with self._commits_lock:
-            self._uncopied.append((ack, msg, cap))
-            self._saved.setdefault(tag, {})[path] = msg.ticket
-            self._unasked.add(tag)
-            if path in self._lost.get(tag, ()):  # saved again: that part of the tag is whole once more
-                self._lost[tag].discard(path)
-                if not self._lost[tag]:
-                    del self._lost[tag]
+        self._inflight.sent(SentSnapshot(ack, msg, cap))
         return SnapshotHandle(path=path, tag=tag, ack=ack)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -339,149 +244,32 @@ class Client:
         Raises the first failure among them (the daemon refused one, or could not copy
         it); each failure is reported by one ``wait()`` only.
         """
-        with self._commits_lock:
-            expected, self._expected = self._expected, []
-        limit = timeout if timeout is not None else self.timeout  # a save thread that failed never sends it
-        for i, coming in enumerate(expected):
-            if not coming.wait_or_give_up(limit):
-                with self._commits_lock:
-                    self._expected[:0] = expected[i + 1:]
-                raise WaitTimeout(f"a snapshot expected from another thread (DCP's async_save) was not sent within "
-                                  f"{limit} s: that save failed or hangs, and now fails if it tries to send it")
-        if not self._uncopied:
-            return
-        pending = list(self._uncopied)
-        saved: dict[int, str] = {}
-        self._waiting = True
-        try:
-            self._wait_daemon(pending, timeout)
-        except DaemonUnavailable as exc:
-            abandoned = self._give_up(pending)
-            if abandoned:  # else the daemon had claimed every one copied: they are safe
-                local = self._go_local(self._abandoned(exc.message, abandoned))
-                for _ack, msg, cap in pending:  # unchanged since snapshot(): this is the fence
-                    local.save(msg, cap.storages)
-                saved = {id(x): x[1].tag for x in pending}
-            self._drop(pending)
-        finally:
-            self._waiting = False
-            if self._commits:
-                self._commit_locally(saved)
-
-    def _drop(self, done: list[tuple[Future, m.Snapshot, Capture]]) -> None:
-        """Forget snapshots known copied (or failed): their captured tensors may go now."""
-        gone = {id(x) for x in done}
-        with self._commits_lock:  # only those still listed: ``covered`` and ``pending`` may both hold one
-            for _ack, _msg, cap in (x for x in self._uncopied if id(x) in gone):
-                cap.give_back()
-            self._uncopied = [x for x in self._uncopied if id(x) not in gone]
-
-    def _give_up(self, pending: list[tuple[Future, m.Snapshot, Capture]]) -> list[str]:
-        """Claim every snapshot in ``pending`` abandoned; the paths of those the daemon had not claimed copied first.
-
-        From here on the daemon can never write an abandoned snapshot, however long it was
-        stalled: the trainer may now change its tensors (invariant I3).
-        """
-        abandoned = [msg.path for _, msg, _ in pending
-                     if outcome.decide(self._decisions, msg.ticket, outcome.ABANDONED) == outcome.ABANDONED]
-        if not abandoned:
-            log.warning("datastatesd at %s was lost; it had copied every pending snapshot, and writes them if it "
-                        "comes back", self.endpoint)
-        return abandoned
-
-    def _abandoned(self, why: str, abandoned: list[str], untold: list[str] = ()) -> DaemonUnavailable:
-        """The one report of a lost daemon: ``why``, the snapshots given up (``_give_up``), and the tags saved and not
-        yet committed that no commit future tells of (``untold``)."""
-        said = [why]
-        if abandoned:
-            said.append(f"{len(abandoned)} snapshot(s) not yet copied are abandoned, the daemon will never write them: "
-                        f"{abandoned[:4]}")
-        if untold:
-            said.append(f"tag(s) {untold[:4]} saved and not committed are lost with it: a commit of one fails unless "
-                        "every file saved for it is saved again first")
-        return DaemonUnavailable("; ".join(said), endpoint=self.endpoint)
-
-    def _leave(self) -> list[str]:
-        """Leave this connection's daemon for good: a resumed daemon lets this client go instead of waiting on its
-        pid, and writes nothing more for it (protocol/outcome.py). The tags it had not committed are lost with it;
-        returns those no COMMIT was sent for since their last snapshot, so no commit future tells of them."""
-        self._conn.close()
-        outcome.leave(self._decisions, local=self.fallback == "local")
-        self._left = True
-        with self._commits_lock:
-            for tag, paths in self._saved.items():
-                self._lost.setdefault(tag, set()).update(paths)
-            untold, self._saved, self._unasked = sorted(self._unasked), {}, set()
-        return untold
+        self._inflight.wait(self._conn, timeout, timeout if timeout is not None else self.timeout)
 
     def _daemon(self) -> Connection:
         """The connection to the daemon: after one was lost (and no fallback), a new one, as a new client."""
         with self._reconnecting:
-            if self.fallback is None and (self._left or self._conn.lost):
+            if self.fallback is None and (self._inflight.left or self._conn.lost):
                 self._reconnect()
             return self._conn
 
     def _reconnect(self) -> None:
-        """Connect again to a daemon this client lost (stalled past liveness, restarted), as a new client.
-
-        What the lost connection had not committed is lost with it, and said once: by the
-        ``wait()`` or the commit future that met the loss; snapshots not waited for yet are
-        given up here, and this call raises instead of that ``wait()``, as it does for tags
-        saved (even copied) with no COMMIT sent since. A later commit of a tag part of which
-        was lost fails once, unless every file saved for it on the lost connection was saved
-        again (``_lost``): committing only the files saved since would make a partial tag. The first
-        connection's daemon was told this client left (protocol/outcome.py), so it releases
-        what it held for it and never writes what was given up. A daemon still away raises
-        DaemonUnavailable here, and the next call tries again.
-        """
-        if not self._left:  # the I/O thread met the loss; no call has said so yet
-            pending = list(self._uncopied)
-            abandoned = self._give_up(pending) if pending else []
-            self._drop(pending)
-            untold = self._leave()
-            if abandoned or untold:  # copied but never committed is lost too: the trainer must not think it saved
-                raise self._abandoned(f"datastatesd at {self.endpoint} was found gone", abandoned, untold)
+        """Connect again to a daemon this client lost (stalled past liveness, restarted), as a new client, once
+        what the lost connection had not committed is said lost (``InFlight.found_gone``). A daemon still away
+        raises DaemonUnavailable here, and the next call tries again."""
+        self._inflight.found_gone(self._conn)
         lost = self.client_id
-        self._gpu = GpuRoute(self._gpu.mode, self._staging, self._probe_cuda)  # the new client shares GPU memory anew
+        self._gpu = GpuRoute(self._gpu.mode, self._segments, self._probe_cuda)  # the new client shares GPU memory anew
         self._connect()
         log.info("connected to datastatesd at %s again, as client %s (was %s): what the lost connection had not "
                  "committed is lost", self.endpoint, self.client_id, lost)
-
-    def _wait_daemon(self, pending: list[tuple[Future, m.Snapshot, Capture]], timeout: float | None) -> None:
-        acks = [ack for ack, _, _ in pending]
-        start = time.monotonic()
-        if concurrent.futures.wait(acks, timeout).not_done:
-            raise WaitTimeout(f"the daemon did not admit {len(acks)} snapshot(s) within {timeout} s")
-        for ack, msg, _ in pending:
-            if ack.exception() is None and ack.result().skipped:
-                log.warning("datastatesd skipped the snapshot of %s for tag %s: %s", msg.path, msg.tag, ack.result().skipped)
-        ids = [a.result().snapshot_id for a in acks if a.exception() is None and not a.result().skipped]
-        if ids:
-            fut = self._conn.request(m.Wait(snapshot_ids=ids))
-            try:
-                fut.result(None if timeout is None else max(0.0, timeout - (time.monotonic() - start)))
-                for _, msg, _ in pending:  # claimed copied by the daemon: this client never gives up on them now
-                    outcome.forget(self._decisions, msg.ticket)
-            except TimeoutError:
-                raise WaitTimeout(f"{len(ids)} snapshot(s) not copied by the daemon within {timeout} s") from None
-            finally:
-                if fut.done():  # copied or failed: either way reported once, by this wait
-                    self._drop(pending)
-        else:
-            self._drop(pending)
-        refused = next((a.exception() for a in acks if a.exception() is not None), None)
-        if refused is not None:
-            raise refused
 
     def expect(self) -> Expected:
         """Say that another thread is about to snapshot tensors this one may change next (DCP's ``async_save``
         returns before its own thread plans the save and sends the snapshot): ``wait()``, and so the fence, first
         waits until that thread has sent it (``Expected.sending``), at most ``timeout`` (or this client's
         ``timeout``) seconds; then it raises WaitTimeout once, and the snapshot may no longer be sent."""
-        coming = Expected()
-        with self._commits_lock:
-            self._expected.append(coming)
-        return coming
+        return self._inflight.expect()
 
     def protect(self, optimizer: torch.optim.Optimizer) -> Any:
         """Fence every ``optimizer.step()`` with ``wait()``, so a loop needs this one line.
@@ -498,78 +286,9 @@ class Client:
         The future's result is the daemon's ``Committed`` reply (tag, marker, files).
         """
         check_tag(tag)
-        if self._local is not None:
-            return _done(self._local.commit(tag))
-        conn = self._daemon()
-        with self._commits_lock:
-            covered = [x for x in self._uncopied if x[1].tag == tag]
-            saved, asked = self._saved, dict(self._saved.get(tag, {}))
-            self._unasked.discard(tag)
-            missing = sorted(self._lost.pop(tag, ()))  # fails this once: a save after it starts clean
-        lost = (f"part of it was lost with the daemon this client lost ({len(missing)} file(s) saved through it and "
-                f"not saved again since: {missing[:4]}); save it again whole") if missing else ""
-        reply, caller = conn.request(m.Commit(tag=tag, lost=lost)), Future()
-        with self._commits_lock:
-            self._commits.append((tag, caller, reply, covered))
-        # the reply comes as the argument: a closure over ``reply`` would make a cycle that keeps ``covered``'s
-        # tensors alive until the garbage collector runs
-        reply.add_done_callback(lambda done: self._answer(tag, caller, done, covered, saved, asked))
-        return caller
-
-    def _answer(self, tag: str, caller: Future, reply: Future, covered: list[tuple[Future, m.Snapshot, Capture]],
-                saved: dict[str, dict[str, str]], asked: dict[str, str]) -> None:
-        """Pass the daemon's reply on, unless the daemon went away while snapshots of ``tag`` were not yet
-        copied and the local fallback is on: then ``wait()`` saves them again and commits ``tag`` locally.
-
-        A tag committed was copied whole: its snapshots' captured tensors go now, even if the
-        trainer never calls ``wait()``, so a loop of ``snapshot()`` and ``commit()`` holds no
-        more than the snapshots still in flight.
-        """
-        exc = reply.exception()
-        if not isinstance(exc, DaemonUnavailable):  # the daemon answered: the tag is no longer its to lose
-            with self._commits_lock:
-                if saved.get(tag) == asked:  # unless saved again since the COMMIT was sent
-                    saved.pop(tag, None)
-        if exc is None:
-            for _ack, msg, _cap in covered:
-                outcome.forget(self._decisions, msg.ticket)
-            self._drop(covered)
-        if isinstance(exc, DaemonUnavailable) and self.fallback == "local" and (
-                self._waiting or any(msg.tag == tag for _, msg, _ in list(self._uncopied))):
-            return
-        with self._commits_lock:
-            self._commits = [c for c in self._commits if c[1] is not caller]
-        _settle(caller, reply)
-
-    def _commit_locally(self, saved: dict[int, str]) -> None:
-        """Answer the COMMITs the daemon never will: locally those covering a snapshot ``saved`` here again (the
-        ``id`` of its ``_uncopied`` entry → its tag), as it failed for the others.
-
-        An earlier COMMIT of a tag saved here again covered only snapshots the daemon held:
-        it fails, since the daemon never commits for a trainer that went local (``wanted``
-        in daemon/commit.py). Committing the newer local save in its name would tell the
-        trainer that step is committed when another one is (the fault schedules, seed 92861).
-        """
-        with self._commits_lock:
-            waiting, self._commits = self._commits, []
-        for tag, caller, reply, covered in waiting:
-            if caller.done():
-                continue
-            if any(id(x) in saved for x in covered):  # its snapshots are now saved here: the tag is ours to commit
-                try:
-                    _resolve(caller, self._local.commit(tag), None)
-                except DatastatesError as exc:
-                    _resolve(caller, None, exc)
-            elif tag in saved.values():
-                _resolve(caller, None, CommitError(
-                    f"tag {tag!r} not committed: datastatesd was lost while committing it, and never commits for a "
-                    "trainer that saves on its own now (fallback='local'); a later save of it is committed here",
-                    tag=tag))
-            elif reply.done():
-                _settle(caller, reply)
-            else:  # the lost connection fails it in a moment; ``_answer`` passes that on
-                with self._commits_lock:
-                    self._commits.append((tag, caller, reply, covered))
+        if self._inflight.saver is not None:
+            return _done(self._inflight.saver.commit(tag))
+        return self._inflight.commit(self._daemon(), tag)
 
     def restore(self, root: str | os.PathLike, name: str, tag: str | None = None,
                 map_location: MapLocation = None, *, into: Any = None, strict: bool = True,
@@ -611,7 +330,7 @@ class Client:
                                       f"{', '.join(sorted(f.path for f in marker.files)[:8])})")
         path = os.path.join(folder, name)
         why_not = "fallback='local': no daemon"
-        if self._local is None:
+        if self._inflight.saver is None:
             written = os.path.join(found.written, name)
             try:
                 reply = self._daemon().call(m.Restore(path=written, tag=tag, size=entry.size, snapshot=entry.snapshot),
@@ -642,9 +361,9 @@ class Client:
         Snapshots the daemon reads from this process's own memory (GPU, and CPU read in
         place) are waited for first: that memory goes when the process does.
         """
-        if self._local is not None:
+        if self._inflight.saver is not None:
             return
-        if any(any(d.kind in (CUDA_IPC, VM) for d in msg.sources) for _, msg, _ in self._uncopied):
+        if self._inflight.in_trainer():
             try:
                 self.wait(timeout)
             except DatastatesError as exc:
@@ -656,9 +375,8 @@ class Client:
             log.info("datastatesd did not acknowledge BYE: %s", exc)
         finally:
             self._conn.close()
-            with self._commits_lock:  # what the daemon has not copied yet it maps itself: our segments may go
-                self._uncopied = []
-            self._staging.clear()
+            self._inflight.clear()
+            self._segments.clear()
 
     def __enter__(self) -> Client:
         return self

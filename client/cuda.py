@@ -49,7 +49,7 @@ from datastates.protocol.cudart import own_stream
 from datastates.protocol.descriptors import Fence
 from datastates.protocol.errors import InvalidRequestError, SharedMemoryError
 
-from .shm import Staging
+from .shm import SegmentPool
 
 log = logging.getLogger(__name__)
 
@@ -225,14 +225,14 @@ class GpuRoute:
     sees no GPU, or a different one; ``expandable_segments`` handles, opened with
     ``pidfd_getfd``, under Yama ``ptrace_scope`` 1 or across pid namespaces; GPUs in
     EXCLUSIVE_PROCESS mode), the client copies each storage to a /dev/shm segment it owns
-    (``staging``) in ``snapshot()``, and the daemon reads that.
+    (``segments``) in ``snapshot()``, and the daemon reads that.
     """
 
-    def __init__(self, mode: str, staging: Staging, ask: Callable[[str, bytes], str]) -> None:
+    def __init__(self, mode: str, segments: SegmentPool, ask: Callable[[str, bytes], str]) -> None:
         if mode not in GPU_CAPTURE:
             raise InvalidRequestError(f"gpu_capture: {mode!r} is not one of {list(GPU_CAPTURE)}")
         self.mode = mode
-        self.staging = staging
+        self.segments = segments
         self.blocks = SharedBlocks()
         self.paths: dict[int, str] = {}
         """Device index → "ipc", or "host: <why>"."""

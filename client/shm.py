@@ -21,7 +21,6 @@ from datastates.protocol.errors import SharedMemoryError
 from datastates.protocol.paths import SHM_DIR
 
 
-
 def segment_path(name: str) -> str:
     return SHM_DIR + "/" + name.lstrip("/")
 
@@ -50,14 +49,14 @@ def _does_not_fit(nbytes: int, free: int, total: int) -> SharedMemoryError:
     )
 
 
-class Staging:
-    """Segments by size: those free for the next snapshot, and the trainer-facing copy into one."""
+class SegmentPool:
+    """This client's segments by size: those free for the next snapshot, and the trainer-facing copy into one."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self._lock = threading.Lock()  # snapshot() takes, the connection's thread gives back
 
-    def stage(self, storage: torch.UntypedStorage) -> tuple[torch.UntypedStorage, str]:
+    def copy_in(self, storage: torch.UntypedStorage) -> tuple[torch.UntypedStorage, str]:
         """A segment holding a copy of ``storage`` now, and its /dev/shm name; SharedMemoryError if none fits."""
         nbytes = storage.nbytes()
         with self._lock:

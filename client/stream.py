@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from datastates.protocol.cudart import host_register, host_unregister
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.fileio import forget_cached, on_tmpfs, open_for_reading, open_sequential
 from datastates.protocol.objectstore import READ_STREAMS, ObjectFile, is_object
@@ -84,8 +85,8 @@ class _Bounce:
         self.address = self.tensor.data_ptr()
         self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
         if ready:
-            err = torch.cuda.cudart().cudaHostRegister(self.address, STEP, 1)  # cudaHostRegisterPortable: every GPU
-            if getattr(err, "value", err):
+            err = host_register(self.address, STEP)
+            if err:
                 raise RuntimeError(f"cudaHostRegister of a {STEP}-byte restore buffer failed: error {err}")
         for device, event in ready.items():
             stream = torch.cuda.Stream(device)
@@ -100,7 +101,7 @@ class _Bounce:
     def close(self) -> None:
         self.settle()
         if self.streams:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+            host_unregister(self.address)
         self.view.release()
         del self.tensor
 

@@ -27,7 +27,7 @@ import torch
 
 from datastates.protocol.fileio import MADV_POPULATE_WRITE
 
-from .pinning import pin
+from .pagelock import page_lock
 from .turns import Turns
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Chunk:
         """Why page-locking it failed: the chunk serves unpinned (GPU copies into it are synchronous)."""
         if pinned:
             try:
-                self.pinned = pin(self.tensor)
+                self.pinned = page_lock(self.tensor)
             except RuntimeError as exc:
                 self.pin_error = str(exc)
 

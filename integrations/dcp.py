@@ -74,7 +74,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from datastates.client.client import Client, Expected
+from datastates.client.client import Client
+from datastates.client.inflight import Expected
 from datastates.client.into import Slice, load_slices
 from datastates.client.reader import load
 from datastates.protocol.errors import (

@@ -3,8 +3,10 @@ client and the daemon alike.
 
 torch exposes neither stream flags nor ``cudaGetLastError``. Both sides need a stream of
 their own (``own_stream``): torch's pool hands its 32 streams per device out round-robin,
-so a pool stream may be one the trainer, or another thread, queues its work on. Importing
-this module never touches CUDA; ``own_stream`` needs a CUDA device.
+so a pool stream may be one the trainer, or another thread, queues its work on. Both
+page-lock memory they already hold (``host_register``): the daemon its pool's chunks, the
+reader its bounce buffers. Importing this module never touches CUDA; the calls need a
+CUDA device.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ log = logging.getLogger(__name__)
 
 STREAM_NON_BLOCKING = 1
 """cudaStreamNonBlocking: a stream that never waits for the legacy NULL stream, as torch's own are."""
+HOST_REGISTER_PORTABLE = 1
+"""cudaHostRegisterPortable: page-locked for every device's context, so one buffer serves all the node's GPUs."""
 
 
 @functools.cache
@@ -39,6 +43,20 @@ def clear_error() -> None:
     lib = runtime()
     if lib is not None:
         lib.cudaGetLastError()
+
+
+def host_register(address: int, size: int) -> int:
+    """Page-lock ``size`` bytes at ``address`` for every GPU (under the current device's context); the cudaError
+    code, 0 when registered. A failure is cleared at once: this thread's next CUDA call must not report it."""
+    code = int(torch.cuda.cudart().cudaHostRegister(address, size, HOST_REGISTER_PORTABLE))
+    if code:
+        clear_error()
+    return code
+
+
+def host_unregister(address: int) -> None:
+    """Undo ``host_register`` of the memory at ``address``, before it is freed."""
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def own_stream(index: int) -> torch.cuda.Stream:

@@ -321,7 +321,7 @@ def _lock_of_this_session(lock: Path, basetemp: Path) -> bool:
     """Whether the daemon lock file ``lock`` names only roots under this session's ``basetemp``: its daemon was one of
     this session's. Another session's killed daemon's lock must stay, for its next daemon to prove it dead (I5):
     removed, that daemon could never clean up after it (the fault schedules of two sessions side by side did). A
-    trainer's local saver (daemon/local.py) names the run folders it saved into, so its lock is told apart the same
+    trainer's local saver (client/local_save.py) names the run folders it saved into, so its lock is told apart the same
     way (seed 230180: another session took a killed trainer's lock, and no daemon could remove its staging folder);
     one naming none saved nothing, and is taken as this session's, as it started after."""
     try:

@@ -368,7 +368,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "watch-interval-unchecked",
         "datastatesctl status --watch takes any float for --interval: -1 or nan reach time.sleep as a traceback",
-        (Edit("client/ctl.py",
+        (Edit("client/ctl/__init__.py",
               "    p_status.add_argument(\"--interval\", type=_interval,",
               "    p_status.add_argument(\"--interval\", type=float,  # MUTATION: unchecked\n"),),
         ("tests/test_cli.py::test_status_watch_refuses_bad_arguments_without_a_traceback[--interval -1]",),
@@ -530,7 +530,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "client-stays-lost",
         "after a daemon was lost (stalled past liveness), the client never connects again: every later call fails",
         (Edit("client/client.py",
-              "            if self.fallback is None and (self._left or self._conn.lost):\n                self._reconnect()\n",
+              "            if self.fallback is None and (self._inflight.left or self._conn.lost):\n                self._reconnect()\n",
               "            pass  # MUTATION: no reconnect\n"),),
         ("tests/faults/test_stall.py::test_after_a_stall_the_client_connects_again_as_a_new_client",
          "tests/integrations/test_deepspeed.py::test_a_job_goes_on_checkpointing_after_its_daemon_stalled_past_liveness"),
@@ -599,7 +599,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "lost-tag-untold",
         "a client that connects again says nothing of a tag it saved (copied, so nothing was abandoned) and never "
         "committed: the trainer goes on as if it were safe",
-        (Edit("client/client.py",
+        (Edit("client/inflight.py",
               "            if abandoned or untold:",
               "            if abandoned:  # MUTATION: a copied, uncommitted tag is lost silently\n               "),),
         ("tests/faults/test_kill_daemon.py::test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_with_the_rest_alone[part-saved-again]",),
@@ -608,7 +608,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "lost-part-committed",
         "after a reconnect, a commit of a tag part of which went with the lost daemon commits the files saved since "
         "alone: its marker lists some of its files",
-        (Edit("client/client.py",
+        (Edit("client/inflight.py",
               "save it again whole\") if missing else \"\"",
               "save it again whole\") if False else \"\"  # MUTATION"),),
         ("tests/faults/test_kill_daemon.py::test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_with_the_rest_alone[part-saved-again]",),
@@ -616,8 +616,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "lost-tag-never-whole",
         "a tag part of which was lost stays lost even once every file of it is saved again: its commit fails",
-        (Edit("client/client.py",
-              "                self._lost[tag].discard(path)\n",
+        (Edit("client/inflight.py",
+              "                self.lost[tag].discard(path)\n",
               "                pass  # MUTATION: a save again never makes it whole\n"),),
         ("tests/faults/test_kill_daemon.py::test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_with_the_rest_alone[all-saved-again]",),
     ),
@@ -772,7 +772,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "local-commit-leaves-tracker",
         "a trainer's local commit (fallback='local') leaves the tracker naming an older tag",
-        (Edit("daemon/local.py", "        self._track(tag, folder if staging is None else staging.folder)\n", ""),),
+        (Edit("client/local_save.py", "        self._track(tag, folder if staging is None else staging.folder)\n", ""),),
         ("tests/test_retention.py::test_a_local_commit_moves_the_tracker_on",),
     ),
     Mutation(
@@ -1144,7 +1144,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "dcp-late-snapshot-taken",
         "a snapshot the fence gave up waiting for is still taken when its save thread sends it: tensors the trainer "
         "was let go to change are checkpointed",
-        (Edit("client/client.py", "            if self._given_up:\n", "            if False:  # MUTATION\n"),),
+        (Edit("client/inflight.py", "            if self._given_up:\n", "            if False:  # MUTATION\n"),),
         ("tests/integrations/test_dcp.py::test_a_snapshot_expected_but_never_sent_fails_the_fence_once_instead_of_hanging",),
     ),
     Mutation(

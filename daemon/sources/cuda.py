@@ -339,7 +339,7 @@ def copy_to_host(region: CudaIpcRegion, src_offset: int, dst_tensor: torch.Tenso
 
     The engine has waited for the snapshot's fences (``Fences.wait``). Returns the copy, which
     the caller synchronizes on before it reads ``dst_tensor`` or gives its chunk back. Into
-    pinned memory (the pool's chunks, see daemon/pinning.py) the copy is asynchronous; into
+    pinned memory (the pool's chunks, see daemon/pagelock.py) the copy is asynchronous; into
     pageable memory the driver stages it and the call blocks, which is correct but slow.
     """
     if not 0 <= src_offset <= src_offset + length <= region.nbytes or length > dst_tensor.numel():

@@ -67,7 +67,7 @@ def test_skip_drops_a_tag_while_an_older_one_is_pending(
         first = c.snapshot(state, d.root / "step1" / "model_states.pt")
         second = c.snapshot(state, d.root / "step2" / "model_states.pt")  # step1 is still copying
         second_optim = c.snapshot({"m": torch.ones(4)}, d.root / "step2" / "optim_states.pt")
-        with caplog.at_level(logging.WARNING, logger="datastates.client.client"):
+        with caplog.at_level(logging.WARNING, logger="datastates.client.inflight"):
             c.wait()
         assert first.skipped == ""
         assert "step1" in second.skipped and "still" in second.skipped

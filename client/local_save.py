@@ -1,8 +1,8 @@
-"""The opt-in fallback: the daemon's write path, run in the trainer's own process when no daemon answers.
+"""The trainer-side fallback: the daemon's write path, run in the trainer's own process when no daemon answers.
 
 It blocks the trainer for the whole copy and write, which the daemon exists to avoid, so
 it is off unless ``Client(fallback="local")`` asks for it; the client imports this module
-only then. It runs the daemon's own plan, copy and sink steps one piece at a time through
+only then, and it is the one client module that imports the daemon (bench/layering.py). It runs the daemon's own plan, copy and sink steps one piece at a time through
 one buffer, so its files and markers are the same format, loaded by ``datastates.load``
 and found by ``datastates.latest``. It keeps the daemon's promises too: a committed tag
 saved again gets a new version switched in whole (daemon/versions.py, I2), and it tags
@@ -29,14 +29,14 @@ from datastates.protocol.format import marker_name
 from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.tags import next_sequence
 
-from .commit import check_listed, make_marker, tag_folder, trackers
-from .copier import copy_piece, write_hashed
-from .instances import Instance
-from .memory import Chunk
-from .sink import FileSink
-from .sources import Owner, Region, open_region
-from .storage import StorageWriter, writer_class
-from .versions import Versions
+from datastates.daemon.commit import check_listed, make_marker, tag_folder, trackers
+from datastates.daemon.copier import copy_piece, write_hashed
+from datastates.daemon.instances import Instance
+from datastates.daemon.memory import Chunk
+from datastates.daemon.sink import FileSink
+from datastates.daemon.sources import Owner, Region, open_region
+from datastates.daemon.storage import StorageWriter, writer_class
+from datastates.daemon.versions import Versions
 
 log = logging.getLogger(__name__)
 

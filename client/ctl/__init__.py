@@ -20,11 +20,11 @@ from datastates.protocol.format import CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import prune
 from datastates.protocol.tags import distrust, marker_paths, read_marker_object, tag_files
 
+from ..connection import Connection, daemon_status
+from ..filecheck import verify
+from ..locate import tier_roots
 from .catalog import list_tags
-from .filecheck import verify
-from .locate import tier_roots
 from .sizes import human_size
-from .connection import Connection, daemon_status
 
 POLL_S = 0.2
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -344,6 +344,3 @@ def main(argv: list[str] | None = None) -> int:
         conn.close()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,14 +30,12 @@ import threading
 
 import torch
 
-from datastates.protocol.cudart import clear_error
+from datastates.protocol.cudart import host_register
 
 from .gpus import gpus
 
 log = logging.getLogger(__name__)
 
-HOST_REGISTER_PORTABLE = 1
-"""cudaHostRegisterPortable: pinned for every device's context, since one pool serves all the node's GPUs."""
 MPOL_INTERLEAVE, MPOL_MF_MOVE = 3, 2
 """linux/mempolicy.h."""
 SYS_MBIND = {"x86_64": 237, "aarch64": 235, "ppc64le": 259}
@@ -81,7 +79,6 @@ def interleave(address: int, size: int, nodes: list[int]) -> None:
 def _register(ptr: int, size: int) -> None:
     """``cudaHostRegister`` under the first GPU context that takes it, only ever one ``gpus`` holds; RuntimeError
     with each GPU's refusal."""
-    cudart = torch.cuda.cudart()
     refusals = []
     for index in range(torch.cuda.device_count()):
         why = gpus.not_held(index)
@@ -89,20 +86,19 @@ def _register(ptr: int, size: int) -> None:
             refusals.append(f"cuda:{index}: context {why}")
             continue
         with torch.cuda.device(index):
-            code = int(cudart.cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE))
+            code = host_register(ptr, size)  # a failure is cleared: the pool thread's next call must not see it
             if code == 0:
                 return
-            clear_error()  # the pool thread's next CUDA call must not report it as its own
         refusals.append(f"cuda:{index}: cudaError {code}")
     raise RuntimeError(f"cudaHostRegister of {size} bytes failed under every GPU's context ({', '.join(refusals)})")
 
 
-def pin(tensor: torch.Tensor) -> bool:
+def page_lock(tensor: torch.Tensor) -> bool:
     """Page-lock the host memory behind ``tensor`` (contiguous, CPU); whether it is pinned now."""
     if not torch.cuda.is_available():
         return False
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError("pin needs a contiguous CPU tensor")
+        raise ValueError("page_lock needs a contiguous CPU tensor")
     ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
     with _lock:
         if ptr in _pinned or size == 0:
