@@ -35,7 +35,7 @@ from .connection import DEFAULT_LIVENESS, Connection, daemon_status  # noqa: F40
 from .inplace import Probe, allow_reader, yama_scope
 from .shm import Staging
 from .locate import again_if_deleted, locate
-from .reader import MapLocation, load
+from .reader.restore import MapLocation, load
 from .ranks import ranks_from_env
 
 DEFAULT_TIMEOUT = 30.0

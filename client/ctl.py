@@ -21,7 +21,7 @@ from datastates.protocol.retention import prune
 from datastates.protocol.tags import distrust, marker_paths, read_marker_object, tag_files
 
 from .catalog import list_tags
-from .filecheck import verify
+from .reader.stream import verify
 from .locate import tier_roots
 from .sizes import human_size
 from .connection import Connection, daemon_status

@@ -5,7 +5,7 @@ from the files its earlier runs wrote with the framework's own ``torch.save``.
 
 **In place.** Given the model's ``state_dict()``, the part of a datastates file that is the
 model's state dict is read straight into the model's own tensors (``datastates.load(path,
-into=...)``, client/into.py), and the state handed back holds those very tensors there.
+into=...)``, client/reader/restore.py), and the state handed back holds those very tensors there.
 The framework then calls ``load_state_dict`` itself, as it always does; torch's
 ``param.copy_(src)`` returns at once when ``src`` is the parameter's own memory, so that
 copy costs nothing, and the state crosses memory once instead of twice, without a fresh
@@ -20,8 +20,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from datastates.client.into import key_name, load_into
-from datastates.client.reader import load
+from datastates.client.reader.restore import key_name, load, load_into
 from datastates.protocol.errors import CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
 from datastates.protocol.format import INDEX_AT, index_at
 
