@@ -11,6 +11,7 @@ no second copy; then rebuilds the skeleton over it.
 
 **A load into ``into``** (``load(path, into=state)``; slices of stored tensors into tensors
 given for them, reading only the pieces that hold them: ``load_slices``, resharded DCP loads).
+
 Why: a job that resumes has built its model and optimizer. Reading the file into fresh
 memory and then copying that into them crosses memory twice, and a fresh allocation of the
 whole state costs as much as the read itself. Here each storage's bytes go once, from the
@@ -18,22 +19,23 @@ disk (or the daemon's replica) into the tensor that will hold them.
 
 Three steps, so that a state that does not fit is never half-written:
 
-1. **Plan.** The skeleton is unpickled once, every tensor over a fresh buffer of its storage
-   that nothing has written yet (its pages not even allocated), and walked once beside
+1. **Plan.** The skeleton is unpickled once, every tensor over address space that no memory
+   backs (``reserve``) until the stream is done, and walked once beside
    ``into``, key by key. A key one side lacks, or a tensor of another shape or dtype, raises
    StateMismatchError naming it, before any byte of ``into`` is written.
-2. **Stream** (client/stream.py). The data region is read in pieces, on READ_THREADS threads, each
+2. **Stream** (client/reader/stream.py). The data region is read in pieces, on READ_THREADS threads, each
    piece in STEP reads into the thread's small page-aligned bounce buffer (O_DIRECT from disk;
    a replica on tmpfs read through the page cache, which it is), hashed and copied out while
    it is in the CPU's cache. A checksum or zip header that does not match, or a file that ends early,
    raises: the restore never returns a half-written state as success. A storage that one
    contiguous tensor of ``into`` covers whole is copied straight into that tensor; any other
-   (views sharing a storage, strided tensors, tensors ``into`` has no place for) into its
-   fresh buffer, then copied from there.
-3. **Merge.** What the walk planned: ``into``'s containers get the skeleton's other values
-   (a step count, the learning rate, objects, keys ``into`` lacks), its tensors are kept, and
-   ``into`` is returned, holding the checkpoint's values. A tensor of the skeleton that
-   ``into`` holds is made to share that tensor's memory (for an object that refers to it).
+   (views sharing a storage, strided tensors, tensors ``into`` has no place for) into one
+   fresh buffer, then copied or viewed from there.
+3. **Merge.** Each tensor of the skeleton is given its memory (``.data``): the one of its
+   tensor of ``into``, or its fresh buffer's; then what the walk planned: ``into``'s
+   containers get the skeleton's other values (a step count, the learning rate, objects,
+   keys ``into`` lacks), its tensors are kept, and ``into`` is returned, holding the
+   checkpoint's values.
 
 A tensor of ``into`` on a GPU gets its bytes through the thread's bounce buffer, page-locked
 once (cudaHostRegister), by an asynchronous copy on the thread's own stream: never through
@@ -59,6 +61,7 @@ from datastates.protocol.tags import listing
 
 from .checks import CheckpointFile, open_file
 from .rebuild import Rebuild
+from .source import reserve
 from .stream import Stream, Target
 
 MapLocation = str | torch.device | None
@@ -202,6 +205,12 @@ def _direct_target(header: FileHeader, entries: list[int], dests: dict[int, list
     return target if target.is_contiguous() else None
 
 
+def _over(tensor: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """A tensor as ``tensor`` views its storage (dtype, offset, shape, stride), over ``buffer``'s instead."""
+    return torch.empty(0, dtype=tensor.dtype).set_(buffer.untyped_storage(), tensor.storage_offset(), tensor.shape,
+                                                   tensor.stride())
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.device == b.device and a.stride() == b.stride()
 
@@ -277,7 +286,7 @@ def load_into(path: str, into: Any, device: torch.device | None, *, new_key: New
     """``into``, its tensors holding the checkpoint at ``path`` (``datastates.load(path, into=...)``)."""
     file = open_file(path, listing(path), views=verify, zip_records=verify)
     header = file.header
-    plan = Rebuild(file, weights_only, lambda _, nbytes: torch.empty(nbytes, dtype=torch.uint8).untyped_storage())
+    plan = Rebuild(file, weights_only, _unbacked(file))
     match = _Match(plan, new_key)
     merged = match.walk(plan.entry(header.root), into, ())
     match.check_shared()
@@ -288,29 +297,41 @@ def load_into(path: str, into: Any, device: torch.device | None, *, new_key: New
     with torch.no_grad():
         for storage, entries in users.items():
             direct = _direct_target(header, entries, match.into, storage)
+            nbytes = header.storages[storage].nbytes
             targets[storage] = Target(direct, True) if direct is not None else \
-                Target(torch.empty(0, dtype=torch.uint8).set_(plan.storage(storage)), False)
+                Target(torch.empty(nbytes, dtype=torch.uint8), False)
         Stream(file, targets, verify).fill()
         _settle(plan, match.into, targets, device)
     return merged()
 
 
+def _unbacked(file: CheckpointFile) -> Callable[[int, int], torch.UntypedStorage]:
+    """A plan's storages: slices of one reserved range of address space as large as the data region, which costs no
+    memory (``reserve``); each tensor of the plan is given its memory after the stream (``_settle``)."""
+    reserved = reserve(file.end - file.base)
+    region = torch.frombuffer(reserved, dtype=torch.uint8).untyped_storage() if reserved is not None else \
+        torch.UntypedStorage(0)
+    offsets = [rec.offset for rec in file.header.storages]
+    return lambda index, nbytes: region[offsets[index]:offsets[index] + nbytes]
+
+
 def _settle(plan: Rebuild, dests: dict[int, list[torch.Tensor]], targets: dict[int, Target],
             device: torch.device | None) -> None:
-    """After the stream: each matched entry's bytes in all of its tensors of ``into`` (from its fresh buffer, or from
-    the first, where ``into`` holds one tensor of the file apart under two keys), and the skeleton's tensor sharing
-    the first one's memory; every other tensor of the skeleton moved onto ``device``."""
+    """After the stream, the plan's tensors given their memory: a matched entry's the first of its tensors of
+    ``into`` (its bytes copied into all of them from its fresh buffer, or from the first, where ``into`` holds one
+    tensor of the file apart under two keys); any other its view of its fresh buffer, moved onto ``device``."""
     for index in plan.tensor_entries.values():
         tensor = plan.entry(index)
+        target = targets[plan.header.entries[index].meta["storage"]]
         if index not in dests:
-            if device is not None and device.type != "cpu":
-                tensor.data = tensor.data.to(device)
+            view = _over(tensor, target.tensor)
+            tensor.data = view if device is None or device.type == "cpu" else view.to(device)
             continue
         first, *others = dests[index]
-        target = targets[plan.header.entries[index].meta["storage"]]
         if not target.direct:  # from its fresh buffer into each of into's tensors
+            view = _over(tensor, target.tensor)
             for t in dests[index]:
-                t.copy_(tensor)
+                t.copy_(view)
         for t in others:  # tied in the checkpoint, apart in ``into``: the first one holds the bytes
             if target.direct and not _same_memory(t, first):
                 t.copy_(first)
@@ -336,7 +357,7 @@ def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_
     file's top-level dict, every tensor in it a meta tensor (not read) and its other values as stored.
 
     A slice that is one contiguous run of its stored tensor's bytes, into a contiguous tensor of the stored dtype,
-    is read straight into it (client/stream.py, as an in-place load); any other through a buffer of the bytes it
+    is read straight into it (client/reader/stream.py, as an in-place load); any other through a buffer of the bytes it
     spans. Every piece read is checked against its checksum (so a slice is checked with the whole pieces of the
     format around it). A slice that does not fit (a key the file lacks, out of bounds, another shape) raises
     StateMismatchError naming it before anything is written. A storage two slices share is read once.

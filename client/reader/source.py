@@ -12,6 +12,7 @@ import ctypes
 import fcntl
 import mmap
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -120,6 +121,24 @@ def _map_private(path: str, start: int, end: int) -> mmap.mmap:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def reserve(nbytes: int) -> ctypes.Array | None:
+    """``nbytes`` of address space that costs no memory, for what must have an address before its bytes are known
+    and is never written (a plan's tensors, given their memory after the stream): a read-only anonymous mapping,
+    which no page backs and the kernel does not count against its commit limit, so a state of any size plans.
+    Unmapped when the returned buffer is let go; None for 0 bytes."""
+    if not nbytes:
+        return None
+    address = _libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes of address space failed")
+    buf = (ctypes.c_char * nbytes).from_address(address)
+    weakref.finalize(buf, _libc.munmap, address, nbytes)
+    return buf
 
 
 def populate(base: int, size: int) -> None:

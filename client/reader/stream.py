@@ -10,8 +10,8 @@ come from and go:
   whole region with O_DIRECT (the read faults its pages in; mapping each piece's pages in one
   call first was slower: 1.044 s against 0.930 s at 1.5 GB, 5 of 5 runs), and every
   storage a slice of that buffer afterwards: no second copy;
-- a fresh load of a replica on tmpfs: its pages mapped copy-on-write by the caller (they are
-  memory already), and only hashed here;
+- a fresh load of a replica on tmpfs: its pages mapped copy-on-write (``region_buffer``: they
+  are memory already), and only hashed;
 - an in-place load (``Stream.fill``, with targets) into CPU tensors laid out in memory as in the
   file (a format-3 file's large storages start where torch's large CPU tensors do, 64 bytes past
   a page: format.DIRECT_PHASE): with O_DIRECT, each step's whole blocks of those tensors straight
