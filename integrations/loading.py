@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from datastates.client.reader.restore import key_name, load, load_into
+from datastates.client.reader.source import open_source
 from datastates.protocol.errors import CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
 from datastates.protocol.format import INDEX_AT, index_at
 
@@ -32,8 +33,8 @@ MapLocation = (str | torch.device | Mapping[str, str] | Callable[[torch.UntypedS
 
 def is_datastates_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` starts as a datastates file of any format; a ``torch.save`` zip has no datastates index."""
-    with open(path, "rb") as f:
-        first = f.read(INDEX_AT)
+    with open_source(os.fspath(path)) as source:
+        first = source.pread(INDEX_AT, 0)
     try:
         index_at(first, os.fspath(path))
     except UnsupportedFormatError:

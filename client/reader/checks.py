@@ -1,7 +1,7 @@
 """A checkpoint file's header read and checked against everything it implies, with no torch: the reader's first step.
 
 ``open_file`` reads the header through the reader's one seam (client/reader/source.py),
-checks its size, its layout and the snapshot its tag lists for it, and (``verify``) its
+checks its size, its layout and the snapshot its tag lists for it, and (``views``, ``zip_records``) its
 tensors' views and the zip records ``torch.load`` would read; the data region's checksums
 and zip headers are checked as it streams (client/reader/stream.py).
 """
