@@ -25,7 +25,7 @@ from common import READER_ENV  # noqa: E402
 from restore import raw_read, restore_and_touch  # noqa: E402
 
 import datastates  # noqa: E402
-from datastates.client import stream  # noqa: E402
+from datastates.client.reader import stream  # noqa: E402
 
 
 def _dcp_load(path: str, device: str, ours: bool = False) -> Any:

@@ -50,8 +50,11 @@ from common import (READER_ENV, datastatesd, drop_caches, fsync_tree, gpt_state,
                     state_bytes, tensors_of, timed)
 
 import datastates  # noqa: E402
-from datastates.client import Client, reader, stream  # noqa: E402
-from datastates.client.filecheck import READ_PIECE, READ_THREADS, read_header  # noqa: E402
+from datastates.client import Client  # noqa: E402
+from datastates.client.reader import restore, stream  # noqa: E402
+from datastates.client.reader.checks import open_file  # noqa: E402
+from datastates.client.reader.stream import READ_PIECE, READ_THREADS  # noqa: E402
+from datastates.protocol.tags import listing  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -113,10 +116,10 @@ def phases(path: str, cold: str | None = None) -> dict[str, float]:
     if cold:
         drop_caches(cold)
     out: dict[str, float] = {}
-    out["header"], (header, base, size, layout) = timed(read_header, path)
-    out["data and checksums"], data = timed(reader._read_data, path, header, layout, (base, size), True)
-    ctx = reader._Restore(path, data, header, False, None, True)
-    out["rebuild"], state = timed(ctx.entry, header.root)
+    out["header"], file = timed(lambda: open_file(path, listing(path), views=True, zip_records=True))
+    out["data and checksums"], region = timed(stream.Stream(file, None, True).read_region)
+    rebuild = restore.fresh(file, region, True, None)
+    out["rebuild"], state = timed(rebuild.entry, file.header.root)
     out["touch"], _ = timed(touch, state)
     return out
 

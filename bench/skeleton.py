@@ -39,15 +39,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import gpt_state, median
-from datastates.client.capture import Capture, TensorCapturer, capture
+from datastates.client.capture import Capture, capture
 from datastates.protocol.torchzip import PICKLE_PROTOCOL
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import EntryDesc
+from datastates.protocol.providers import get_provider
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "skeleton.json")
 NATIVE = (type(None), bool, int, float, str, bytes)
 INT64 = (-(1 << 63), (1 << 64) - 1)  # msgpack's integer range
-_TENSOR = TensorCapturer()
+_TENSOR = get_provider("tensor")
 
 
 class _LeafPickler(pickle.Pickler):

@@ -1,9 +1,9 @@
 """Turning a state tree into handles and entries, in the trainer, without copying bytes.
 
-The state is pickled once with a ``persistent_id`` hook: each leaf a registered capturer
-claims (CPU and CUDA tensors) becomes an entry that references shared memory or a CUDA IPC
-block, and everything else stays in the pickled skeleton, the object provider's payload.
-New kinds of leaves plug in by registering a capturer for their type.
+The state is pickled once with a ``persistent_id`` hook: each leaf a registered provider
+captures (protocol/providers: CPU and CUDA tensors) becomes an entry that references shared
+memory or a CUDA IPC block, and everything else stays in the pickled skeleton, the object
+provider's payload. New kinds of leaves plug in by registering a provider for their type.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import gc
 import io
 import pickle
 import threading
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from datastates.protocol.descriptors import CUDA_IPC, EMPTY, SHM, VM, EntryDesc, Fence, SourceDesc
 from datastates.protocol.errors import InvalidRequestError
+from datastates.protocol.providers import PLAIN, provider_for
 from datastates.protocol.torchzip import PICKLE_PROTOCOL
 
 from .cuda import GpuRoute, record_fences
@@ -106,82 +106,6 @@ class Capture:
         return len(self.entries) - 1
 
 
-class LeafCapturer(ABC):
-    """Claims leaves of some Python types and describes them as an entry of a provider."""
-
-    types: ClassVar[tuple[type, ...]]
-
-    @abstractmethod
-    def capture(self, obj: Any, name: str, cap: Capture) -> EntryDesc | None:
-        """The entry for ``obj``, or None to leave it to the pickled skeleton."""
-
-
-_CAPTURERS: dict[type, LeafCapturer] = {}
-_RESOLVED: dict[type, LeafCapturer | None] = {}
-
-
-_PLAIN = frozenset({str, int, float, bool, type(None), bytes})
-"""Types no capturer claims (``register_capturer`` refuses them), so ``persistent_id`` passes them on at once."""
-
-
-def register_capturer(capturer: LeafCapturer) -> LeafCapturer:
-    """Claim ``capturer.types`` for it; ValueError for a type that is, or is a base of, one of ``_PLAIN``."""
-    for t in capturer.types:
-        if any(issubclass(plain, t) for plain in _PLAIN):
-            raise ValueError(f"a capturer cannot claim {t.__name__}: str, numbers, bytes and None stay in the skeleton")
-    for t in capturer.types:
-        _CAPTURERS[t] = capturer
-    _RESOLVED.clear()
-    return capturer
-
-
-def _capturer_for(obj: Any) -> LeafCapturer | None:
-    """The capturer for ``obj``'s type, through its MRO; one dict lookup once a type is seen."""
-    cls = type(obj)
-    try:
-        return _RESOLVED[cls]
-    except KeyError:
-        _RESOLVED[cls] = next((_CAPTURERS[t] for t in cls.__mro__ if t in _CAPTURERS), None)
-        return _RESOLVED[cls]
-
-
-_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
-
-
-class TensorCapturer(LeafCapturer):
-    """Dense CPU and CUDA tensors and Parameters: shared storage plus dtype, shape, stride and offset."""
-
-    types = (torch.Tensor,)
-
-    def capture(self, obj: torch.Tensor, name: str, cap: Capture) -> EntryDesc | None:
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
-            return None  # subclasses carry state of their own: let pickle keep it
-        cuda = obj.is_cuda
-        if (not (cuda or obj.is_cpu) or obj.layout != torch.strided or obj.is_quantized
-                or obj.is_nested):  # nested tensors have no single strided storage: pickled as torch.save does
-            return None
-        t = obj
-        if t.is_conj() or t.is_neg():
-            t = t.detach().resolve_conj().resolve_neg()
-            cap.keepalive.append(t)
-        return EntryDesc(
-            provider="tensor",
-            name=name,
-            meta={
-                "storage": cap.add_storage(t.untyped_storage(), cuda),
-                "dtype": _DTYPE_NAMES[t.dtype],
-                "shape": list(t.shape),
-                "stride": list(t.stride()),
-                "storage_offset": t.storage_offset(),
-                "requires_grad": obj.requires_grad,
-                "parameter": type(obj) is torch.nn.Parameter,  # its metaclass's isinstance: 3 us a tensor
-            },
-        )
-
-
-register_capturer(TensorCapturer())
-
-
 def _leaf_names(state: Any, prefix: str = "", out: dict[int, str] | None = None, depth: int = 0) -> dict[int, str]:
     """Dotted key paths of the leaves under dicts, lists and tuples, for error messages."""
     out = {} if out is None else out
@@ -207,15 +131,15 @@ class _CapturingPickler(pickle.Pickler):
         self._seen: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) in _PLAIN:  # a state's keys, and its numbers: half the calls of a state of many tensors
+        if type(obj) in PLAIN:  # a state's keys, and its numbers: half the calls of a state of many tensors
             return None
         key = id(obj)
         if key in self._seen:
             return self._seen[key]
-        capturer = _capturer_for(obj)
-        if capturer is None:
+        provider = provider_for(obj)
+        if provider is None:
             return None
-        entry = capturer.capture(obj, self._names.get(key, f"<leaf {len(self._seen)}>"), self._cap)
+        entry = provider.capture(obj, self._names.get(key, f"<leaf {len(self._seen)}>"), self._cap)
         if entry is None:
             return None
         self._seen[key] = self._cap.add_entry(entry)

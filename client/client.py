@@ -34,7 +34,7 @@ from .inflight import Expected, InFlight, SentSnapshot
 from .shm import SegmentPool
 from .vm_access import Probe, allow_reader, yama_scope
 from .locate import again_if_deleted, locate
-from .reader import MapLocation, load
+from .reader.restore import MapLocation, load
 from .ranks import ranks_from_env
 
 DEFAULT_TIMEOUT = 30.0

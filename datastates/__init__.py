@@ -18,7 +18,7 @@ _LAZY = {
     "Client": "datastates.client.client",
     "CheckpointManager": "datastates.integrations.manager",
     "CheckpointEngine": "datastates.integrations.datastates_llm",
-    "load": "datastates.client.reader",
+    "load": "datastates.client.reader.restore",
     "latest": "datastates.client.locate",
 }
 """Each public name → the module that defines it, imported when the name is first asked for."""

@@ -30,7 +30,7 @@ its requests cover a file's every item whole, into tensors of the stored shape a
 (the same layout as the save), straight into them (``datastates.load(path, into=...)``,
 checksums checked); otherwise (resharding, a partial load) only the pieces of the file
 that hold the requested slices are read, each slice straight into its tensor where it is
-one run of the stored bytes, else through a buffer (``client.into.load_slices``). With a
+one run of the stored bytes, else through a buffer (``client.reader.restore.load_slices``). With a
 ``client``, a file the node's daemon still holds in memory is read from there.
 
 Each rank's file is a zip plain ``torch.load`` reads (a dict: ``"<fqn>@<offsets>"`` →
@@ -76,8 +76,7 @@ from torch.futures import Future
 
 from datastates.client.client import Client
 from datastates.client.inflight import Expected
-from datastates.client.into import Slice, load_slices
-from datastates.client.reader import load
+from datastates.client.reader.restore import Slice, load, load_slices
 from datastates.protocol.errors import (
     CommitError,
     CorruptCheckpointError,
@@ -127,7 +126,7 @@ def _nbytes(value: Any) -> int:
 
 
 FILES_AT_ONCE = 4
-"""Files a rank's load reads at a time: each read has its own threads and 8 MiB buffers (client/stream.py), so a
+"""Files a rank's load reads at a time: each read has its own threads and 8 MiB buffers (client/reader/stream.py), so a
 load from a checkpoint of 64 ranks into one must not start 64 of them."""
 
 

@@ -5,7 +5,7 @@ from the files its earlier runs wrote with the framework's own ``torch.save``.
 
 **In place.** Given the model's ``state_dict()``, the part of a datastates file that is the
 model's state dict is read straight into the model's own tensors (``datastates.load(path,
-into=...)``, client/into.py), and the state handed back holds those very tensors there.
+into=...)``, client/reader/restore.py), and the state handed back holds those very tensors there.
 The framework then calls ``load_state_dict`` itself, as it always does; torch's
 ``param.copy_(src)`` returns at once when ``src`` is the parameter's own memory, so that
 copy costs nothing, and the state crosses memory once instead of twice, without a fresh
@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from datastates.client.into import key_name, load_into
-from datastates.client.reader import load
+from datastates.client.reader.restore import key_name, load, load_into
+from datastates.client.reader.source import open_source
 from datastates.protocol.errors import CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
 from datastates.protocol.format import INDEX_AT, index_at
 
@@ -33,8 +33,8 @@ MapLocation = (str | torch.device | Mapping[str, str] | Callable[[torch.UntypedS
 
 def is_datastates_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` starts as a datastates file of any format; a ``torch.save`` zip has no datastates index."""
-    with open(path, "rb") as f:
-        first = f.read(INDEX_AT)
+    with open_source(os.fspath(path)) as source:
+        first = source.pread(INDEX_AT, 0)
     try:
         index_at(first, os.fspath(path))
     except UnsupportedFormatError:

@@ -52,7 +52,7 @@ except ImportError as exc:  # datastates itself never needs transformers; only t
     raise ImportError(f"datastates.integrations.transformers needs transformers (pip install transformers): {exc}") from exc
 
 from datastates.client.client import Client
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.integrations.commits import PendingCommits
 from datastates.integrations.loading import is_datastates_file, load_any
 from datastates.protocol.errors import InvalidRequestError

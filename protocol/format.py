@@ -49,7 +49,7 @@ DIRECT_PHASE = 64
 """Format 3: a storage of at least DIRECT_MIN bytes starts DIRECT_PHASE bytes past a DATA_ALIGN boundary of the
 file, where torch's CPU tensors of that size start in memory (glibc's ``posix_memalign(64)`` maps them, at 64 bytes
 past a page). So an in-place load reads such a storage straight into the tensor with O_DIRECT, file and memory
-aligned alike (client/stream.py), as fast as a raw read into a reused buffer, and copies no byte out of a bounce
+aligned alike (client/reader/stream.py), as fast as a raw read into a reused buffer, and copies no byte out of a bounce
 buffer or the page cache. Smaller storages keep STORAGE_ALIGN, as in format 2."""
 CHECKSUM_BYTES = 8
 

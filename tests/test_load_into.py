@@ -1,5 +1,5 @@
 """Restoring into the tensors a job already has: ``datastates.load(path, into=state)`` and
-``Client.restore(root, name, into=state)`` (client/into.py, issue 28 item 1).
+``Client.restore(root, name, into=state)`` (client/reader/restore.py, issue 28 item 1).
 
 What a user relies on, each shown with a real daemon, real files and (for the kills) a real
 trainer process:
@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 import datastates
-import datastates.client.stream as stream_module
+import datastates.client.reader.source as source_module
+import datastates.client.reader.stream as stream_module
 from datastates.client import Client
 from datastates.protocol import errors
 from datastates.protocol.errors import CorruptCheckpointError, StateMismatchError
@@ -321,7 +322,7 @@ def corruptible(trainer: Client, run: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def test_a_flipped_byte_in_a_tensor_raises(trainer: Client, run: Path) -> None:
-    """Each piece is hashed as it is copied out (client/stream.py): a flipped byte raises, naming the tensor, and the
+    """Each piece is hashed as it is copied out (client/reader/stream.py): a flipped byte raises, naming the tensor, and the
     load never returns what it could not check (``into`` may hold the bad piece's bytes by then)."""
     path, state = corruptible(trainer, run)
     at, nbytes = storage_at(path, "b")
@@ -404,7 +405,7 @@ def test_a_file_truncated_while_it_is_read_raises(trainer: Client, run: Path, mo
 
     # through the page cache, or with O_DIRECT where the targets lie as in the file (as the allocator placed them)
     for name in ("open_sequential", "open_for_reading"):
-        monkeypatch.setattr(stream_module, name, cut_then(getattr(stream_module, name)))
+        monkeypatch.setattr(source_module, name, cut_then(getattr(source_module, name)))
     with pytest.raises(CorruptCheckpointError, match="file ends"):
         trainer.restore(run, "rank0.pt", tag="step1", into=zeros_like(state))
     assert cut and path.stat().st_size == cut[0]  # the case under test: cut as it was opened to be read
@@ -412,7 +413,7 @@ def test_a_file_truncated_while_it_is_read_raises(trainer: Client, run: Path, mo
 
 KILLER = """
 import json, os, signal, sys, time, torch
-import datastates.client.stream as stream
+import datastates.client.reader.stream as stream
 from datastates.client import Client
 endpoint, daemon_pid, root, point, piece = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 stream.READ_PIECE = piece  # many read pieces, so that the kill lands between them

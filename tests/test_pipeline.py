@@ -11,7 +11,7 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 
 from conftest import DaemonProc, assert_state_equal, save
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import DaemonProc, save
-from datastates.client.filecheck import read_header
+from datastates.client.reader.checks import open_file
 from datastates.protocol.errors import ProtocolError
 from datastates.protocol.format import CommitMarker, FileHeader, marker_name
 from datastates.protocol.schema import _checked, from_dict, pack
@@ -72,7 +72,7 @@ def written(shared_client: Any, shared_daemon: DaemonProc, tmp_path_factory: pyt
     state = {"w": w, "view": w[1:], "half": torch.ones(5, dtype=torch.float16), "step": 3, "name": "run",
              "nested": {"list": [torch.zeros(2), 1.5, None]}}
     save(shared_client, state, folder / "rank0.pt", tag="t1")
-    header = msgpack.unpackb(pack(read_header(str(folder / "rank0.pt"))[0]), raw=False)
+    header = msgpack.unpackb(pack(open_file(str(folder / "rank0.pt"), [], views=False, zip_records=False).header), raw=False)
     marker = json.loads((folder / marker_name("t1")).read_text())
     return header, marker
 

@@ -1,4 +1,4 @@
-"""Reading slices of stored tensors (client/into.py ``load_slices``): what a resharded or partial DCP load reads.
+"""Reading slices of stored tensors (client/reader/restore.py ``load_slices``): what a resharded or partial DCP load reads.
 
 A slice is read from the pieces of the file that hold it, and only those: straight into its
 tensor where it is one run of the stored bytes, else through a buffer of the bytes it spans.
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from datastates.client.into import Slice, load_slices
+from datastates.client.reader.restore import Slice, load_slices
 from datastates.protocol.errors import CorruptCheckpointError, StateMismatchError
 
 from conftest import file_index, save

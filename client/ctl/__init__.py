@@ -21,8 +21,8 @@ from datastates.protocol.retention import prune
 from datastates.protocol.tags import distrust, marker_paths, read_marker_object, tag_files
 
 from ..connection import Connection, daemon_status
-from ..filecheck import verify
 from ..locate import tier_roots
+from ..reader.stream import verify
 from .catalog import list_tags
 from .sizes import human_size
 

@@ -23,7 +23,8 @@ from datastates.protocol.format import INDEX_AT, index_at, marker_name
 from datastates.protocol.paths import within
 from datastates.protocol.tags import read_marker
 
-from ..reader import load, verify
+from ..reader.restore import load
+from ..reader.stream import verify
 
 FORMATS = ("torch", "safetensors")
 

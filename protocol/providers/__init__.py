@@ -2,7 +2,8 @@
 
 from . import pickled as _pickled  # noqa: F401
 from . import tensor as _tensor  # noqa: F401
-from .base import RestoreContext, StateProvider
-from .registry import get_provider, provider_names, register_provider
+from .base import CaptureContext, RestoreContext, StateProvider
+from .registry import PLAIN, get_provider, provider_for, provider_names, register_provider
 
-__all__ = ["RestoreContext", "StateProvider", "get_provider", "provider_names", "register_provider"]
+__all__ = ["PLAIN", "CaptureContext", "RestoreContext", "StateProvider", "get_provider", "provider_for",
+           "provider_names", "register_provider"]

@@ -1,8 +1,8 @@
-"""State providers: one small class per kind of state, registered by a stable type string.
+"""State providers: one class per kind of state, from capture to restore, registered by a stable type string.
 
 Call order and callers:
-1. The client's capturer (client/capture.py) describes a leaf as an ``EntryDesc`` whose
-   ``provider`` names a registered provider.
+1. The client's capture (client/capture.py) calls ``capture(obj, name, ctx)`` for each leaf
+   of one of a provider's ``types``: the ``EntryDesc`` it returns names this provider.
 2. The daemon calls ``plan(entry, sources)`` for every entry of an admitted SNAPSHOT; it
    checks the untrusted ``meta`` and returns the entry as it goes into the file index.
 3. ``datastates.load`` calls ``restore(entry, ctx)`` to rebuild the object.
@@ -18,6 +18,17 @@ from typing import Any, ClassVar, Protocol, Sequence
 import torch
 
 from datastates.protocol.descriptors import EntryDesc, SourceDesc
+
+
+class CaptureContext(Protocol):
+    """What the client's capture offers a provider while describing one snapshot's leaves."""
+
+    keepalive: list[Any]
+    """Held until the daemon has copied: what a provider made for the snapshot (a resolved tensor) goes here."""
+
+    def add_storage(self, storage: torch.UntypedStorage, cuda: bool) -> int:
+        """The index of ``storage`` among the snapshot's sources (a storage shared by views counts once)."""
+        ...
 
 
 class RestoreContext(Protocol):
@@ -36,6 +47,13 @@ class RestoreContext(Protocol):
 
 class StateProvider(ABC):
     name: ClassVar[str]
+    types: ClassVar[tuple[type, ...]] = ()
+    """The Python types whose objects it captures as leaves; none for one that only restores what the pickled
+    skeleton carries."""
+
+    def capture(self, obj: Any, name: str, ctx: CaptureContext) -> EntryDesc | None:
+        """The entry for ``obj`` (of one of ``types``), or None to leave it to the pickled skeleton."""
+        return None
 
     @abstractmethod
     def plan(self, entry: EntryDesc, sources: Sequence[SourceDesc]) -> EntryDesc:

@@ -1,4 +1,4 @@
-"""The tensor provider: a tensor is a view (dtype, shape, stride, offset) of a raw storage.
+"""The tensor provider: a tensor is a view (dtype, shape, stride, offset) of a raw storage, captured and restored.
 
 Storage bytes go to disk exactly as they are in memory, with no re-packing, and views of
 one storage share it again after a load, as ``torch.save`` keeps them.
@@ -14,11 +14,13 @@ from datastates.protocol.descriptors import EntryDesc, SourceDesc
 from datastates.protocol.errors import InvalidRequestError
 from datastates.protocol.tensormeta import DTYPE_SIZES, check_view
 
-from .base import RestoreContext, StateProvider
+from .base import CaptureContext, RestoreContext, StateProvider
 from .registry import register_provider
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
 """Every dtype of the format (``DTYPE_SIZES``) this torch has."""
+
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 class _Sizes(Sequence[int]):
@@ -39,7 +41,35 @@ _FLAGS = ("requires_grad", "parameter")
 
 
 class TensorProvider(StateProvider):
+    """Dense CPU and CUDA tensors and Parameters: shared storage plus dtype, shape, stride and offset."""
+
     name = "tensor"
+    types = (torch.Tensor,)
+
+    def capture(self, obj: torch.Tensor, name: str, ctx: CaptureContext) -> EntryDesc | None:
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            return None  # subclasses carry state of their own: let pickle keep it
+        cuda = obj.is_cuda
+        if (not (cuda or obj.is_cpu) or obj.layout != torch.strided or obj.is_quantized
+                or obj.is_nested):  # nested tensors have no single strided storage: pickled as torch.save does
+            return None
+        t = obj
+        if t.is_conj() or t.is_neg():
+            t = t.detach().resolve_conj().resolve_neg()
+            ctx.keepalive.append(t)
+        return EntryDesc(
+            provider=self.name,
+            name=name,
+            meta={
+                "storage": ctx.add_storage(t.untyped_storage(), cuda),
+                "dtype": _DTYPE_NAMES[t.dtype],
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "storage_offset": t.storage_offset(),
+                "requires_grad": obj.requires_grad,
+                "parameter": type(obj) is torch.nn.Parameter,  # its metaclass's isinstance: 3 us a tensor
+            },
+        )
 
     def plan(self, entry: EntryDesc, sources: Sequence[SourceDesc]) -> EntryDesc:
         meta = check_view(entry.name, entry.meta, _Sizes(sources))

@@ -54,7 +54,7 @@ import torch.distributed.checkpoint as dcp
 
 import datastates
 from datastates.client import Client, daemon_status
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.integrations.dcp import METADATA, DatastatesStorageReader, rank_file
 from datastates.protocol.format import TEMP_SUFFIX, TRACKER, CommitMarker
 from datastates.protocol.tags import committed_tags, marker_paths, read_marker

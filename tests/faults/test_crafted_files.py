@@ -18,7 +18,7 @@ import torch
 import datastates
 from datastates.client import Client
 from datastates.client.capture import capture
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.format import FileHeader, checksum
 from datastates.protocol.torchzip import torch_data_pkl

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import datastates
 from datastates.client import Client
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import DatastatesError
 from datastates.protocol.format import DATA_ALIGN, FileHeader, StorageRecord, align_up

@@ -27,7 +27,7 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.protocol.errors import CommitError
 from datastates.protocol.format import marker_name
 

@@ -15,7 +15,7 @@ import torch
 
 import datastates
 from datastates.client import Client, daemon_status
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.llm import Checkpointing
 from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError
 from datastates.protocol.format import MEGATRON_TRACKER, TEMP_SUFFIX, TRACKER, marker_name

@@ -83,7 +83,7 @@ import yaml
 
 import datastates
 from datastates.client import Client
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.protocol.errors import DatastatesError
 from datastates.protocol.format import MARKER_PREFIX, MARKER_SUFFIX, STAGING_SUFFIX, TEMP_SUFFIX, TRACKER
 from datastates.protocol.paths import SHM_DIR

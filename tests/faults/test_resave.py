@@ -23,7 +23,7 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.protocol.errors import CommitError, DatastatesError, PathNotAllowedError
 from datastates.protocol.format import marker_name
 from datastates.protocol.tags import read_marker

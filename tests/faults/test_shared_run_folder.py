@@ -19,7 +19,7 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.protocol.errors import PathNotAllowedError
 from datastates.protocol.retention import delete_tag
 from datastates.protocol.tags import committed_tags

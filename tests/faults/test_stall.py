@@ -25,7 +25,7 @@ import torch
 import datastates
 from datastates.client import Client, daemon_status
 from datastates.client.connection import Connection
-from datastates.client.reader import verify
+from datastates.client.reader.stream import verify
 from datastates.protocol import messages as m
 from datastates.protocol.errors import CommitError, DaemonUnavailable, DatastatesError, InvalidRequestError
 from datastates.protocol.format import TEMP_SUFFIX

@@ -1,4 +1,4 @@
-"""Restoring into CUDA tensors in place (issue 28 item 1, client/into.py), through a real daemon.
+"""Restoring into CUDA tensors in place (issue 28 item 1, client/reader/restore.py), through a real daemon.
 
 The bytes of a storage that one contiguous CUDA tensor of ``into`` covers go from the read
 (the daemon's replica, mapped, or storage, read with O_DIRECT) through the read thread's
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import datastates
-import datastates.client.stream as stream_module
+import datastates.client.reader.stream as stream_module
 from datastates.client import Client
 
 from conftest import DaemonFactory, DaemonProc, save

@@ -21,7 +21,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import datastates  # noqa: E402
 from datastates.client import Client  # noqa: E402
-from datastates.client.reader import verify  # noqa: E402
+from datastates.client.reader.stream import verify  # noqa: E402
 from datastates.integrations.transformers import DatastatesTrainer, last_checkpoint  # noqa: E402
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError  # noqa: E402
 from datastates.protocol.format import INDEX_AT, CommitMarker, marker_name  # noqa: E402

@@ -1,4 +1,4 @@
-"""Reading a checkpoint file's data region in checked pieces, on several threads: what every load shares.
+"""Streaming a checkpoint file's data region in checked pieces, on several threads: every load, and ``verify``.
 
 The region is cut into whole pieces of the format (each checksummed segment lies inside
 one), and READ_THREADS threads take them in
@@ -6,13 +6,13 @@ turn. Each piece goes in STEP reads: hashed while it is in the CPU's cache, its 
 compared, then (an in-place load) copied out to the tensors it belongs to. Where the bytes
 come from and go:
 
-- a fresh load from disk (``Stream.run(region)``): straight into one fresh buffer for the
+- a fresh load from disk (``Stream.read_region``): straight into one fresh buffer for the
   whole region with O_DIRECT (the read faults its pages in; mapping each piece's pages in one
   call first was slower: 1.044 s against 0.930 s at 1.5 GB, 5 of 5 runs), and every
   storage a slice of that buffer afterwards: no second copy;
-- a fresh load of a replica on tmpfs: its pages mapped copy-on-write by the caller (they are
-  memory already), and only hashed here;
-- an in-place load (``Stream.run()``, with targets) into CPU tensors laid out in memory as in the
+- a fresh load of a replica on tmpfs: its pages mapped copy-on-write (``region_buffer``: they
+  are memory already), and only hashed;
+- an in-place load (``Stream.fill``, with targets) into CPU tensors laid out in memory as in the
   file (a format-3 file's large storages start where torch's large CPU tensors do, 64 bytes past
   a page: format.DIRECT_PHASE): with O_DIRECT, each step's whole blocks of those tensors straight
   into them in one preadv, as a raw read into a reused buffer, the rest (zip headers, the first
@@ -30,27 +30,34 @@ come from and go:
 
 A checksum or zip header that does not match, or a file that ends early, raises
 CorruptCheckpointError naming the tensor: a load never returns what it could not check.
+Every checksum of the data region is checked here (``Stream._piece``), for ``verify`` too,
+which streams the region with no targets and so never imports torch: torch is imported
+where a target is a tensor.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import mmap
 import os
 import threading
 from dataclasses import dataclass, field
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from datastates.protocol.cudart import host_register, host_unregister
 from datastates.protocol.errors import CorruptCheckpointError
-from datastates.protocol.fileio import forget_cached, on_tmpfs, open_for_reading, open_sequential
-from datastates.protocol.objectstore import READ_STREAMS, ObjectFile, is_object
-from datastates.protocol.format import DATA_ALIGN, FileHeader, ZipLayout, align_up, checksummer
+from datastates.protocol.format import DATA_ALIGN, align_up, checksummer
+from datastates.protocol.objectstore import one_read
+from datastates.protocol.tags import listing
 
-from .filecheck import READ_PIECE, READ_THREADS, check_bounds, check_local_headers, storage_error
+from .checks import CheckpointFile, check_bounds, check_local_headers, open_file, storage_error
+from .source import Source, open_source, region_buffer
+
+if TYPE_CHECKING:
+    import torch
+
+READ_PIECE = 64 << 20
+READ_THREADS = 4
 
 
 class Target:
@@ -58,6 +65,8 @@ class Target:
     uint8 buffer of the storage's size."""
 
     def __init__(self, tensor: torch.Tensor, direct: bool) -> None:
+        import torch
+
         self.tensor = tensor
         self.direct = direct
         self.on_gpu = tensor.device.type == "cuda"
@@ -70,7 +79,6 @@ class Target:
         """Its bytes as a CPU buffer, for a read straight into them (``Stream._scatter``)."""
 
 
-
 class _Bounce:
     """One read thread's page-aligned buffer of STEP bytes (O_DIRECT needs the alignment) for what is not read
     straight into a target, page-locked where a GPU copy reads it, with a stream per GPU the targets are on (a copy
@@ -81,17 +89,21 @@ class _Bounce:
         buffer's copies wait for it, so they land after the job's kernels queued on those tensors."""
         self.buf = mmap.mmap(-1, STEP)
         self.view = memoryview(self.buf)
-        self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
-        self.address = self.tensor.data_ptr()
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        self.tensor: torch.Tensor | None = None
+        """The buffer as a tensor, where a GPU copy reads it."""
         self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
         if ready:
+            import torch
+
+            self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
             err = host_register(self.address, STEP)
             if err:
                 raise RuntimeError(f"cudaHostRegister of a {STEP}-byte restore buffer failed: error {err}")
-        for device, event in ready.items():
-            stream = torch.cuda.Stream(device)
-            stream.wait_event(event)
-            self.streams[device] = (stream, torch.cuda.Event())
+            for device, event in ready.items():
+                stream = torch.cuda.Stream(device)
+                stream.wait_event(event)
+                self.streams[device] = (stream, torch.cuda.Event())
 
     def settle(self) -> None:
         """Wait for this buffer's GPU copies, before it is read into again."""
@@ -103,7 +115,7 @@ class _Bounce:
         if self.streams:
             host_unregister(self.address)
         self.view.release()
-        del self.tensor
+        self.tensor = None
 
 
 STEP = 8 << 20
@@ -133,7 +145,7 @@ class Straight:
 
 
 @dataclass
-class Piece:
+class ReadUnit:
     """One of the format's pieces of the data region (or several): read, checked and copied out by one thread."""
 
     start: int
@@ -154,17 +166,19 @@ class Stream:
     never returns, though ``into`` may hold some of the bad bytes by then.
     """
 
-    def __init__(self, path: str, header: FileHeader, layout: ZipLayout | None, span: tuple[int, int],
-                 targets: dict[int, Target] | None, verify: bool, parts: dict[int, tuple[int, int]] | None = None
-                 ) -> None:
+    def __init__(self, file: CheckpointFile, targets: dict[int, Target] | None, verify: bool,
+                 parts: dict[int, tuple[int, int]] | None = None) -> None:
         """``targets``: each storage's Target (an in-place load); None for a fresh load, which checks every
-        storage and copies none out. ``parts``: the bytes ``lo..hi`` of its storage each target holds, where not all
+        storage and copies none out. ``verify``: every piece read is checked against its checksums and (a whole
+        read) the zip headers in it. ``parts``: the bytes ``lo..hi`` of its storage each target holds, where not all
         (a slice of a stored tensor): then only the file's pieces of the format that hold them are read and checked,
         and no others."""
-        self.path, self.header, (self.base, self.end) = path, header, span
+        self.path, self.header, self.base, self.end = file.path, file.header, file.base, file.end
+        path, header, layout = file.path, file.header, file.layout if parts is None else None
         size = header.piece_size * max(1, READ_PIECE // header.piece_size)
         """Whole pieces of the format: each checksummed segment lies inside one, read by one thread."""
-        self.pieces = [Piece(at, min(self.end - self.base, at + size)) for at in range(0, self.end - self.base, size)]
+        self.pieces = [ReadUnit(at, min(self.end - self.base, at + size))
+                       for at in range(0, self.end - self.base, size)]
         for at, expected in layout.storage_headers() if layout is not None and verify else ():
             for piece in self.pieces[at // size:(at + len(expected) - 1) // size + 1]:
                 piece.headers.append((at, expected))
@@ -188,7 +202,7 @@ class Stream:
             self.pieces = [p for p in self.pieces if p.segments or p.targets]
         self.scatter = self.aligned = False
         """Read a step straight into its CPU targets (one preadv; an in-place load), and whether the reads are
-        O_DIRECT (then only the ``matched`` targets' whole blocks are read straight). Set by ``run``."""
+        O_DIRECT (then only the ``matched`` targets' whole blocks are read straight). Set by ``fill``."""
         self.matched = {i for i, t in (targets or {}).items()
                         if t and t.view is not None and (t.address - starts[i]) % DATA_ALIGN == 0}
         """The CPU targets whose memory is aligned as their bytes are in the file: O_DIRECT reads into them."""
@@ -198,40 +212,41 @@ class Stream:
         """An in-place load whose bytes go mostly to GPUs or to matched targets reads with O_DIRECT: into the
         page-locked bounce buffers, where the page cache would put a pageable copy on the GPUs' way, and straight
         into the matched targets, where it would put a copy on theirs."""
-        self.ready = {d: torch.cuda.current_stream(d).record_event()
-                      for d in {t.tensor.device for t in (targets or {}).values() if t.on_gpu}}
+        self.ready: dict[torch.device, torch.cuda.Event] = {}
         """Where the job's queued work on the targets ends (``_Bounce``)."""
+        for device in {t.tensor.device for t in (targets or {}).values() if t.on_gpu}:
+            import torch
 
-    def run(self, region: np.ndarray | None = None) -> None:
-        """Read, check (and copy out) every piece on READ_THREADS threads; the first failure is raised.
+            self.ready[device] = torch.cuda.current_stream(device).record_event()
 
-        ``region``: a fresh load's buffer for the whole data region, read into from disk; or,
-        for a file on tmpfs, the caller's private mapping of it, already holding its bytes.
-        """
+    def read_region(self) -> mmap.mmap | None:
+        """A fresh load: the whole data region in one buffer (None if empty), every piece checked as it lands; a
+        file on tmpfs is mapped copy-on-write (``region_buffer``) and only checked."""
+        if self.end <= self.base:
+            return None
+        with open_source(self.path, "direct") as source:
+            buf = region_buffer(source, self.base, self.end)
+            view = memoryview(buf)
+            try:
+                if self.pieces:
+                    self._threads(source, (view, ctypes.addressof(ctypes.c_char.from_buffer(buf))),
+                                  fill=not source.mapped)
+            finally:
+                view.release()
+        return buf
+
+    def fill(self) -> None:
+        """An in-place load: every piece read (in STEP reads, into the targets or the threads' bounce buffers),
+        checked and copied out to its targets; the first failure is raised."""
         if not self.pieces:
             return
-        if is_object(self.path):  # ranged GETs, each straight into the buffers a preadv would fill
-            self.scatter = region is None
-            self._threads(ObjectFile.open(self.path), region, fill=region is not None)
-            return
-        tmpfs = on_tmpfs(self.path)
-        if region is not None and tmpfs:
-            self._threads(-1, region, fill=False)
-            return
-        cached = region is None and not self.direct
-        fd = open_sequential(self.path) if cached else open_for_reading(self.path)
-        try:
-            self.scatter, self.aligned = region is None, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-            self._threads(fd, region, fill=region is not None)
-        finally:
-            if cached and not tmpfs:
-                forget_cached(fd)
-            else:
-                os.close(fd)
+        with open_source(self.path, "direct" if self.direct else "sequential") as source:
+            self.scatter, self.aligned = True, source.direct
+            self._threads(source, None, fill=False)
 
-    def _threads(self, fd: int | ObjectFile, source: np.ndarray | None, fill: bool) -> None:
-        """The pieces on READ_THREADS threads: from ``source`` (the region in memory; read into it first if
-        ``fill``), or, without one, each read into the thread's bounce buffer."""
+    def _threads(self, source: Source, region: tuple[memoryview, int] | None, fill: bool) -> None:
+        """The pieces on READ_THREADS threads: from ``region`` (the region in memory and its address; read into it
+        first if ``fill``), or, without one, each read into the thread's bounce buffer."""
         todo = iter(self.pieces)
         lock = threading.Lock()
         failed: list[BaseException] = []
@@ -239,14 +254,14 @@ class Stream:
         def work() -> None:
             bounce = None
             try:
-                if source is None:
+                if region is None:
                     bounce = _Bounce(self.ready)
                 while not failed:
                     with lock:
                         piece = next(todo, None)
                     if piece is None:
                         return
-                    self._piece(piece, fd, source, fill, bounce)
+                    self._piece(piece, source, region, fill, bounce)
             except BaseException as exc:  # noqa: BLE001 - the first failure stops every thread and is raised
                 failed.append(exc)
             finally:
@@ -256,8 +271,7 @@ class Stream:
                     except BaseException as exc:  # noqa: BLE001
                         failed.append(exc)
 
-        count = READ_STREAMS if isinstance(fd, ObjectFile) else STEP_THREADS if source is None and self.aligned \
-            else READ_THREADS
+        count = source.streams or (STEP_THREADS if region is None and self.aligned else READ_THREADS)
         threads = [threading.Thread(target=work, name=f"ds-read-{i}", daemon=True)
                    for i in range(min(count, len(self.pieces)))]
         for t in threads:
@@ -267,24 +281,26 @@ class Stream:
         if failed:
             raise failed[0]
 
-    def _piece(self, piece: Piece, fd: int | ObjectFile, source: np.ndarray | None, fill: bool, bounce: _Bounce | None) -> None:
-        """Piece ``piece`` in STEP reads (or found in ``source``), each hashed and copied out."""
+    def _piece(self, piece: ReadUnit, source: Source, region: tuple[memoryview, int] | None, fill: bool,
+               bounce: _Bounce | None) -> None:
+        """``piece`` in STEP reads (or found in ``region``), each hashed and copied out; then its segments'
+        checksums compared: the one check of the data's checksums."""
         hashes = [checksummer() for _ in piece.segments]
         step = READ_PIECE if fill else STEP  # a fresh load copies nothing out: large reads serve the disk better
         for at, stop, last in ((at, min(last, at + step), last) for first, last in self._spans(piece)
                                for at in range(first, last, step)):
             until = self.base + last  # an object's GET reads on to the span's end: one request for its steps
             straight = None
-            if source is not None:
-                data, address = memoryview(source[at:stop]), source.ctypes.data + at
+            if region is not None:
+                data, address = region[0][at:stop], region[1] + at
                 if fill:
-                    self._read(fd, [data], self.base + at, until)
+                    self._read(source, [data], self.base + at, until)
             else:
                 assert bounce is not None
                 bounce.settle()  # its previous step's GPU copies read it still
-                straight = self._scatter(fd, piece, at, stop, bounce, until) if self.scatter else None
+                straight = self._scatter(source, piece, at, stop, bounce, until) if self.scatter else None
                 if straight is None:
-                    self._read(fd, [bounce.view[:stop - at]], self.base + at, until)
+                    self._read(source, [bounce.view[:stop - at]], self.base + at, until)
                 data, address = bounce.view[:stop - at], bounce.address
             straight = straight or {}
             self._copy(piece, at, stop, address, bounce, straight)  # first: a straight target's ends come from here
@@ -309,7 +325,7 @@ class Stream:
                 raise storage_error(self.path, self.header, index, f"checksum mismatch in bytes "
                                     f"{start - self.header.storages[index].offset}..+{length} (the data is corrupt)")
 
-    def _spans(self, piece: Piece) -> list[tuple[int, int]]:
+    def _spans(self, piece: ReadUnit) -> list[tuple[int, int]]:
         """The bytes of ``piece`` to read: all of it; for a partial load, the blocks that hold its segments (which
         hold its targets' bytes), runs closer than PARTIAL_GAP read as one. A resharded DCP load asks a file for a
         few scalars scattered through it (each parameter's optimizer step): not the whole piece between them."""
@@ -325,7 +341,7 @@ class Stream:
                 spans.append((lo, hi))
         return spans
 
-    def _scatter(self, fd: int | ObjectFile, piece: Piece, at: int, stop: int, bounce: _Bounce,
+    def _scatter(self, source: Source, piece: ReadUnit, at: int, stop: int, bounce: _Bounce,
                  until: int) -> dict[int, Straight] | None:
         """Bytes ``at..stop`` read in one preadv: each CPU target's part straight into it (with O_DIRECT, a
         ``matched`` target's whole blocks), the rest (zip headers, GPU targets' bytes, a target's ends) into the
@@ -352,10 +368,10 @@ class Stream:
             pos = hi
         if pos < stop:
             buffers.append(bounce.view[pos - at:stop - at])
-        self._read(fd, buffers, self.base + at, until)
+        self._read(source, buffers, self.base + at, until)
         return straight
 
-    def _copy(self, piece: Piece, at: int, stop: int, address: int, bounce: _Bounce | None,
+    def _copy(self, piece: ReadUnit, at: int, stop: int, address: int, bounce: _Bounce | None,
               straight: dict[int, Straight]) -> None:
         """Bytes ``at..stop`` of the data region, at ``address`` (the bounce buffer), into the targets they belong to
         (but the bytes read ``straight`` into them already)."""
@@ -368,7 +384,9 @@ class Stream:
                 if not target.on_gpu:
                     ctypes.memmove(target.address + lo - start, address + lo - at, hi - lo)
                     continue
-                assert bounce is not None
+                assert bounce is not None and bounce.tensor is not None
+                import torch
+
                 stream, _ = bounce.streams[target.tensor.device]
                 with torch.no_grad(), torch.cuda.stream(stream):
                     target.flat[lo - start:hi - start].copy_(bounce.tensor[lo - at:hi - at], non_blocking=True)
@@ -376,12 +394,11 @@ class Stream:
             for stream, event in bounce.streams.values():
                 event.record(stream)
 
-    def _read(self, fd: int | ObjectFile, buffers: list[memoryview], at: int, until: int) -> None:
-        """Fill ``buffers``, in order, from byte ``at`` of the file (IOV_MAX of them a call); the thread's reads go on
-        to byte ``until``."""
+    def _read(self, source: Source, buffers: list[memoryview], at: int, until: int) -> None:
+        """Fill ``buffers``, in order, from byte ``at`` of the file; the thread's reads go on to byte ``until``."""
         buffers = [b for b in buffers if len(b)]
         while buffers:
-            got = fd.preadv(buffers, at, until) if isinstance(fd, ObjectFile) else os.preadv(fd, buffers[:IOV_MAX], at)
+            got = source.preadv(buffers, at, until)
             if got == 0:
                 raise CorruptCheckpointError(f"{self.path}: file ends at byte {at}, inside its data region",
                                              path=self.path)
@@ -392,7 +409,19 @@ class Stream:
                 buffers[0] = buffers[0][got:]
 
 
-IOV_MAX = 1024
 PARTIAL_GAP = 256 << 10
 """A partial load reads through a gap between two runs it needs rather than read them apart, up to this many bytes:
 about what this disk reads in the time one more request costs."""
+
+
+def verify(path: str | os.PathLike) -> tuple[int, int]:
+    """Check a file's size, header, identity and every data checksum without unpickling anything (nor importing
+    torch): the reader's sequence up to its stream, with nothing rebuilt.
+
+    Returns (entries, data bytes); raises CorruptCheckpointError or UnsupportedFormatError.
+    """
+    path = os.fspath(path)
+    with one_read(whole=True):
+        file = open_file(path, listing(path), views=True, zip_records=True)
+        Stream(file, None, verify=True).read_region()
+    return len(file.header.entries), file.header.data_len

@@ -1,5 +1,16 @@
-"""Restoring a checkpoint into the tensors a job already has: ``load(path, into=state)``; and slices of its stored
-tensors into tensors given for them, reading only the pieces that hold them (``load_slices``: resharded DCP loads).
+"""Reading a checkpoint file back: ``load`` (fresh, or into the tensors a job already has) and ``load_slices``.
+
+Every read is one sequence: open the file and check its header and identity
+(client/reader/checks.py) → plan → stream the data region in checked pieces
+(client/reader/stream.py) → rebuild the entries through their providers
+(client/reader/rebuild.py). ``verify`` is the same sequence with nothing rebuilt.
+
+**A fresh load** reads the data region in one pass of large parallel reads into one buffer,
+every storage a slice of it, as with ``torch.load(mmap=True)``: no per-tensor allocation and
+no second copy; then rebuilds the skeleton over it.
+
+**A load into ``into``** (``load(path, into=state)``; slices of stored tensors into tensors
+given for them, reading only the pieces that hold them: ``load_slices``, resharded DCP loads).
 
 Why: a job that resumes has built its model and optimizer. Reading the file into fresh
 memory and then copying that into them crosses memory twice, and a fresh allocation of the
@@ -8,20 +19,23 @@ disk (or the daemon's replica) into the tensor that will hold them.
 
 Three steps, so that a state that does not fit is never half-written:
 
-1. **Plan.** The skeleton is unpickled with every tensor a meta tensor (no data read) and
-   matched with ``into`` key by key. A key one side lacks, or a tensor of another shape or
-   dtype, raises StateMismatchError naming it, before any byte of ``into`` is written.
-2. **Stream** (client/stream.py). The data region is read in pieces, on READ_THREADS threads, each
+1. **Plan.** The skeleton is unpickled once, every tensor over address space that no memory
+   backs (``reserve``) until the stream is done, and walked once beside
+   ``into``, key by key. A key one side lacks, or a tensor of another shape or dtype, raises
+   StateMismatchError naming it, before any byte of ``into`` is written.
+2. **Stream** (client/reader/stream.py). The data region is read in pieces, on READ_THREADS threads, each
    piece in STEP reads into the thread's small page-aligned bounce buffer (O_DIRECT from disk;
    a replica on tmpfs read through the page cache, which it is), hashed and copied out while
    it is in the CPU's cache. A checksum or zip header that does not match, or a file that ends early,
    raises: the restore never returns a half-written state as success. A storage that one
    contiguous tensor of ``into`` covers whole is copied straight into that tensor; any other
    (views sharing a storage, strided tensors, tensors ``into`` has no place for) into one
-   fresh buffer, then copied or wrapped from there.
-3. **Rebuild.** The skeleton is unpickled again with each matched tensor entry the tensor of
-   ``into`` itself, and the rest (a step count, the learning rate, objects) put into
-   ``into``'s containers: ``into`` is returned, holding the checkpoint's values.
+   fresh buffer, then copied or viewed from there.
+3. **Merge.** Each tensor of the skeleton is given its memory (``.data``): the one of its
+   tensor of ``into``, or its fresh buffer's; then what the walk planned: ``into``'s
+   containers get the skeleton's other values (a step count, the learning rate, objects,
+   keys ``into`` lacks), its tensors are kept, and ``into`` is returned, holding the
+   checkpoint's values.
 
 A tensor of ``into`` on a GPU gets its bytes through the thread's bounce buffer, page-locked
 once (cudaHostRegister), by an asynchronous copy on the thread's own stream: never through
@@ -32,22 +46,28 @@ tensors are new allocations the daemon has no IPC handles for, and a restore fro
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import StateMismatchError
-from datastates.protocol.format import FileHeader, ZipLayout
+from datastates.protocol.format import FileHeader
 from datastates.protocol.objectstore import one_read
+from datastates.protocol.tags import listing
 
-from .entries import Entries
-from .filecheck import check_bounds, check_identity, check_views, check_zip, read_header
+from .checks import CheckpointFile, open_file
+from .rebuild import Rebuild
+from .source import reserve
 from .stream import Stream, Target
 
+MapLocation = str | torch.device | None
 KeyPath = tuple[Any, ...]
+Merged = Callable[[], Any]
+"""What a value of ``into`` becomes once the data is read: called after the stream (nothing is written before)."""
 NewKey = Callable[[KeyPath], bool]
 """Whether a key the checkpoint has and ``into`` lacks, at this key path, is added to ``into`` (else an error)."""
 
@@ -56,38 +76,19 @@ def key_name(path: KeyPath) -> str:
     return "".join(f"[{k!r}]" for k in path) or "(the root)"
 
 
-class _Plan(Entries):
-    """The skeleton with every tensor a meta tensor: its structure, shapes and dtypes, with no data read."""
-
-    def __init__(self, path: str, header: FileHeader, region_len: int, weights_only: bool) -> None:
-        super().__init__(path, header, weights_only)
-        self._region_len = region_len
-        self.tensor_entries: dict[int, int] = {}
-        """id() of each meta tensor → its entry's index."""
-
-    def storage(self, index: int) -> torch.UntypedStorage:
-        check_bounds(self.path, self.header, index, self._region_len)
-        return torch.UntypedStorage(self.header.storages[index].nbytes, device="meta")
-
-    def build(self, index: int, entry: EntryDesc) -> Any:
-        obj = super().build(index, entry)
-        if entry.provider == "tensor":
-            self.tensor_entries[id(obj)] = index
-        return obj
-
-
 @dataclass
 class _Match:
     """What the plan found: each tensor entry's tensors of ``into``."""
 
-    plan: _Plan
+    plan: Rebuild
     new_key: NewKey
     into: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     keys: dict[int, KeyPath] = field(default_factory=dict)
     """id() of each tensor of ``into`` matched → its first key path, to name it."""
 
-    def walk(self, ours: Any, theirs: Any, path: KeyPath) -> None:
-        """Match the checkpoint's ``ours`` with ``into``'s ``theirs`` at ``path``; raise on the first misfit."""
+    def walk(self, ours: Any, theirs: Any, path: KeyPath) -> Merged:
+        """Match the checkpoint's ``ours`` with ``into``'s ``theirs`` at ``path``; raise on the first misfit. Returns
+        what ``theirs`` becomes: its containers updated in place, its tensors kept (filled)."""
         index = self.plan.tensor_entries.get(id(ours)) if isinstance(ours, torch.Tensor) else None
         if index is not None:
             if not isinstance(theirs, torch.Tensor):
@@ -100,9 +101,10 @@ class _Match:
                 raise self.misfit(path, f"`into`'s tensor {unwritable}")
             self.into.setdefault(index, []).append(theirs)
             self.keys.setdefault(id(theirs), path)
-        elif isinstance(theirs, torch.Tensor):
+            return lambda: theirs
+        if isinstance(theirs, torch.Tensor):
             raise self.misfit(path, f"`into` holds a tensor, the checkpoint a {type(ours).__name__}")
-        elif isinstance(ours, Mapping) and isinstance(theirs, Mapping):
+        if isinstance(ours, Mapping) and isinstance(theirs, Mapping):
             lacking = [k for k in theirs if k not in ours]
             if lacking:
                 raise self.misfit(path + (lacking[0],), f"`into` has this key, the checkpoint does not "
@@ -111,13 +113,14 @@ class _Match:
             if extra:
                 raise self.misfit(path + (extra[0],), f"the checkpoint has this key, `into` does not "
                                                       f"({len(extra)} such keys; strict=False adds them)")
-            for k in theirs:
-                self.walk(ours[k], theirs[k], path + (k,))
-        elif isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)):
+            parts = {k: self.walk(ours[k], theirs[k], path + (k,)) for k in theirs}
+            return lambda: _merge_mapping(ours, theirs, parts)
+        if isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple, MutableSequence)):
             if len(ours) != len(theirs):
                 raise self.misfit(path, f"the checkpoint holds {len(ours)} items, `into` {len(theirs)}")
-            for k, (a, b) in enumerate(zip(ours, theirs)):
-                self.walk(a, b, path + (k,))
+            items = [self.walk(a, b, path + (k,)) for k, (a, b) in enumerate(zip(ours, theirs))]
+            return lambda: _merge_sequence(ours, theirs, items)
+        return lambda: ours
 
     def check_shared(self) -> None:
         """Tensors of ``into`` that share memory must share it as the file's do: the same storage, the same byte
@@ -202,76 +205,90 @@ def _direct_target(header: FileHeader, entries: list[int], dests: dict[int, list
     return target if target.is_contiguous() else None
 
 
-class _Fill(Entries):
-    """The rebuild: matched tensor entries are ``into``'s tensors, the others views of their fresh buffers."""
-
-    def __init__(self, plan: _Plan, dests: dict[int, list[torch.Tensor]], targets: dict[int, Target],
-                 device: torch.device | None) -> None:
-        super().__init__(plan.path, plan.header, plan.weights_only)
-        self._dests = dests
-        self._targets = targets
-        self._device = device
-
-    def storage(self, index: int) -> torch.UntypedStorage:
-        return self._targets[index].tensor.untyped_storage()
-
-    def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self._device is None or self._device.type == "cpu" else tensor.to(self._device)
-
-    def build(self, index: int, entry: EntryDesc) -> Any:
-        if index not in self._dests:
-            return super().build(index, entry)
-        first, *others = self._dests[index]
-        target = self._targets[entry.meta["storage"]]
-        if not target.direct:  # from its fresh buffer into each of into's tensors
-            view = super().build(index, entry)
-            for t in self._dests[index]:
-                t.copy_(view)
-        for t in others:  # tied in the checkpoint, apart in ``into``: the first one holds the bytes
-            if target.direct and not _same_memory(t, first):
-                t.copy_(first)
-        return first
+def _over(tensor: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """A tensor as ``tensor`` views its storage (dtype, offset, shape, stride), over ``buffer``'s instead."""
+    return torch.empty(0, dtype=tensor.dtype).set_(buffer.untyped_storage(), tensor.storage_offset(), tensor.shape,
+                                                   tensor.stride())
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.device == b.device and a.stride() == b.stride()
 
 
-def _merge(theirs: Any, ours: Any) -> Any:
-    """``into``'s ``theirs`` holding the rebuilt ``ours``: containers updated in place, tensors kept (filled)."""
-    if isinstance(theirs, torch.Tensor):
-        return theirs
-    if isinstance(theirs, MutableMapping) and isinstance(ours, Mapping):
-        for k in ours:
-            theirs[k] = _merge(theirs[k], ours[k]) if k in theirs else ours[k]
-        return theirs
-    if isinstance(theirs, MutableSequence) and isinstance(ours, (list, tuple)):
-        for k, v in enumerate(ours):
-            theirs[k] = _merge(theirs[k], v)
+def _merge_mapping(ours: Mapping, theirs: Mapping, parts: dict[Any, Merged]) -> Any:
+    if not isinstance(theirs, MutableMapping):
+        return ours
+    for k in ours:
+        theirs[k] = parts[k]() if k in theirs else ours[k]
+    return theirs
+
+
+def _merge_sequence(ours: list | tuple, theirs: Any, items: list[Merged]) -> Any:
+    if isinstance(theirs, MutableSequence):
+        for k, item in enumerate(items):
+            theirs[k] = item()
         return theirs
     if isinstance(theirs, tuple) and isinstance(ours, tuple):
-        items = [_merge(a, b) for a, b in zip(theirs, ours)]
-        return type(ours)(*items) if hasattr(ours, "_fields") else type(ours)(items)
+        merged = [item() for item in items]
+        return type(ours)(*merged) if hasattr(ours, "_fields") else type(ours)(merged)
     return ours
 
 
-def _opened(path: str, verify: bool, weights_only: bool) -> tuple[FileHeader, int, int, ZipLayout | None, _Plan]:
-    """The checked header of ``path``, its data region's span, its zip layout, and its plan (no data read)."""
-    header, base, end, layout = read_header(path)
-    check_identity(path, header)
-    if verify:
-        check_views(path, header)
-    return header, base, end, layout, _Plan(path, header, end - base, weights_only)
+def load(path: str | os.PathLike, map_location: MapLocation = None, *, into: Any = None, strict: bool = True,
+         verify: bool = True, weights_only: bool = True) -> Any:
+    """The state saved at ``path``, bitwise as it was snapshotted.
+
+    With ``into`` (a state of the same structure: ``model.state_dict()``, a dict of them),
+    each tensor's bytes are read straight into ``into``'s tensor at the same key, on the CPU
+    or a GPU; values that are not tensors are put into ``into``'s containers, and ``into`` is
+    returned. A key one side lacks, or a tensor of another shape or dtype, raises
+    StateMismatchError naming the key before anything is written; ``strict=False`` adds the
+    checkpoint's keys that ``into`` lacks (freshly read, onto ``map_location``) instead.
+
+    Without ``into``, the data region is read in one pass of large parallel reads into one
+    buffer, and every storage is a slice of it, as with ``torch.load(mmap=True)``: no
+    per-tensor allocation and no second copy.
+
+    With ``verify`` (the default) every byte is checked against its checksum, before any of
+    it reaches a tensor of ``into``. Refuses, with CorruptCheckpointError naming the file and
+    the tensor, a file of the wrong size, a truncated one, or one whose header or data
+    checksums do not match.
+    By default (``weights_only=True``, as ``torch.load`` since torch 2.6) the skeleton goes
+    through torch's safe unpickler, which builds tensors, containers, plain values and the
+    objects training states commonly hold (numpy arrays and dtypes, RNG states,
+    ``torch.Size``, ``argparse.Namespace``; more with ``torch.serialization.add_safe_globals``),
+    and raises WeightsOnlyError for anything else. ``weights_only=False`` unpickles anything,
+    which runs code the file's author chose: only for files you trust.
+    """
+    path = os.fspath(path)
+    device = torch.device(map_location) if map_location is not None else None
+    with one_read(whole=True):  # an object's reads share one ETag, one read of its head and tail
+        if into is not None:
+            return load_into(path, into, device, new_key=lambda _: not strict, verify=verify,
+                             weights_only=weights_only)
+        file = open_file(path, listing(path), views=verify, zip_records=verify)
+        return fresh(file, Stream(file, None, verify).read_region(), weights_only, device).entry(file.header.root)
+
+
+def fresh(file: CheckpointFile, region: mmap.mmap | None, weights_only: bool, device: torch.device | None
+          ) -> Rebuild:
+    """A fresh load's rebuild: every storage a slice of the data region ``region`` (``Stream.read_region``), each
+    tensor put onto ``device``."""
+    data = torch.frombuffer(region, dtype=torch.uint8).untyped_storage() if region is not None else \
+        torch.UntypedStorage(0)
+    offsets = [rec.offset for rec in file.header.storages]
+    return Rebuild(file, weights_only, lambda index, nbytes: data[offsets[index]:offsets[index] + nbytes],
+                   lambda t: t if device is None or device.type == "cpu" else t.to(device))
 
 
 def load_into(path: str, into: Any, device: torch.device | None, *, new_key: NewKey, verify: bool,
               weights_only: bool) -> Any:
     """``into``, its tensors holding the checkpoint at ``path`` (``datastates.load(path, into=...)``)."""
-    header, base, end, layout, plan = _opened(path, verify, weights_only)
-    if verify and layout is not None:
-        check_zip(path, header, layout, None)  # the data region's zip headers: as it streams (check_local_headers)
+    file = open_file(path, listing(path), views=verify, zip_records=verify)
+    header = file.header
+    plan = Rebuild(file, weights_only, _unbacked(file))
     match = _Match(plan, new_key)
-    match.walk(plan.entry(header.root), into, ())
+    merged = match.walk(plan.entry(header.root), into, ())
     match.check_shared()
     users: dict[int, list[int]] = {}
     for index in plan.tensor_entries.values():
@@ -283,8 +300,42 @@ def load_into(path: str, into: Any, device: torch.device | None, *, new_key: New
             nbytes = header.storages[storage].nbytes
             targets[storage] = Target(direct, True) if direct is not None else \
                 Target(torch.empty(nbytes, dtype=torch.uint8), False)
-        Stream(path, header, layout, (base, end), targets, verify).run()
-        return _merge(into, _Fill(plan, match.into, targets, device).entry(header.root))
+        Stream(file, targets, verify).fill()
+        _settle(plan, match.into, targets, device)
+    return merged()
+
+
+def _unbacked(file: CheckpointFile) -> Callable[[int, int], torch.UntypedStorage]:
+    """A plan's storages: slices of one reserved range of address space as large as the data region, which costs no
+    memory (``reserve``); each tensor of the plan is given its memory after the stream (``_settle``)."""
+    reserved = reserve(file.end - file.base)
+    region = torch.frombuffer(reserved, dtype=torch.uint8).untyped_storage() if reserved is not None else \
+        torch.UntypedStorage(0)
+    offsets = [rec.offset for rec in file.header.storages]
+    return lambda index, nbytes: region[offsets[index]:offsets[index] + nbytes]
+
+
+def _settle(plan: Rebuild, dests: dict[int, list[torch.Tensor]], targets: dict[int, Target],
+            device: torch.device | None) -> None:
+    """After the stream, the plan's tensors given their memory: a matched entry's the first of its tensors of
+    ``into`` (its bytes copied into all of them from its fresh buffer, or from the first, where ``into`` holds one
+    tensor of the file apart under two keys); any other its view of its fresh buffer, moved onto ``device``."""
+    for index in plan.tensor_entries.values():
+        tensor = plan.entry(index)
+        target = targets[plan.header.entries[index].meta["storage"]]
+        if index not in dests:
+            view = _over(tensor, target.tensor)
+            tensor.data = view if device is None or device.type == "cpu" else view.to(device)
+            continue
+        first, *others = dests[index]
+        if not target.direct:  # from its fresh buffer into each of into's tensors
+            view = _over(tensor, target.tensor)
+            for t in dests[index]:
+                t.copy_(view)
+        for t in others:  # tied in the checkpoint, apart in ``into``: the first one holds the bytes
+            if target.direct and not _same_memory(t, first):
+                t.copy_(first)
+        tensor.data = first
 
 
 @dataclass(frozen=True)
@@ -306,7 +357,7 @@ def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_
     file's top-level dict, every tensor in it a meta tensor (not read) and its other values as stored.
 
     A slice that is one contiguous run of its stored tensor's bytes, into a contiguous tensor of the stored dtype,
-    is read straight into it (client/stream.py, as an in-place load); any other through a buffer of the bytes it
+    is read straight into it (client/reader/stream.py, as an in-place load); any other through a buffer of the bytes it
     spans. Every piece read is checked against its checksum (so a slice is checked with the whole pieces of the
     format around it). A slice that does not fit (a key the file lacks, out of bounds, another shape) raises
     StateMismatchError naming it before anything is written. A storage two slices share is read once.
@@ -316,8 +367,9 @@ def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_
 
 
 def _load_slices(path: str, slices: list[Slice], verify: bool, weights_only: bool) -> dict[str, Any]:
-    header, base, end, _, plan = _opened(path, verify, weights_only)
-    root = plan.entry(header.root)
+    file = open_file(path, listing(path), views=verify, zip_records=False)
+    plan = Rebuild(file, weights_only, lambda _, nbytes: torch.UntypedStorage(nbytes, device="meta"))
+    root = plan.entry(file.header.root)
     spans: dict[int, list[tuple[Slice, int, int, dict, torch.dtype]]] = {}
     for piece in slices:
         meta, dtype = _slice_meta(path, plan, root, piece)
@@ -336,7 +388,7 @@ def _load_slices(path: str, slices: list[Slice], verify: bool, weights_only: boo
             straight = len(wanted) == 1 and runs and piece.into.is_contiguous() and piece.into.dtype == dtype
             targets[storage] = Target(piece.into if straight else torch.empty(hi - lo, dtype=torch.uint8), straight)
             parts[storage] = (lo, hi)
-        Stream(path, header, None, (base, end), targets, verify, parts).run()
+        Stream(file, targets, verify, parts).fill()
         for storage, wanted in spans.items():
             lo = parts[storage][0]
             for piece, first, last, meta, dtype in wanted if not targets[storage].direct else ():
@@ -348,7 +400,7 @@ def _load_slices(path: str, slices: list[Slice], verify: bool, weights_only: boo
     return root
 
 
-def _slice_meta(path: str, plan: _Plan, root: Any, piece: Slice) -> tuple[dict, torch.dtype]:
+def _slice_meta(path: str, plan: Rebuild, root: Any, piece: Slice) -> tuple[dict, torch.dtype]:
     """The stored tensor entry's meta (storage, stride, offset) and dtype of a slice that fits it; else
     StateMismatchError."""
     def misfit(why: str) -> StateMismatchError:
