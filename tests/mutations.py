@@ -1013,7 +1013,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "lost-rank-spares-unstarted-rounds",
         "a rank gone (BYE or killed) with a tag snapshotted and not committed fails only rounds already under way: "
         "the other ranks that ask to commit that tag afterwards wait out commit_timeout",
-        (Edit("daemon/commit.py", "        for tag in opened:\n", "        for tag in ():\n"),),
+        (Edit("daemon/commit.py", "        for tag in owed:\n", "        for tag in ():\n"),),
         ("tests/test_multirank.py::test_a_rank_that_says_bye_without_committing_fails_the_tag_at_once"
          "[before any rank asked to commit]",
          "tests/test_multirank.py::test_a_rank_killed_before_committing_fails_the_tag_at_once"
