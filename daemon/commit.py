@@ -45,8 +45,8 @@ from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .events import CommitEvent, CommitListener
 from .gather import Attempt, NodeGather, still_reported
-from .job import SnapshotJob
-from .versions import Staging, Versions
+from .snapshot import AdmittedSnapshot
+from .versions import NewVersion, Versions
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +154,10 @@ class CommitLedger:
         self._timeout = timeout
         self._nodes = NodeGather(engine, timeout)
         self._listeners: list[CommitListener] = []
-        self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
-        self._committing: dict[tuple[str, str], list[SnapshotJob]] = {}
+        self._open: dict[tuple[str, str], list[AdmittedSnapshot]] = {}
+        self._committing: dict[tuple[str, str], list[AdmittedSnapshot]] = {}
         """Snapshots whose COMMIT is under way, until it is answered."""
-        self._failed: dict[tuple[str, str], list[SnapshotJob]] = {}
+        self._failed: dict[tuple[str, str], list[AdmittedSnapshot]] = {}
         """Snapshots of a commit that failed: a commit with no new snapshot of the tag retries them (see ``commit``)."""
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._refused: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
@@ -219,12 +219,12 @@ class CommitLedger:
         jobs = self._committing.get((client_id, tag), [])
         return any(within(j.path, folder) for j in jobs)
 
-    def add(self, job: SnapshotJob, ranks: Ranks) -> None:
+    def add(self, job: AdmittedSnapshot, ranks: Ranks) -> None:
         self._open.setdefault((job.client_id, job.tag), []).append(job)
         if ranks.world_size > 1:
             job.durable.add_done_callback(functools.partial(self._snapshot_done, ranks, job))
 
-    def _snapshot_done(self, ranks: Ranks, job: SnapshotJob, durable: asyncio.Future) -> None:
+    def _snapshot_done(self, ranks: Ranks, job: AdmittedSnapshot, durable: asyncio.Future) -> None:
         if not durable.cancelled() and durable.exception() is not None:
             self._fail_round(ranks, job.tag, f"its snapshot of {job.path} failed: {durable.exception()}")
 
@@ -357,7 +357,7 @@ class CommitLedger:
             if self._committing.get(key) is jobs:  # answered: committed (its marker lists them) or kept for a retry
                 del self._committing[key]
 
-    async def _supersede(self, client_id: str, tag: str, jobs: list[SnapshotJob]) -> list[SnapshotJob]:
+    async def _supersede(self, client_id: str, tag: str, jobs: list[AdmittedSnapshot]) -> list[AdmittedSnapshot]:
         """The snapshots a commit covers: the new ones of its tag, else those of its last failed commit (a retry).
 
         Never both: a tag is one point of the trainer's program, so a save after a failed
@@ -371,7 +371,7 @@ class CommitLedger:
         await self._drop(failed, {j.path for j in jobs})
         return jobs
 
-    async def _drop(self, jobs: list[SnapshotJob], keep: set[str]) -> None:
+    async def _drop(self, jobs: list[AdmittedSnapshot], keep: set[str]) -> None:
         """Snapshots that will never be committed: once each has finished, delete its file unless in ``keep``."""
         await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
         stale = [j.path for j in jobs if j.path not in keep]
@@ -379,7 +379,7 @@ class CommitLedger:
             await self._engine.flush(_remove_uncommitted, stale, self._roots)
             self._versions.abandon(stale)  # a new version never to be committed goes whole
 
-    async def _next_sequence(self, tag: str, jobs: list[SnapshotJob], ranks: Ranks) -> int:
+    async def _next_sequence(self, tag: str, jobs: list[AdmittedSnapshot], ranks: Ranks) -> int:
         """The commit's place in its run, in the order COMMITs arrive (0 when it names no file, or none is needed).
 
         It costs a read of every committed marker of the run, so it is read where it is used
@@ -408,7 +408,7 @@ class CommitLedger:
         group = self._groups.get((ranks.job, ranks.world_size, tag)) if ranks.world_size > 1 else None
         return group is not None and bool(group.sequence) and not group.failed
 
-    async def _durable(self, tag: str, jobs: list[SnapshotJob]) -> dict[str, int]:
+    async def _durable(self, tag: str, jobs: list[AdmittedSnapshot]) -> dict[str, int]:
         """The files of ``jobs`` once all are durable (path → size); CommitError if one failed."""
         results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
         failed = [(j, r) for j, r in zip(jobs, results) if isinstance(r, BaseException)]
@@ -426,7 +426,7 @@ class CommitLedger:
             )
         return {j.path: j.file_size for j in jobs}
 
-    async def _commit_alone(self, client_id: str, tag: str, jobs: list[SnapshotJob], requested_ns: int,
+    async def _commit_alone(self, client_id: str, tag: str, jobs: list[AdmittedSnapshot], requested_ns: int,
                             sequence: int) -> m.Committed:
         if not jobs:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
@@ -440,7 +440,7 @@ class CommitLedger:
             raise
 
     async def _commit_rank(
-        self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob], requested_ns: int, sequence: int,
+        self, client_id: str, tag: str, ranks: Ranks, jobs: list[AdmittedSnapshot], requested_ns: int, sequence: int,
         began_ns: int,
     ) -> m.Committed:
         """One rank's share; the node's last rank to arrive finishes the tag for all of them.
@@ -562,7 +562,7 @@ class CommitLedger:
         return committed, sequence
 
     async def _publish(self, client_id: str, tag: str, marker: CommitMarker, folder: str, order: tuple[int, int],
-                       staging: Staging | None = None, wanted: Callable[[], None] | None = None) -> m.Committed:
+                       staging: NewVersion | None = None, wanted: Callable[[], None] | None = None) -> m.Committed:
         """The tag's marker, then the trackers: a tracker never names a tag before its marker exists.
 
         With ``staging``, the marker goes beside the new version's files, and the version is
@@ -627,7 +627,7 @@ def check_listed(folder: str, marker: CommitMarker, wanted: Callable[[], None] |
         raise CommitError(f"tag {marker.tag!r} not committed: {why}", tag=marker.tag)
 
 
-def _still_wanted(jobs: list[SnapshotJob]) -> None:
+def _still_wanted(jobs: list[AdmittedSnapshot]) -> None:
     for job in jobs:
         job.check_still_wanted()
 

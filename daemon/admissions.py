@@ -15,12 +15,12 @@ import itertools
 from typing import Any, AsyncIterator
 
 from .config import JOB_HISTORY
-from .job import SnapshotJob
+from .snapshot import AdmittedSnapshot
 
 
-class JobTable:
+class Admissions:
     def __init__(self) -> None:
-        self._jobs: dict[int, SnapshotJob] = {}
+        self._jobs: dict[int, AdmittedSnapshot] = {}
         self._finished: collections.deque[int] = collections.deque()
         self._ids = itertools.count(1)
         self._admitting: dict[str, set[asyncio.Future]] = {}
@@ -28,25 +28,25 @@ class JobTable:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def add(self, job: SnapshotJob) -> None:
+    def add(self, job: AdmittedSnapshot) -> None:
         self._jobs[job.id] = job
 
-    def finished(self, job: SnapshotJob) -> None:
+    def finished(self, job: AdmittedSnapshot) -> None:
         """``job`` is durable or failed: kept for status, the oldest finished ones forgotten."""
         self._finished.append(job.id)
         while len(self._finished) > JOB_HISTORY:
             self._jobs.pop(self._finished.popleft(), None)
 
-    def get(self, job_id: int) -> SnapshotJob | None:
+    def get(self, job_id: int) -> AdmittedSnapshot | None:
         return self._jobs.get(job_id)
 
-    def of_client(self, client_id: str) -> list[SnapshotJob]:
+    def of_client(self, client_id: str) -> list[AdmittedSnapshot]:
         return [j for j in self._jobs.values() if j.client_id == client_id]
 
-    def pending(self) -> list[SnapshotJob]:
+    def pending(self) -> list[AdmittedSnapshot]:
         return [j for j in self._jobs.values() if j.pending]
 
-    def pending_at(self, path: str) -> list[SnapshotJob]:
+    def pending_at(self, path: str) -> list[AdmittedSnapshot]:
         """Earlier snapshots of ``path`` still in flight: a new one is renamed into place only after them."""
         return [j for j in self._jobs.values() if j.path == path and j.pending]
 
