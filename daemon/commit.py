@@ -18,40 +18,37 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import (
     CommitError,
-    DatastatesError,
     PathNotAllowedError,
     SnapshotFailedError,
     SnapshotSkippedError,
     StorageError,
 )
 from datastates.protocol.fileio import remove
-from datastates.protocol.format import MEGATRON_TRACKER, TRACKER, CommitMarker, MarkerFile, done_name, marker_name
+from datastates.protocol.format import CommitMarker, MarkerFile, done_name, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
 from datastates.protocol.paths import within
-from datastates.protocol.retention import prune
-from datastates.protocol.tags import listing, next_sequence, tag_files, unlisted
+from datastates.protocol.tags import listing, tag_files, unlisted
 
 from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .events import CommitEvent, CommitListener
 from .gather import Attempt, NodeGather, still_reported
+from .keep_last import KeepLast
+from .rounds import RankRound, RankRounds
+from .run_order import RunOrder
 from .snapshot import AdmittedSnapshot
+from .trackers import Trackers
 from .versions import NewVersion, Versions
 
 log = logging.getLogger(__name__)
-
-_ITERATION_RE = re.compile(r"^iter_(\d+)$")
-
 
 def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
     """Where the tag's marker goes: the nearest folder above its files named after the tag, else their common folder.
@@ -90,70 +87,21 @@ def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int,
     )
 
 
-def trackers(tag: str, folder: str) -> dict[str, bytes]:
-    """The tracker files beside the tag folder that frameworks read to find the newest checkpoint."""
-    parent = os.path.dirname(folder)
-    out = {os.path.join(parent, TRACKER): tag.encode()}
-    iteration = _ITERATION_RE.match(tag)
-    if iteration:
-        out[os.path.join(parent, MEGATRON_TRACKER)] = str(int(iteration.group(1))).encode()
-    return out
-
-
-@dataclass
-class _TagGroup:
-    """One tag of one multi-rank job on this node, while its local ranks commit."""
-
-    ranks: Ranks
-    done: asyncio.Future
-    requested_ns: int
-    """When the node's first rank asked to commit the tag: ranks commit tags in order, so groups are created in order."""
-    committed: set[int] = field(default_factory=set)
-    """Ranks whose COMMIT arrived."""
-    durable: int = 0
-    """Of those, how many have all their files durable: the one that makes it local_world_size finishes."""
-    files: dict[str, int] = field(default_factory=dict)
-    snapshots: dict[str, str] = field(default_factory=dict)
-    order: int = 0
-    """The newest snapshot id among the node's files: see CommitLedger._tracked."""
-    sequence: int = 0
-    """The sequence of the node's first rank to ask (that named a file): the tag's place among the job's tags."""
-    paths: set[str] = field(default_factory=set)
-    """The files of the ranks that committed: the version they make is sealed once the node's last rank has (until
-    then the other ranks' snapshots of the tag join it, as DCP's coordinator saves its metadata after the others
-    asked to commit)."""
-    clients: set[str] = field(default_factory=set)
-    """The clients whose COMMIT joined the round and have not died: once none is left, none is left to tell."""
-    began_ns: int = 0
-    """When the first of those clients' processes started (0: unknown): where this attempt of the job began."""
-
-    @classmethod
-    def start(cls, ranks: Ranks, requested_ns: int) -> _TagGroup:
-        done = asyncio.get_running_loop().create_future()
-        done.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return cls(ranks=ranks, done=done, requested_ns=requested_ns)
-
-    @property
-    def failed(self) -> bool:
-        """It failed, and waits only to tell the node's ranks still to commit it (see ``CommitLedger._fail_round``)."""
-        return self.done.done() and not self.done.cancelled() and self.done.exception() is not None
-
-    def fail(self, exc: CommitError) -> None:
-        """The round fails with ``exc``, unless it ended already."""
-        if not self.done.done():
-            self.done.set_exception(exc)
-
-
 class CommitLedger:
+    """The snapshots not yet committed, by client and tag, and the commits of them: marker, trackers, retention."""
+
     def __init__(self, engine: Engine, storage: StorageConfig, timeout: float, versions: Versions, owner: str) -> None:
         self._engine = engine
         self._owner = owner
         self._versions = versions
         self._storage = storage
         self._roots = storage.roots
-        self._timeout = timeout
         self._nodes = NodeGather(engine, timeout)
+        self._rounds = RankRounds(versions, timeout, self._durable, self._finish, self._drop)
+        self._order = RunOrder(engine, storage, functools.partial(tag_folder, roots=self._roots))
+        self._trackers = Trackers()
         self._listeners: list[CommitListener] = []
+        self._keep_last = KeepLast(engine, storage, self._listeners, self._held)
         self._open: dict[tuple[str, str], list[AdmittedSnapshot]] = {}
         self._committing: dict[tuple[str, str], list[AdmittedSnapshot]] = {}
         """Snapshots whose COMMIT is under way, until it is answered."""
@@ -163,13 +111,6 @@ class CommitLedger:
         self._refused: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         """Tags one of whose snapshots was refused at admission, or part of which went with a daemon the client lost
         (COMMIT ``lost``): committing the rest would make a partial tag. → why, as the commit's error says it."""
-        self._groups: dict[tuple[str, int, str], _TagGroup] = {}
-        self._tracker_lock = asyncio.Lock()
-        self._tracked: dict[str, tuple[int, int]] = {}
-        """Per tracker file, the (sequence, snapshot id) of the tag it names: commits that finish out of order never move it back."""
-        self._sequences: dict[str, int] = {}
-        """Per run folder, the last sequence handed out: read from its markers once, then counted here."""
-        self._sequence_lock = asyncio.Lock()
         self.committed: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.pending = 0
 
@@ -226,7 +167,7 @@ class CommitLedger:
 
     def _snapshot_done(self, ranks: Ranks, job: AdmittedSnapshot, durable: asyncio.Future) -> None:
         if not durable.cancelled() and durable.exception() is not None:
-            self._fail_round(ranks, job.tag, f"its snapshot of {job.path} failed: {durable.exception()}")
+            self._rounds.fail(ranks, job.tag, f"its snapshot of {job.path} failed: {durable.exception()}")
 
     def skip(self, client_id: str, tag: str, reason: str) -> None:
         """Remember why ``tag`` was skipped, so its commit says so instead of 'nothing to commit'."""
@@ -236,45 +177,7 @@ class CommitLedger:
         """A snapshot of ``tag`` was refused, or part of it lost (``reason`` says which): its commit fails, naming
         why, instead of committing the others; and so does every other rank's commit of the tag, at once."""
         _remember(self._refused, (client_id, tag), reason)
-        self._fail_round(ranks, tag, reason)
-
-    def _fail_round(self, ranks: Ranks, tag: str, why: str) -> None:
-        """Rank ``ranks.rank``'s snapshot of ``tag`` was refused or failed before it committed the tag: the tag's
-        round on this node fails now, for the ranks waiting in it and those yet to commit it, not at commit_timeout.
-
-        A rank that committed the round already failed in a snapshot of its next one: its own
-        commit of that one says so.
-        """
-        if ranks.world_size == 1:
-            return
-        key = (ranks.job, ranks.world_size, tag)
-        group = self._groups.get(key)
-        if group is not None and ranks.rank in group.committed:
-            if not group.done.done():
-                return
-            group = None  # a round that failed, and told this rank: this snapshot is of the next one
-        if group is None:
-            group = self._start(key, ranks, time.time_ns())
-        group.fail(CommitError(f"tag {tag!r} not committed: rank {ranks.rank}: {why}", tag=tag))
-
-    def _start(self, key: tuple[str, int, str], ranks: Ranks, requested_ns: int) -> _TagGroup:
-        """A new round of the tag on this node, in place of the last one (failed, or none)."""
-        group = self._groups[key] = _TagGroup.start(ranks, requested_ns)
-        for stale in [k for k, g in self._groups.items() if g.failed][:-HISTORY]:  # ranks that never committed them
-            del self._groups[stale]
-        return group
-
-    def _abstain(self, ranks: Ranks, tag: str, exc: DatastatesError) -> None:
-        """Rank ``ranks.rank``'s commit of ``tag`` fails before it joins the node's round (its snapshot was refused,
-        or skipped): the round it owes fails with it now, for the ranks waiting in it, not at commit_timeout."""
-        if ranks.world_size == 1:
-            return
-        key = (ranks.job, ranks.world_size, tag)
-        group = self._groups.get(key)
-        if group is not None and ranks.rank not in group.committed:
-            group.fail(CommitError(f"tag {tag!r} not committed: rank {ranks.rank}'s commit of it failed: {exc.message}",
-                                   tag=tag))
-            self._told(key, group, ranks.rank)
+        self._rounds.fail(ranks, tag, reason)
 
     def commit_states(self) -> dict[int, str]:
         """Per snapshot id, where its tag's commit stands: ``open`` (not asked yet), ``committing`` (asked, not yet
@@ -300,34 +203,17 @@ class CommitLedger:
         """A client gone without BYE (killed, or silent past liveness): the rounds it asked to commit have one rank
         fewer to tell; a node other than 0 takes its part of a round back once none is left (daemon/gather.py). A
         client that said BYE left on purpose: its commit stands."""
-        for group in self._groups.values():
-            group.clients.discard(client_id)
+        self._rounds.died(client_id)
 
     def rank_lost(self, ranks: Ranks, opened: set[str], peers: set[str]) -> None:
-        """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout:
-        the rounds under way, those of the tags it had snapshotted (``opened``) that no rank asked to commit yet, and
-        those its job's other clients here (``peers``) snapshotted or asked to commit but whose round has not begun
-        (a COMMIT still waiting for its sequence when the rank went would otherwise start a round that waits for it)."""
+        """A rank gone without committing fails, at once, the tags it owed: those it had snapshotted (``opened``),
+        and those its job's other clients here (``peers``) snapshotted or asked to commit (``RankRounds.rank_lost``)."""
         owed = opened | {tag for table in (self._open, self._committing) for owner, tag in table if owner in peers}
-        for tag in owed:
-            if (ranks.job, ranks.world_size, tag) not in self._groups:
-                self._start((ranks.job, ranks.world_size, tag), ranks, time.time_ns())
-        for key, group in list(self._groups.items()):
-            if key[:2] == (ranks.job, ranks.world_size) and ranks.rank not in group.committed:
-                group.fail(CommitError(f"tag {key[2]!r} not committed: rank {ranks.rank} is gone without committing it",
-                                       tag=key[2]))
-                self._told(key, group, ranks.rank)  # its restart's commit of the tag is of the next round
-
-    def _told(self, key: tuple[str, int, str], group: _TagGroup, rank: int) -> None:
-        """``rank`` was told that ``group``'s round failed: the group goes once every rank of the node was."""
-        group.committed.add(rank)
-        if len(group.committed) >= group.ranks.local_world_size and self._groups.get(key) is group:
-            del self._groups[key]
+        self._rounds.rank_lost(ranks, owed)
 
     def groups(self) -> list[dict[str, Any]]:
         """Multi-rank tags waiting for ranks or nodes, for ``status``."""
-        return [{"tag": tag, "job": job, "committed_ranks": sorted(g.committed), "local_ranks": g.ranks.local_world_size,
-                 "nodes": g.ranks.num_nodes} for (job, _, tag), g in self._groups.items() if not g.failed]
+        return self._rounds.status()
 
     async def commit(self, client_id: str, tag: str, ranks: Ranks, began_ns: int = 0) -> m.Committed:
         """Commit ``tag`` for this client; ``began_ns``: when its process started (``ClientRecord.began_ns``)."""
@@ -337,7 +223,7 @@ class CommitLedger:
             await self._drop(self._open.pop(key, []) + self._failed.pop(key, []), set())
             exc = (SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({skipped})", tag=tag) if skipped
                    else CommitError(f"tag {tag!r} not committed: {refused}", tag=tag))
-            self._abstain(ranks, tag, exc)
+            self._rounds.abstain(ranks, tag, exc)
             raise exc
         jobs = self._committing[key] = self._open.pop(key, None) or []
         if ranks.world_size == 1:  # before any await: a snapshot admitted next gets its own version
@@ -348,10 +234,10 @@ class CommitLedger:
             jobs = self._committing[key] = await self._supersede(client_id, tag, jobs)
             if ranks.world_size == 1:
                 self._versions.seal([j.path for j in jobs])  # a retry's
-            sequence = await self._next_sequence(tag, jobs, ranks)
+            sequence = await self._order.next(tag, jobs, ranks, functools.partial(self._rounds.has_sequence, tag, ranks))
             if ranks.world_size == 1:
                 return await self._commit_alone(client_id, tag, jobs, requested_ns, sequence)
-            return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns, sequence, began_ns)
+            return await self._rounds.commit(client_id, tag, ranks, jobs, requested_ns, sequence, began_ns)
         finally:
             self.pending -= 1
             if self._committing.get(key) is jobs:  # answered: committed (its marker lists them) or kept for a retry
@@ -378,35 +264,6 @@ class CommitLedger:
         if stale:
             await self._engine.flush(_remove_uncommitted, stale, self._roots)
             self._versions.abandon(stale)  # a new version never to be committed goes whole
-
-    async def _next_sequence(self, tag: str, jobs: list[AdmittedSnapshot], ranks: Ranks) -> int:
-        """The commit's place in its run, in the order COMMITs arrive (0 when it names no file, or none is needed).
-
-        It costs a read of every committed marker of the run, so it is read where it is used
-        only: by the first rank of a node's round (the round's sequence is its), and not on a
-        node other than node 0 of a shared folder (node 0's marker carries node 0's).
-        """
-        if not jobs or self._round_has_sequence(tag, ranks):
-            return 0
-        try:
-            folder = tag_folder(tag, {j.path: 0 for j in jobs}, self._roots)
-        except CommitError:
-            return 0  # refused when the marker is placed
-        if ranks.num_nodes > 1 and ranks.node_rank != 0 and self._storage.shared(folder):
-            return 0
-        run = os.path.dirname(folder)
-        async with self._sequence_lock:  # FIFO: sequences follow the order the requests came in
-            if self._round_has_sequence(tag, ranks):  # a rank ahead in this queue began the round meanwhile
-                return 0
-            # read again each time: another writer of this run (a trainer saving on its own after it lost this
-            # daemon, another daemon after a restart) may have committed since, with a higher sequence
-            on_disk = await self._engine.flush(next_sequence, run)
-            self._sequences[run] = max(self._sequences.get(run, 0) + 1, on_disk)
-            return self._sequences[run]
-
-    def _round_has_sequence(self, tag: str, ranks: Ranks) -> bool:
-        group = self._groups.get((ranks.job, ranks.world_size, tag)) if ranks.world_size > 1 else None
-        return group is not None and bool(group.sequence) and not group.failed
 
     async def _durable(self, tag: str, jobs: list[AdmittedSnapshot]) -> dict[str, int]:
         """The files of ``jobs`` once all are durable (path → size); CommitError if one failed."""
@@ -439,71 +296,7 @@ class CommitLedger:
             self._failed[(client_id, tag)] = jobs  # a retry may succeed
             raise
 
-    async def _commit_rank(
-        self, client_id: str, tag: str, ranks: Ranks, jobs: list[AdmittedSnapshot], requested_ns: int, sequence: int,
-        began_ns: int,
-    ) -> m.Committed:
-        """One rank's share; the node's last rank to arrive finishes the tag for all of them.
-
-        A rank not yet told of the node's failed round is handed its failure, even one whose snapshots came after it
-        failed: nothing tells them from that round's step (a rank's save can follow another rank's failure), so it
-        gets a false failure rather than a marker that lists two steps.
-        """
-        key = (ranks.job, ranks.world_size, tag)
-        group = self._groups.get(key)
-        if group is not None and group.failed and ranks.rank in group.committed:
-            group = None  # that round failed and told this rank: this commit is of the next one
-        if group is None:
-            group = self._start(key, ranks, requested_ns)
-        if ranks.rank in group.committed:
-            raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
-        group.sequence = group.sequence or sequence  # the first rank to ask, unless it named no file
-        group.committed.add(ranks.rank)
-        group.paths.update(j.path for j in jobs)
-        if len(group.committed) == ranks.local_world_size:
-            self._versions.seal(sorted(group.paths))  # the node's last rank is in: a later snapshot is a new version
-        group.clients.add(client_id)
-        if began_ns:
-            group.began_ns = min(group.began_ns or began_ns, began_ns)
-        if not group.failed:
-            try:
-                group.files.update(await self._durable(tag, jobs))
-                group.snapshots.update({j.path: j.snapshot for j in jobs})
-                group.order = max([group.order, *(j.id for j in jobs)])
-            except CommitError as exc:
-                group.fail(exc)
-        if group.failed:  # a rank's snapshot was refused or failed: every rank is told at once
-            self._told(key, group, ranks.rank)
-        else:
-            group.durable += 1
-            if group.durable == ranks.local_world_size:
-                try:
-                    group.done.set_result(await self._finish(client_id, tag, group))
-                except DatastatesError as exc:
-                    group.done.set_exception(exc if isinstance(exc, CommitError) else CommitError(
-                        f"tag {tag!r} not committed: {exc.message}", tag=tag))
-                finally:
-                    if self._groups.get(key) is group:
-                        del self._groups[key]
-            try:
-                return await asyncio.wait_for(asyncio.shield(group.done), self._timeout)
-            except TimeoutError:
-                missing = sorted(set(range(ranks.world_size)) - group.committed)
-                exc = CommitError(
-                    f"tag {tag!r} not committed: {ranks.local_world_size - len(group.committed)} rank(s) of this node "
-                    f"did not commit within {self._timeout:.0f} s (committed: {sorted(group.committed)}; "
-                    f"not yet: {missing[:16]})", tag=tag,
-                )
-                if len(group.committed) >= ranks.local_world_size:  # its last rank is finishing it: that may still land
-                    raise exc from None
-                group.fail(exc)  # the round ends here: a later commit never joins it
-            except DatastatesError:
-                if group.durable == ranks.local_world_size:  # its commit failed: what it wrote is left as it is
-                    raise
-        await self._drop(jobs, set())  # the round failed before its commit: no file, nor staged version, left of them
-        return await group.done
-
-    async def _finish(self, client_id: str, tag: str, group: _TagGroup) -> m.Committed:
+    async def _finish(self, client_id: str, tag: str, group: RankRound) -> m.Committed:
         if not group.files:
             raise CommitError(f"tag {tag!r} not committed: no rank of this node snapshotted a file for it", tag=tag)
         return await self._first_commit(CommitEvent(client_id, tag, group.files, group.ranks, group.requested_ns,
@@ -576,33 +369,16 @@ class CommitLedger:
             await self._engine.flush(self._versions.switch, staging, functools.partial(_ask, wanted, tag))
         parent = os.path.dirname(folder)
         if os.path.basename(folder) == tag and any(within(parent, r) for r in self._roots):
-            async with self._tracker_lock:  # one tracker write at a time, so renames land in order
-                for tracker, data in trackers(tag, folder).items():
-                    if order >= self._tracked.get(tracker, (-1, -1)):
-                        self._tracked[tracker] = order
-                        await self._write(tracker, data, tag)
-            keep_last = self._storage.keep_last_at(parent)
-            if keep_last is not None:
-                await self._prune(parent, keep_last)
+            await self._trackers.advance(tag, folder, order, functools.partial(self._write, tag=tag))
+            await self._keep_last.after_commit(parent)
         files = tag_files(folder, marker)
         self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(files),
                                "committed_ns": marker.committed_ns})
         return m.Committed(tag=tag, marker=path, files=files)
 
-    async def _prune(self, parent: str, keep_last: int) -> None:
-        """Retention after a commit; a tag that cannot be deleted is logged, and the commit stands."""
-        try:
-            gone = await self._engine.flush(prune, parent, keep_last, self.open_tags())
-        except OSError as exc:
-            log.warning("keep_last: pruning %s failed: %s", parent, exc)
-            return
-        for listener in self._listeners:
-            listener.pruned(gone)
-
-    def open_tags(self) -> set[str]:
-        """Tags with snapshots not yet committed (being saved again), or held by a listener (a tier transfer): never pruned."""
-        held = {tag for _, tag in self._open} | {tag for (_, _, tag), g in self._groups.items() if not g.failed}
-        return held.union(*(listener.holds() for listener in self._listeners))
+    def _held(self) -> set[str]:
+        """Tags with snapshots not yet committed (being saved again): retention never deletes them."""
+        return {tag for _, tag in self._open} | self._rounds.held()
 
     async def _write(self, path: str, data: bytes, tag: str, check: Callable[[int], None] | None = None) -> None:
         try:

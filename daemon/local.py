@@ -29,7 +29,8 @@ from datastates.protocol.format import marker_name
 from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.tags import next_sequence
 
-from .commit import check_listed, make_marker, tag_folder, trackers
+from .commit import check_listed, make_marker, tag_folder
+from .trackers import trackers
 from .copier import copy_piece, write_hashed
 from .instances import Instance
 from .memory import Chunk

@@ -259,7 +259,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "sequence-read-once",
         "a run's commit sequence is read from disk once and counted on from there",
-        (Edit("daemon/commit.py",
+        (Edit("daemon/run_order.py",
               "            on_disk = await self._engine.flush(next_sequence, run)\n"
               "            self._sequences[run] = max(self._sequences.get(run, 0) + 1, on_disk)\n",
               "            if run not in self._sequences:  # MUTATION: read once\n"
@@ -513,7 +513,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "refused-rank-waits",
         "a rank's refused snapshot fails its own commit only: the other ranks wait for it until commit_timeout",
         (Edit("daemon/commit.py",
-              "        _remember(self._refused, (client_id, tag), reason)\n        self._fail_round(ranks, tag, reason)\n",
+              "        _remember(self._refused, (client_id, tag), reason)\n        self._rounds.fail(ranks, tag, reason)\n",
               "        _remember(self._refused, (client_id, tag), reason)  # MUTATION: the round waits\n"),),
         ("tests/test_multirank.py::test_a_refused_rank_fails_every_ranks_commit_at_once[True]",),
     ),
@@ -668,7 +668,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "round-outlives-its-timeout",
         "a multi-rank round that timed out stays open: a later round's commit joins it, and its marker lists two steps",
-        (Edit("daemon/commit.py",
+        (Edit("daemon/rounds.py",
               "                group.fail(exc)  # the round ends here: a later commit never joins it\n",
               "                raise exc from None  # MUTATION: the timed-out round stays open\n"),),
         ("tests/test_multirank.py::test_a_round_that_timed_out_is_never_joined_by_a_later_commit",),
@@ -677,7 +677,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "refused-commit-spares-the-round",
         "a rank's commit that fails on its refused snapshot leaves the round another rank waits in open, until "
         "commit_timeout",
-        (Edit("daemon/commit.py",
+        (Edit("daemon/rounds.py",
               "        if group is not None and ranks.rank not in group.committed:\n            group.fail(CommitError(",
               "        if group is not None and group.failed and ranks.rank not in group.committed:  # MUTATION\n"
               "            group.fail(CommitError("),),
@@ -687,7 +687,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "round-joined-across-a-failure",
         "a rank with snapshots, not yet told of the node's failed round, starts a round of its own instead of being "
         "handed that failure: another rank's next step joins it, and both are told committed for a marker of two steps",
-        (Edit("daemon/commit.py",
+        (Edit("daemon/rounds.py",
               "if group is not None and group.failed and ranks.rank in group.committed:",
               "if group is not None and group.failed and (ranks.rank in group.committed or jobs):  # MUTATION"),),
         ("tests/test_multirank.py::test_a_rank_whose_snapshot_came_after_its_rounds_failure_is_handed_it",),
@@ -695,7 +695,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "failed-round-keeps-its-version",
         "a rank told its round failed keeps its snapshots' staged new version: it leaks",
-        (Edit("daemon/commit.py",
+        (Edit("daemon/rounds.py",
               "        await self._drop(jobs, set())  # the round failed before its commit",
               "        pass  # MUTATION: await self._drop(jobs, set())  # the round failed before its commit"),),
         ("tests/test_multirank.py::test_a_rank_told_its_round_failed_leaves_no_new_version_behind",),
@@ -1013,7 +1013,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "lost-rank-spares-unstarted-rounds",
         "a rank gone (BYE or killed) with a tag snapshotted and not committed fails only rounds already under way: "
         "the other ranks that ask to commit that tag afterwards wait out commit_timeout",
-        (Edit("daemon/commit.py", "        for tag in owed:\n", "        for tag in ():\n"),),
+        (Edit("daemon/rounds.py", "        for tag in owed:\n", "        for tag in ():\n"),),
         ("tests/test_multirank.py::test_a_rank_that_says_bye_without_committing_fails_the_tag_at_once"
          "[before any rank asked to commit]",
          "tests/test_multirank.py::test_a_rank_killed_before_committing_fails_the_tag_at_once"
