@@ -37,7 +37,7 @@ from datastates.protocol.format import (
     segments,
     zip_layout,
 )
-from datastates.protocol.tags import listing
+from datastates.protocol.tags import file_commits
 from datastates.protocol.tensormeta import check_view
 from datastates.protocol.torchzip import data_pkl, local_header
 
@@ -181,8 +181,8 @@ def read_header(path: str) -> tuple[FileHeader, int, int, ZipLayout | None]:
 
 def check_identity(path: str, header: FileHeader) -> None:
     """Refuse a file that is not the snapshot its tag's marker lists: a mix across files, with sound checksums."""
-    for marker_path, marker, entry in listing(path):
-        if entry.snapshot and entry.snapshot != header.snapshot:
+    for marker_path, marker, entry in file_commits(path):
+        if not entry.holds(header.snapshot):
             raise CorruptCheckpointError(
                 f"{path}: holds snapshot {header.snapshot or '(unnamed)'}, but tag {marker.tag!r}'s marker "
                 f"{marker_path} lists snapshot {entry.snapshot} for it: the file was replaced after the tag was "

@@ -8,6 +8,10 @@ meet on the shared file system, as DLRover's done-files and DCP's metadata-last 
 do: each node writes a durable done marker of its files, node 0 waits for all of them
 and then writes the tag's marker and the ``latest`` trackers, and the other nodes wait
 for that marker. A node that never reports leaves the tag uncommitted.
+
+The ledger's parts each have a module: a node's ranks gathered per tag (daemon/rounds.py),
+the run's commit order (daemon/run_order.py), the trackers (daemon/trackers.py), and
+retention after a commit (daemon/keep_last.py).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from datastates.protocol.format import CommitMarker, MarkerFile, done_name, mark
 from datastates.protocol.version import COMMIT_VERSION
 
 from datastates.protocol.paths import within
-from datastates.protocol.tags import listing, tag_files, unlisted
+from datastates.protocol.tags import file_commits, tag_files, unlisted
 
 from .config import HISTORY, StorageConfig
 from .engine import Engine
@@ -426,9 +430,9 @@ def _remember(table: collections.OrderedDict[tuple[str, str], str], key: tuple[s
 
 def _remove_uncommitted(paths: list[str], roots: Sequence[str]) -> None:
     """Delete the files of superseded snapshots, unless a committed marker lists one (then it is not theirs):
-    any marker within ``roots``, whatever its folder's trust (``listing``)."""
+    any marker within ``roots``, whatever its folder's trust (``file_commits``)."""
     for path in paths:
-        if not listing(path, roots=roots):
+        if not file_commits(path, roots=roots):
             _unlink(path)
 
 

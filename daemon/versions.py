@@ -32,7 +32,7 @@ from datastates.protocol.fileio import RENAME_EXCHANGE, open_folder, remove, ren
 from datastates.protocol.format import STAGING_RE, CommitMarker, marker_name, staging_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.retention import finish_delete
-from datastates.protocol.tags import listing
+from datastates.protocol.tags import file_commits
 
 from .instances import Gone
 from .storage.base import storage_error
@@ -86,9 +86,9 @@ class Versions:
         a committed tag is refused instead of saved again. ``committing``: a commit of the tag in
         ``folder`` is in flight, so the tag counts as committed already (its marker may land before
         this snapshot's file is renamed into place). ``roots``: the daemon's, within which every
-        marker listing ``path`` counts, whatever its folder's trust (``listing``).
+        marker listing ``path`` counts, whatever its folder's trust (``file_commits``).
         """
-        others = sorted({mk.tag for _, mk, _ in listing(path, roots=roots) if mk.tag != tag})
+        others = sorted({mk.tag for _, mk, _ in file_commits(path, roots=roots) if mk.tag != tag})
         if others:
             raise PathNotAllowedError(f"path {path!r} refused: it is a file of committed tag(s) {others}, whose bytes "
                                       "must not change; save it under a new path, or under the same tag", path=path)

@@ -563,7 +563,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "markers-above-the-root-trusted",
-        "listing() climbs past folders others may write and reads every marker there, /tmp above /tmp/ckpt included",
+        "file_commits() climbs past folders others may write and reads every marker there, /tmp above /tmp/ckpt included",
         (Edit("protocol/tags.py", "if roots is not None else untrusted_folder(folder)",
               "if roots is not None else \"\"  # MUTATION: no trust check of the folders climbed"),
          Edit("protocol/tags.py",
@@ -714,7 +714,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "guards-trust-filtered",
         "the daemon's guards (a save over a committed file, keeping a file a marker lists) skip the markers of "
         "folders a reader may not trust: a group-writable run folder's committed file is saved over",
-        (Edit("daemon/versions.py", "listing(path, roots=roots)", "listing(path, roots=None)"),),
+        (Edit("daemon/versions.py", "file_commits(path, roots=roots)", "file_commits(path, roots=None)"),),
         ("tests/faults/test_shared_run_folder.py::test_a_group_writable_run_folder_keeps_the_save_guard",),
     ),
     Mutation(
@@ -785,8 +785,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "writer-renames-over-committed",
         "a finished file is renamed over whatever is at its path, a committed file too",
-        (Edit("daemon/storage/posix.py", "    return any(entry.snapshot == held if entry.snapshot else",
-              "    return False and any(entry.snapshot == held if entry.snapshot else"),),
+        (Edit("daemon/storage/posix.py", "    return any(entry.holds(held, size) for",
+              "    return False and any(entry.holds(held, size) for"),),
         ("tests/faults/test_identity.py::test_a_writer_never_renames_its_file_over_a_committed_one",),
     ),
     Mutation(
@@ -972,7 +972,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "commit-identity-skips-non-checkpoints",
         "a commit takes a listed file that holds no snapshot (not a checkpoint) of the listed size as the one committed",
-        (Edit("protocol/tags.py", "        if held is not None and held != rec.snapshot:\n", "        if held and held != rec.snapshot:  # MUTATION\n"),),
+        (Edit("protocol/tags.py", "        if held is not None and not rec.holds(held):\n", "        if held and not rec.holds(held):  # MUTATION\n"),),
         ("tests/faults/test_identity.py::test_a_file_replaced_by_same_size_bytes_that_are_no_checkpoint_fails_the_commit",),
     ),
     Mutation(
