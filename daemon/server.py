@@ -51,7 +51,8 @@ from .snapshot import AdmittedSnapshot
 from .admissions import Admissions
 from .memory import HostPool
 from .instances import LIFE_SIGN_S, Instance
-from .replicas import ReplicaStore, remove_gone
+from .recovery import clean_up_after_kill
+from .replicas import ReplicaStore
 from .tiers import TierTransfers
 from .versions import Versions
 from .gpus import gpus
@@ -267,17 +268,8 @@ class Daemon:
 
     async def _recover(self) -> None:
         """Remove what killed daemons of this node left (any endpoint): half-written files, replicas; then admit."""
-        gone = self.instance.gone
         try:
-            dead = await self.engine.flush(self.instance.dead)
-            removed: list[str] = []  # staging folders first: removing a temp file inside one renews its mtime
-            for root in self.cfg.storage.roots:
-                removed += await self.engine.flush(Versions.remove_leftovers, root, gone)
-            written, kept = await self.engine.remove_leftovers(self.cfg.storage.written, gone)
-            self.leftovers = removed + written + await self.engine.flush(remove_gone, gone)
-            if self.instance.alone():  # no other daemon may still need a dead client's "abandoned" decisions
-                self.leftovers += await self.engine.flush(outcome.remove_dead_client_folders)
-            await self.engine.flush(self.instance.forget_gone, dead, kept)
+            self.leftovers = await clean_up_after_kill(self.engine, self.cfg.storage, self.instance)
         finally:
             self._recovered.set()
         if self.leftovers:
