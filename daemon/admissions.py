@@ -19,8 +19,10 @@ from .snapshot import AdmittedSnapshot
 
 
 class Admissions:
+    """Every snapshot admitted, by id, and the admissions still under way, per client."""
+
     def __init__(self) -> None:
-        self._jobs: dict[int, AdmittedSnapshot] = {}
+        self._snapshots: dict[int, AdmittedSnapshot] = {}
         self._finished: collections.deque[int] = collections.deque()
         self._ids = itertools.count(1)
         self._admitting: dict[str, set[asyncio.Future]] = {}
@@ -28,31 +30,31 @@ class Admissions:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def add(self, job: AdmittedSnapshot) -> None:
-        self._jobs[job.id] = job
+    def add(self, snapshot: AdmittedSnapshot) -> None:
+        self._snapshots[snapshot.id] = snapshot
 
-    def finished(self, job: AdmittedSnapshot) -> None:
-        """``job`` is durable or failed: kept for status, the oldest finished ones forgotten."""
-        self._finished.append(job.id)
+    def finished(self, snapshot: AdmittedSnapshot) -> None:
+        """``snapshot`` is durable or failed: kept for status, the oldest finished ones forgotten."""
+        self._finished.append(snapshot.id)
         while len(self._finished) > JOB_HISTORY:
-            self._jobs.pop(self._finished.popleft(), None)
+            self._snapshots.pop(self._finished.popleft(), None)
 
-    def get(self, job_id: int) -> AdmittedSnapshot | None:
-        return self._jobs.get(job_id)
+    def get(self, snapshot_id: int) -> AdmittedSnapshot | None:
+        return self._snapshots.get(snapshot_id)
 
     def of_client(self, client_id: str) -> list[AdmittedSnapshot]:
-        return [j for j in self._jobs.values() if j.client_id == client_id]
+        return [j for j in self._snapshots.values() if j.client_id == client_id]
 
     def pending(self) -> list[AdmittedSnapshot]:
-        return [j for j in self._jobs.values() if j.pending]
+        return [j for j in self._snapshots.values() if j.pending]
 
     def pending_at(self, path: str) -> list[AdmittedSnapshot]:
         """Earlier snapshots of ``path`` still in flight: a new one is renamed into place only after them."""
-        return [j for j in self._jobs.values() if j.path == path and j.pending]
+        return [j for j in self._snapshots.values() if j.path == path and j.pending]
 
     def busy(self, client_id: str, tag: str) -> str:
         """Why a new tag's snapshot would queue behind an older tag's, or '' if it would not."""
-        older = next((j for j in self._jobs.values() if j.client_id == client_id and j.tag != tag and j.pending), None)
+        older = next((j for j in self._snapshots.values() if j.client_id == client_id and j.tag != tag and j.pending), None)
         return "" if older is None else f"tag {older.tag!r} is still {older.state.value} {older.path}"
 
     @contextlib.asynccontextmanager
@@ -81,4 +83,4 @@ class Admissions:
         return any(self._admitting.values())
 
     def status(self) -> list[dict[str, Any]]:
-        return [j.status() for j in self._jobs.values()]
+        return [j.status() for j in self._snapshots.values()]

@@ -25,6 +25,8 @@ from .sources.cuda import Fences
 
 
 class SnapshotState(enum.StrEnum):
+    """Where an admitted snapshot stands, in order; ``status`` shows it."""
+
     COPYING = "copying"
     FLUSHING = "flushing"
     DURABLE = "durable"
@@ -37,11 +39,13 @@ def _quiet(fut: asyncio.Future) -> None:
 
 
 class AdmittedSnapshot:
-    def __init__(self, job_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region],
+    """One snapshot the daemon admitted, from its copy to durable (or failed)."""
+
+    def __init__(self, snapshot_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region],
                  decision: tuple[str, str] | None = None, owner_alive: Callable[[], bool] | None = None,
                  fences: Fences | None = None, folder: str = "") -> None:
         loop = asyncio.get_running_loop()
-        self.id = job_id
+        self.id = snapshot_id
         self.client_id = client_id
         self.tag = tag
         self.path = plan.path
@@ -89,7 +93,7 @@ class AdmittedSnapshot:
         return self.state in (SnapshotState.COPYING, SnapshotState.FLUSHING)
 
     def abandon_trainer_copy(self, why: str) -> bool:
-        """Stop copying from trainer memory that is gone; whether this job had any left to copy.
+        """Stop copying from trainer memory that is gone; whether this snapshot had any left to copy.
 
         Shared memory outlives the trainer (the daemon maps it), so a snapshot of shared
         memory only still finishes; memory read in place (GPU memory, CPU memory read with
@@ -175,7 +179,7 @@ class AdmittedSnapshot:
 
     def status(self) -> dict[str, Any]:
         """Progress and rates: ``copy_bps`` and ``flush_bps`` over the last RATE_WINDOW_S while their phase
-        runs, the phase's average once it is over; ``throughput_bps`` is the rate of the phase the job is in
+        runs, the phase's average once it is over; ``throughput_bps`` is the rate of the phase the snapshot is in
         (copying, then flushing), and once it ended, the flushed bytes over its whole life."""
         now = time.monotonic()
         elapsed = (self.finished or now) - self.started
