@@ -43,18 +43,18 @@ class Admissions:
         return self._snapshots.get(snapshot_id)
 
     def of_client(self, client_id: str) -> list[AdmittedSnapshot]:
-        return [j for j in self._snapshots.values() if j.client_id == client_id]
+        return [s for s in self._snapshots.values() if s.client_id == client_id]
 
     def pending(self) -> list[AdmittedSnapshot]:
-        return [j for j in self._snapshots.values() if j.pending]
+        return [s for s in self._snapshots.values() if s.pending]
 
     def pending_at(self, path: str) -> list[AdmittedSnapshot]:
         """Earlier snapshots of ``path`` still in flight: a new one is renamed into place only after them."""
-        return [j for j in self._snapshots.values() if j.path == path and j.pending]
+        return [s for s in self._snapshots.values() if s.path == path and s.pending]
 
     def busy(self, client_id: str, tag: str) -> str:
         """Why a new tag's snapshot would queue behind an older tag's, or '' if it would not."""
-        older = next((j for j in self._snapshots.values() if j.client_id == client_id and j.tag != tag and j.pending), None)
+        older = next((s for s in self._snapshots.values() if s.client_id == client_id and s.tag != tag and s.pending), None)
         return "" if older is None else f"tag {older.tag!r} is still {older.state.value} {older.path}"
 
     @contextlib.asynccontextmanager
@@ -83,4 +83,4 @@ class Admissions:
         return any(self._admitting.values())
 
     def status(self) -> list[dict[str, Any]]:
-        return [j.status() for j in self._snapshots.values()]
+        return [s.status() for s in self._snapshots.values()]

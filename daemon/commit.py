@@ -129,8 +129,8 @@ class CommitLedger:
         (the COMMIT came before the client went: a trainer that reconnected after a stall, as a new client).
         """
         for table in (self._open, self._committing, self._failed):
-            for (other, held), jobs in list(table.items()):
-                if not any(j.path == path for j in jobs):
+            for (other, held), admitted in list(table.items()):
+                if not any(s.path == path for s in admitted):
                     continue
                 if other != client_id and (table is self._committing or alive(other)):
                     raise PathNotAllowedError(f"path {path!r} refused: client {other} is saving it for tag {held!r}, "
@@ -149,8 +149,8 @@ class CommitLedger:
         if ranks.world_size > 1:
             return
         for table in (self._open, self._committing, self._failed):
-            for (other, held), jobs in list(table.items()):
-                if other == client_id or held != tag or not any(j.folder == folder for j in jobs):
+            for (other, held), admitted in list(table.items()):
+                if other == client_id or held != tag or not any(s.folder == folder for s in admitted):
                     continue
                 if table is self._committing or alive(other):
                     raise PathNotAllowedError(f"tag {tag!r} refused in {folder}: client {other} is saving it there, "
@@ -161,17 +161,17 @@ class CommitLedger:
         """Whether this client's commit of ``tag`` with files in ``folder`` is in flight: its marker may land at any
         moment, so the client's new save of the tag must be written as a new version, never renamed over a file
         that marker lists. Other ranks' saves of a tag whose commit waits for them join it, as they should."""
-        jobs = self._committing.get((client_id, tag), [])
-        return any(within(j.path, folder) for j in jobs)
+        admitted = self._committing.get((client_id, tag), [])
+        return any(within(s.path, folder) for s in admitted)
 
-    def add(self, job: AdmittedSnapshot, ranks: Ranks) -> None:
-        self._open.setdefault((job.client_id, job.tag), []).append(job)
+    def add(self, snapshot: AdmittedSnapshot, ranks: Ranks) -> None:
+        self._open.setdefault((snapshot.client_id, snapshot.tag), []).append(snapshot)
         if ranks.world_size > 1:
-            job.durable.add_done_callback(functools.partial(self._snapshot_done, ranks, job))
+            snapshot.durable.add_done_callback(functools.partial(self._snapshot_done, ranks, snapshot))
 
-    def _snapshot_done(self, ranks: Ranks, job: AdmittedSnapshot, durable: asyncio.Future) -> None:
+    def _snapshot_done(self, ranks: Ranks, snapshot: AdmittedSnapshot, durable: asyncio.Future) -> None:
         if not durable.cancelled() and durable.exception() is not None:
-            self._rounds.fail(ranks, job.tag, f"its snapshot of {job.path} failed: {durable.exception()}")
+            self._rounds.fail(ranks, snapshot.tag, f"its snapshot of {snapshot.path} failed: {durable.exception()}")
 
     def skip(self, client_id: str, tag: str, reason: str) -> None:
         """Remember why ``tag`` was skipped, so its commit says so instead of 'nothing to commit'."""
@@ -187,7 +187,7 @@ class CommitLedger:
         """Per snapshot id, where its tag's commit stands: ``open`` (not asked yet), ``committing`` (asked, not yet
         answered) or ``failed`` (answered with a failure, kept for a retry); absent once committed or dropped."""
         tables = (("open", self._open), ("committing", self._committing), ("failed", self._failed))
-        return {job.id: state for state, table in tables for jobs in table.values() for job in jobs}
+        return {s.id: state for state, table in tables for admitted in table.values() for s in admitted}
 
     def skipped(self, client_id: str, tag: str) -> str:
         return self._skipped.get((client_id, tag), "")
@@ -198,9 +198,9 @@ class CommitLedger:
         opened = {tag for owner, tag in self._open if owner == client_id}
         for table in (self._open, self._failed, self._skipped, self._refused):
             for key in [k for k in table if k[0] == client_id]:
-                jobs = table.pop(key)
+                admitted = table.pop(key)
                 if table is self._open or table is self._failed:  # by identity: an emptied table equals another
-                    self._versions.abandon([j.path for j in jobs])
+                    self._versions.abandon([s.path for s in admitted])
         return opened
 
     def died(self, client_id: str) -> None:
@@ -229,25 +229,26 @@ class CommitLedger:
                    else CommitError(f"tag {tag!r} not committed: {refused}", tag=tag))
             self._rounds.abstain(ranks, tag, exc)
             raise exc
-        jobs = self._committing[key] = self._open.pop(key, None) or []
+        admitted = self._committing[key] = self._open.pop(key, None) or []
         if ranks.world_size == 1:  # before any await: a snapshot admitted next gets its own version
-            self._versions.seal([j.path for j in jobs])
+            self._versions.seal([s.path for s in admitted])
         requested_ns = time.time_ns()
         self.pending += 1
         try:
-            jobs = self._committing[key] = await self._supersede(client_id, tag, jobs)
+            admitted = self._committing[key] = await self._supersede(client_id, tag, admitted)
             if ranks.world_size == 1:
-                self._versions.seal([j.path for j in jobs])  # a retry's
-            sequence = await self._order.next(tag, jobs, ranks, functools.partial(self._rounds.has_sequence, tag, ranks))
+                self._versions.seal([s.path for s in admitted])  # a retry's
+            begun = functools.partial(self._rounds.has_sequence, tag, ranks)
+            sequence = await self._order.next(tag, admitted, ranks, begun)
             if ranks.world_size == 1:
-                return await self._commit_alone(client_id, tag, jobs, requested_ns, sequence)
-            return await self._rounds.commit(client_id, tag, ranks, jobs, requested_ns, sequence, began_ns)
+                return await self._commit_alone(client_id, tag, admitted, requested_ns, sequence)
+            return await self._rounds.commit(client_id, tag, ranks, admitted, requested_ns, sequence, began_ns)
         finally:
             self.pending -= 1
-            if self._committing.get(key) is jobs:  # answered: committed (its marker lists them) or kept for a retry
+            if self._committing.get(key) is admitted:  # answered: committed (its marker lists them) or kept for a retry
                 del self._committing[key]
 
-    async def _supersede(self, client_id: str, tag: str, jobs: list[AdmittedSnapshot]) -> list[AdmittedSnapshot]:
+    async def _supersede(self, client_id: str, tag: str, admitted: list[AdmittedSnapshot]) -> list[AdmittedSnapshot]:
         """The snapshots a commit covers: the new ones of its tag, else those of its last failed commit (a retry).
 
         Never both: a tag is one point of the trainer's program, so a save after a failed
@@ -256,48 +257,48 @@ class CommitLedger:
         left under a final name in the tag's folder.
         """
         failed = self._failed.pop((client_id, tag), [])
-        if not jobs:
+        if not admitted:
             return failed
-        await self._drop(failed, {j.path for j in jobs})
-        return jobs
+        await self._drop(failed, {s.path for s in admitted})
+        return admitted
 
-    async def _drop(self, jobs: list[AdmittedSnapshot], keep: set[str]) -> None:
+    async def _drop(self, admitted: list[AdmittedSnapshot], keep: set[str]) -> None:
         """Snapshots that will never be committed: once each has finished, delete its file unless in ``keep``."""
-        await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
-        stale = [j.path for j in jobs if j.path not in keep]
+        await asyncio.gather(*(s.durable for s in admitted), return_exceptions=True)
+        stale = [s.path for s in admitted if s.path not in keep]
         if stale:
             await self._engine.flush(_remove_uncommitted, stale, self._roots)
             self._versions.abandon(stale)  # a new version never to be committed goes whole
 
-    async def _durable(self, tag: str, jobs: list[AdmittedSnapshot]) -> dict[str, int]:
+    async def _durable(self, tag: str, admitted: list[AdmittedSnapshot]) -> dict[str, int]:
         """The files of ``jobs`` once all are durable (path → size); CommitError if one failed."""
-        results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
-        failed = [(j, r) for j, r in zip(jobs, results) if isinstance(r, BaseException)]
-        for job in jobs:
+        results = await asyncio.gather(*(s.durable for s in admitted), return_exceptions=True)
+        failed = [(s, r) for s, r in zip(admitted, results) if isinstance(r, BaseException)]
+        for snapshot in admitted:
             try:
-                job.check_still_wanted()
+                snapshot.check_still_wanted()
             except SnapshotFailedError as exc:
-                failed.append((job, exc))
+                failed.append((snapshot, exc))
         if failed:  # such a commit is never retried: a new version staged for it is removed whole now
-            self._versions.abandon([j.path for j in jobs])
-            job, exc = failed[0]
+            self._versions.abandon([s.path for s in admitted])
+            snapshot, exc = failed[0]
             raise CommitError(
-                f"tag {tag!r} not committed: {len(failed)} of its {len(jobs)} snapshot(s) failed; first: {job.path}: {exc}",
+                f"tag {tag!r} not committed: {len(failed)} of its {len(admitted)} snapshot(s) failed; first: {snapshot.path}: {exc}",
                 tag=tag,
             )
-        return {j.path: j.file_size for j in jobs}
+        return {s.path: s.file_size for s in admitted}
 
-    async def _commit_alone(self, client_id: str, tag: str, jobs: list[AdmittedSnapshot], requested_ns: int,
+    async def _commit_alone(self, client_id: str, tag: str, admitted: list[AdmittedSnapshot], requested_ns: int,
                             sequence: int) -> m.Committed:
-        if not jobs:
+        if not admitted:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
-        files = await self._durable(tag, jobs)
+        files = await self._durable(tag, admitted)
         try:
-            return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs),
-                                                        sequence, {j.path: j.snapshot for j in jobs},
-                                                        wanted=functools.partial(_still_wanted, jobs)))
+            return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(s.id for s in admitted),
+                                                        sequence, {s.path: s.snapshot for s in admitted},
+                                                        wanted=functools.partial(_still_wanted, admitted)))
         except CommitError:
-            self._failed[(client_id, tag)] = jobs  # a retry may succeed
+            self._failed[(client_id, tag)] = admitted  # a retry may succeed
             raise
 
     async def _finish(self, client_id: str, tag: str, group: RankRound) -> m.Committed:
@@ -407,9 +408,9 @@ def check_listed(folder: str, marker: CommitMarker, wanted: Callable[[], None] |
         raise CommitError(f"tag {marker.tag!r} not committed: {why}", tag=marker.tag)
 
 
-def _still_wanted(jobs: list[AdmittedSnapshot]) -> None:
-    for job in jobs:
-        job.check_still_wanted()
+def _still_wanted(admitted: list[AdmittedSnapshot]) -> None:
+    for snapshot in admitted:
+        snapshot.check_still_wanted()
 
 
 def _ask(wanted: Callable[[], None] | None, tag: str) -> None:

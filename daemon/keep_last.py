@@ -23,7 +23,7 @@ class KeepLast:
 
     def __init__(self, engine: Engine, storage: StorageConfig, listeners: Sequence[CommitListener],
                  held: Callable[[], set[str]]) -> None:
-        """``held``: tags with snapshots not yet committed; ``listeners`` are told what went, and asked what they hold."""
+        """``held``: tags with snapshots not yet committed; ``listeners``: told what went, asked what they hold."""
         self._engine = engine
         self._storage = storage
         self._listeners = listeners
@@ -43,5 +43,5 @@ class KeepLast:
             listener.pruned(gone)
 
     def open_tags(self) -> set[str]:
-        """Tags with snapshots not yet committed (being saved again), or held by a listener (a tier transfer): never pruned."""
+        """Tags with snapshots not yet committed (being saved again), or held by a listener (a tier transfer)."""
         return self._held().union(*(listener.holds() for listener in self._listeners))

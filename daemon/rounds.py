@@ -167,7 +167,7 @@ class RankRounds:
         return group is not None and bool(group.sequence) and not group.failed
 
     async def commit(
-        self, client_id: str, tag: str, ranks: Ranks, jobs: list[AdmittedSnapshot], requested_ns: int, sequence: int,
+        self, client_id: str, tag: str, ranks: Ranks, admitted: list[AdmittedSnapshot], requested_ns: int, sequence: int,
         began_ns: int,
     ) -> m.Committed:
         """One rank's share; the node's last rank to arrive finishes the tag for all of them.
@@ -186,7 +186,7 @@ class RankRounds:
             raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
         group.sequence = group.sequence or sequence  # the first rank to ask, unless it named no file
         group.committed.add(ranks.rank)
-        group.paths.update(j.path for j in jobs)
+        group.paths.update(s.path for s in admitted)
         if len(group.committed) == ranks.local_world_size:
             self._versions.seal(sorted(group.paths))  # the node's last rank is in: a later snapshot is a new version
         group.clients.add(client_id)
@@ -194,9 +194,9 @@ class RankRounds:
             group.began_ns = min(group.began_ns or began_ns, began_ns)
         if not group.failed:
             try:
-                group.files.update(await self._durable(tag, jobs))
-                group.snapshots.update({j.path: j.snapshot for j in jobs})
-                group.order = max([group.order, *(j.id for j in jobs)])
+                group.files.update(await self._durable(tag, admitted))
+                group.snapshots.update({s.path: s.snapshot for s in admitted})
+                group.order = max([group.order, *(s.id for s in admitted)])
             except CommitError as exc:
                 group.fail(exc)
         if group.failed:  # a rank's snapshot was refused or failed: every rank is told at once
@@ -227,5 +227,5 @@ class RankRounds:
             except DatastatesError:
                 if group.durable == ranks.local_world_size:  # its commit failed: what it wrote is left as it is
                     raise
-        await self._drop(jobs, set())  # the round failed before its commit: no file, nor staged version, left of them
+        await self._drop(admitted, set())  # the round failed before its commit: no file, nor staged version, left of them
         return await group.done

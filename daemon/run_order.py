@@ -25,7 +25,7 @@ class RunOrder:
     """The sequences handed out, per run folder."""
 
     def __init__(self, engine: Engine, storage: StorageConfig, place: Callable[[str, dict[str, int]], str]) -> None:
-        """``place``: (tag, files) → the tag's folder (``commit.tag_folder`` within the roots); CommitError if none."""
+        """``place``: (tag, files) → the tag's folder (``commit.tag_folder``); CommitError if none."""
         self._engine = engine
         self._storage = storage
         self._place = place
@@ -33,7 +33,8 @@ class RunOrder:
         """Per run folder, the last sequence handed out: read from its markers once, then counted here."""
         self._sequence_lock = asyncio.Lock()
 
-    async def next(self, tag: str, jobs: list[AdmittedSnapshot], ranks: Ranks, has_sequence: Callable[[], bool]) -> int:
+    async def next(self, tag: str, admitted: list[AdmittedSnapshot], ranks: Ranks,
+                   has_sequence: Callable[[], bool]) -> int:
         """The commit's place in its run, in the order COMMITs arrive (0 when it names no file, or none is needed).
 
         It costs a read of every committed marker of the run, so it is read where it is used
@@ -41,10 +42,10 @@ class RunOrder:
         says the round has one), and not on a node other than node 0 of a shared folder (node
         0's marker carries node 0's).
         """
-        if not jobs or has_sequence():
+        if not admitted or has_sequence():
             return 0
         try:
-            folder = self._place(tag, {j.path: 0 for j in jobs})
+            folder = self._place(tag, {s.path: 0 for s in admitted})
         except CommitError:
             return 0  # refused when the marker is placed
         if ranks.num_nodes > 1 and ranks.node_rank != 0 and self._storage.shared(folder):

@@ -122,8 +122,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "commit-before-durable",
         "COMMIT writes the marker without waiting for the files to be durable",
         (Edit("daemon/commit.py",
-              "        results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)\n",
-              "        results = [None for _ in jobs]  # MUTATION: no wait for durable files\n"),),
+              "        results = await asyncio.gather(*(s.durable for s in admitted), return_exceptions=True)\n",
+              "        results = [None for _ in admitted]  # MUTATION: no wait for durable files\n"),),
         ("tests/test_commit.py::test_commit_fails_when_a_file_cannot_become_durable_though_its_marker_could",),
     ),
     Mutation(
@@ -388,7 +388,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "two-clients-save-one-tag-at-once",
         "a client's snapshot of a tag another client is saving in the same folder is admitted when it is a file of "
         "its own: two DCP saves of one checkpoint_id each refuse a file of the other's, and neither commits",
-        (Edit("daemon/commit.py", "held != tag or not any(j.folder == folder for j in jobs):",
+        (Edit("daemon/commit.py", "held != tag or not any(s.folder == folder for s in admitted):",
               "held != tag or True:  # MUTATION"),),
         ("tests/faults/test_dcp_resave.py::test_two_clients_saving_one_checkpoint_at_once_commit_one_of_them_whole",),
     ),
@@ -689,15 +689,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "handed that failure: another rank's next step joins it, and both are told committed for a marker of two steps",
         (Edit("daemon/rounds.py",
               "if group is not None and group.failed and ranks.rank in group.committed:",
-              "if group is not None and group.failed and (ranks.rank in group.committed or jobs):  # MUTATION"),),
+              "if group is not None and group.failed and (ranks.rank in group.committed or admitted):  # MUTATION"),),
         ("tests/test_multirank.py::test_a_rank_whose_snapshot_came_after_its_rounds_failure_is_handed_it",),
     ),
     Mutation(
         "failed-round-keeps-its-version",
         "a rank told its round failed keeps its snapshots' staged new version: it leaks",
         (Edit("daemon/rounds.py",
-              "        await self._drop(jobs, set())  # the round failed before its commit",
-              "        pass  # MUTATION: await self._drop(jobs, set())  # the round failed before its commit"),),
+              "        await self._drop(admitted, set())  # the round failed before its commit",
+              "        pass  # MUTATION: await self._drop(admitted, set())  # the round failed before its commit"),),
         ("tests/test_multirank.py::test_a_rank_told_its_round_failed_leaves_no_new_version_behind",),
     ),
     Mutation(
