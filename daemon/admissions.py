@@ -3,7 +3,7 @@
 Clients do not wait for the admission reply, so a WAIT or COMMIT can arrive while the
 snapshot it is about is still being admitted on a thread; and one client's snapshots are
 admitted in order (same-path renames and ``on_busy`` rely on it). The table tracks both.
-Finished snapshots stay for ``status`` and for a WAIT that names them, up to JOB_HISTORY.
+Finished snapshots stay for ``status`` and for a WAIT that names them, up to SNAPSHOT_HISTORY.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import contextlib
 import itertools
 from typing import Any, AsyncIterator
 
-from .config import JOB_HISTORY
+from .config import SNAPSHOT_HISTORY
 from .snapshot import AdmittedSnapshot
 
 
@@ -36,7 +36,7 @@ class Admissions:
     def finished(self, snapshot: AdmittedSnapshot) -> None:
         """``snapshot`` is durable or failed: kept for status, the oldest finished ones forgotten."""
         self._finished.append(snapshot.id)
-        while len(self._finished) > JOB_HISTORY:
+        while len(self._finished) > SNAPSHOT_HISTORY:
             self._snapshots.pop(self._finished.popleft(), None)
 
     def get(self, snapshot_id: int) -> AdmittedSnapshot | None:
