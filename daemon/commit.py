@@ -20,7 +20,6 @@ import asyncio
 import collections
 import dataclasses
 import functools
-import logging
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -52,7 +51,6 @@ from .snapshot import AdmittedSnapshot
 from .trackers import Trackers
 from .versions import NewVersion, Versions
 
-log = logging.getLogger(__name__)
 
 def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
     """Where the tag's marker goes: the nearest folder above its files named after the tag, else their common folder.
