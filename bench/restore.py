@@ -54,7 +54,7 @@ from datastates.client import Client  # noqa: E402
 from datastates.client.reader import restore, stream  # noqa: E402
 from datastates.client.reader.checks import open_file  # noqa: E402
 from datastates.client.reader.stream import READ_PIECE, READ_THREADS  # noqa: E402
-from datastates.protocol.tags import listing  # noqa: E402
+from datastates.protocol.tags import file_commits  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -116,7 +116,7 @@ def phases(path: str, cold: str | None = None) -> dict[str, float]:
     if cold:
         drop_caches(cold)
     out: dict[str, float] = {}
-    out["header"], file = timed(lambda: open_file(path, listing(path), views=True, zip_records=True))
+    out["header"], file = timed(lambda: open_file(path, file_commits(path), views=True, zip_records=True))
     out["data and checksums"], region = timed(stream.Stream(file, None, True).read_region)
     rebuild = restore.fresh(file, region, True, None)
     out["rebuild"], state = timed(rebuild.entry, file.header.root)

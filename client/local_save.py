@@ -29,13 +29,14 @@ from datastates.protocol.format import marker_name
 from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.tags import next_sequence
 
-from datastates.daemon.commit import check_listed, make_marker, tag_folder, trackers
+from datastates.daemon.commit import check_listed, make_marker, tag_folder
 from datastates.daemon.copier import copy_piece, write_hashed
 from datastates.daemon.instances import Instance
 from datastates.daemon.memory import Chunk
 from datastates.daemon.sink import FileSink
 from datastates.daemon.sources import Owner, Region, open_region
 from datastates.daemon.storage import StorageWriter, writer_class
+from datastates.daemon.trackers import trackers
 from datastates.daemon.versions import Versions
 
 log = logging.getLogger(__name__)

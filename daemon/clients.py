@@ -149,7 +149,7 @@ class ClientRecord:
         """The region of a CUDA handle: kept from an earlier snapshot, or opened now; whatever happens, its slot
         stays balanced. Opened for the first time, only the snapshot holds it; opened again, it is kept.
 
-        Admissions of one client never overlap (``JobTable.admitting``), so the open runs
+        Admissions of one client never overlap (``Admissions.admitting``), so the open runs
         outside the lock: the event loop's ``retire`` and ``release`` never wait on it.
         """
         fields = decode_handle(desc.handle)

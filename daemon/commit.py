@@ -8,6 +8,10 @@ meet on the shared file system, as DLRover's done-files and DCP's metadata-last 
 do: each node writes a durable done marker of its files, node 0 waits for all of them
 and then writes the tag's marker and the ``latest`` trackers, and the other nodes wait
 for that marker. A node that never reports leaves the tag uncommitted.
+
+The ledger's parts each have a module: a node's ranks gathered per tag (daemon/rounds.py),
+the run's commit order (daemon/run_order.py), the trackers (daemon/trackers.py), and
+retention after a commit (daemon/keep_last.py).
 """
 
 from __future__ import annotations
@@ -16,41 +20,36 @@ import asyncio
 import collections
 import dataclasses
 import functools
-import logging
 import os
-import re
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Ranks
 from datastates.protocol.errors import (
     CommitError,
-    DatastatesError,
     PathNotAllowedError,
     SnapshotFailedError,
     SnapshotSkippedError,
     StorageError,
 )
 from datastates.protocol.fileio import remove
-from datastates.protocol.format import MEGATRON_TRACKER, TRACKER, CommitMarker, MarkerFile, done_name, marker_name
+from datastates.protocol.format import CommitMarker, MarkerFile, done_name, marker_name
 from datastates.protocol.version import COMMIT_VERSION
 
 from datastates.protocol.paths import within
-from datastates.protocol.retention import prune
-from datastates.protocol.tags import listing, next_sequence, tag_files, unlisted
+from datastates.protocol.tags import file_commits, tag_files, unlisted
 
 from .config import HISTORY, StorageConfig
 from .engine import Engine
 from .events import CommitEvent, CommitListener
 from .gather import Attempt, NodeGather, still_reported
-from .job import SnapshotJob
-from .versions import Staging, Versions
-
-log = logging.getLogger(__name__)
-
-_ITERATION_RE = re.compile(r"^iter_(\d+)$")
+from .keep_last import KeepLast
+from .rounds import RankRound, RankRounds
+from .run_order import RunOrder
+from .snapshot import AdmittedSnapshot
+from .trackers import Trackers
+from .versions import NewVersion, Versions
 
 
 def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
@@ -90,86 +89,30 @@ def make_marker(tag: str, files: dict[str, int], folder: str, requested_ns: int,
     )
 
 
-def trackers(tag: str, folder: str) -> dict[str, bytes]:
-    """The tracker files beside the tag folder that frameworks read to find the newest checkpoint."""
-    parent = os.path.dirname(folder)
-    out = {os.path.join(parent, TRACKER): tag.encode()}
-    iteration = _ITERATION_RE.match(tag)
-    if iteration:
-        out[os.path.join(parent, MEGATRON_TRACKER)] = str(int(iteration.group(1))).encode()
-    return out
-
-
-@dataclass
-class _TagGroup:
-    """One tag of one multi-rank job on this node, while its local ranks commit."""
-
-    ranks: Ranks
-    done: asyncio.Future
-    requested_ns: int
-    """When the node's first rank asked to commit the tag: ranks commit tags in order, so groups are created in order."""
-    committed: set[int] = field(default_factory=set)
-    """Ranks whose COMMIT arrived."""
-    durable: int = 0
-    """Of those, how many have all their files durable: the one that makes it local_world_size finishes."""
-    files: dict[str, int] = field(default_factory=dict)
-    snapshots: dict[str, str] = field(default_factory=dict)
-    order: int = 0
-    """The newest snapshot id among the node's files: see CommitLedger._tracked."""
-    sequence: int = 0
-    """The sequence of the node's first rank to ask (that named a file): the tag's place among the job's tags."""
-    paths: set[str] = field(default_factory=set)
-    """The files of the ranks that committed: the version they make is sealed once the node's last rank has (until
-    then the other ranks' snapshots of the tag join it, as DCP's coordinator saves its metadata after the others
-    asked to commit)."""
-    clients: set[str] = field(default_factory=set)
-    """The clients whose COMMIT joined the round and have not died: once none is left, none is left to tell."""
-    began_ns: int = 0
-    """When the first of those clients' processes started (0: unknown): where this attempt of the job began."""
-
-    @classmethod
-    def start(cls, ranks: Ranks, requested_ns: int) -> _TagGroup:
-        done = asyncio.get_running_loop().create_future()
-        done.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return cls(ranks=ranks, done=done, requested_ns=requested_ns)
-
-    @property
-    def failed(self) -> bool:
-        """It failed, and waits only to tell the node's ranks still to commit it (see ``CommitLedger._fail_round``)."""
-        return self.done.done() and not self.done.cancelled() and self.done.exception() is not None
-
-    def fail(self, exc: CommitError) -> None:
-        """The round fails with ``exc``, unless it ended already."""
-        if not self.done.done():
-            self.done.set_exception(exc)
-
-
 class CommitLedger:
+    """The snapshots not yet committed, by client and tag, and the commits of them: marker, trackers, retention."""
+
     def __init__(self, engine: Engine, storage: StorageConfig, timeout: float, versions: Versions, owner: str) -> None:
         self._engine = engine
         self._owner = owner
         self._versions = versions
         self._storage = storage
         self._roots = storage.roots
-        self._timeout = timeout
         self._nodes = NodeGather(engine, timeout)
+        self._rounds = RankRounds(versions, timeout, self._durable, self._finish, self._drop)
+        self._order = RunOrder(engine, storage, functools.partial(tag_folder, roots=self._roots))
+        self._trackers = Trackers()
         self._listeners: list[CommitListener] = []
-        self._open: dict[tuple[str, str], list[SnapshotJob]] = {}
-        self._committing: dict[tuple[str, str], list[SnapshotJob]] = {}
+        self._keep_last = KeepLast(engine, storage, self._listeners, self._held)
+        self._open: dict[tuple[str, str], list[AdmittedSnapshot]] = {}
+        self._committing: dict[tuple[str, str], list[AdmittedSnapshot]] = {}
         """Snapshots whose COMMIT is under way, until it is answered."""
-        self._failed: dict[tuple[str, str], list[SnapshotJob]] = {}
+        self._failed: dict[tuple[str, str], list[AdmittedSnapshot]] = {}
         """Snapshots of a commit that failed: a commit with no new snapshot of the tag retries them (see ``commit``)."""
         self._skipped: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._refused: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         """Tags one of whose snapshots was refused at admission, or part of which went with a daemon the client lost
         (COMMIT ``lost``): committing the rest would make a partial tag. → why, as the commit's error says it."""
-        self._groups: dict[tuple[str, int, str], _TagGroup] = {}
-        self._tracker_lock = asyncio.Lock()
-        self._tracked: dict[str, tuple[int, int]] = {}
-        """Per tracker file, the (sequence, snapshot id) of the tag it names: commits that finish out of order never move it back."""
-        self._sequences: dict[str, int] = {}
-        """Per run folder, the last sequence handed out: read from its markers once, then counted here."""
-        self._sequence_lock = asyncio.Lock()
         self.committed: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.pending = 0
 
@@ -184,8 +127,8 @@ class CommitLedger:
         (the COMMIT came before the client went: a trainer that reconnected after a stall, as a new client).
         """
         for table in (self._open, self._committing, self._failed):
-            for (other, held), jobs in list(table.items()):
-                if not any(j.path == path for j in jobs):
+            for (other, held), admitted in list(table.items()):
+                if not any(s.path == path for s in admitted):
                     continue
                 if other != client_id and (table is self._committing or alive(other)):
                     raise PathNotAllowedError(f"path {path!r} refused: client {other} is saving it for tag {held!r}, "
@@ -204,8 +147,8 @@ class CommitLedger:
         if ranks.world_size > 1:
             return
         for table in (self._open, self._committing, self._failed):
-            for (other, held), jobs in list(table.items()):
-                if other == client_id or held != tag or not any(j.folder == folder for j in jobs):
+            for (other, held), admitted in list(table.items()):
+                if other == client_id or held != tag or not any(s.folder == folder for s in admitted):
                     continue
                 if table is self._committing or alive(other):
                     raise PathNotAllowedError(f"tag {tag!r} refused in {folder}: client {other} is saving it there, "
@@ -216,17 +159,17 @@ class CommitLedger:
         """Whether this client's commit of ``tag`` with files in ``folder`` is in flight: its marker may land at any
         moment, so the client's new save of the tag must be written as a new version, never renamed over a file
         that marker lists. Other ranks' saves of a tag whose commit waits for them join it, as they should."""
-        jobs = self._committing.get((client_id, tag), [])
-        return any(within(j.path, folder) for j in jobs)
+        admitted = self._committing.get((client_id, tag), [])
+        return any(within(s.path, folder) for s in admitted)
 
-    def add(self, job: SnapshotJob, ranks: Ranks) -> None:
-        self._open.setdefault((job.client_id, job.tag), []).append(job)
+    def add(self, snapshot: AdmittedSnapshot, ranks: Ranks) -> None:
+        self._open.setdefault((snapshot.client_id, snapshot.tag), []).append(snapshot)
         if ranks.world_size > 1:
-            job.durable.add_done_callback(functools.partial(self._snapshot_done, ranks, job))
+            snapshot.durable.add_done_callback(functools.partial(self._snapshot_done, ranks, snapshot))
 
-    def _snapshot_done(self, ranks: Ranks, job: SnapshotJob, durable: asyncio.Future) -> None:
+    def _snapshot_done(self, ranks: Ranks, snapshot: AdmittedSnapshot, durable: asyncio.Future) -> None:
         if not durable.cancelled() and durable.exception() is not None:
-            self._fail_round(ranks, job.tag, f"its snapshot of {job.path} failed: {durable.exception()}")
+            self._rounds.fail(ranks, snapshot.tag, f"its snapshot of {snapshot.path} failed: {durable.exception()}")
 
     def skip(self, client_id: str, tag: str, reason: str) -> None:
         """Remember why ``tag`` was skipped, so its commit says so instead of 'nothing to commit'."""
@@ -236,51 +179,13 @@ class CommitLedger:
         """A snapshot of ``tag`` was refused, or part of it lost (``reason`` says which): its commit fails, naming
         why, instead of committing the others; and so does every other rank's commit of the tag, at once."""
         _remember(self._refused, (client_id, tag), reason)
-        self._fail_round(ranks, tag, reason)
-
-    def _fail_round(self, ranks: Ranks, tag: str, why: str) -> None:
-        """Rank ``ranks.rank``'s snapshot of ``tag`` was refused or failed before it committed the tag: the tag's
-        round on this node fails now, for the ranks waiting in it and those yet to commit it, not at commit_timeout.
-
-        A rank that committed the round already failed in a snapshot of its next one: its own
-        commit of that one says so.
-        """
-        if ranks.world_size == 1:
-            return
-        key = (ranks.job, ranks.world_size, tag)
-        group = self._groups.get(key)
-        if group is not None and ranks.rank in group.committed:
-            if not group.done.done():
-                return
-            group = None  # a round that failed, and told this rank: this snapshot is of the next one
-        if group is None:
-            group = self._start(key, ranks, time.time_ns())
-        group.fail(CommitError(f"tag {tag!r} not committed: rank {ranks.rank}: {why}", tag=tag))
-
-    def _start(self, key: tuple[str, int, str], ranks: Ranks, requested_ns: int) -> _TagGroup:
-        """A new round of the tag on this node, in place of the last one (failed, or none)."""
-        group = self._groups[key] = _TagGroup.start(ranks, requested_ns)
-        for stale in [k for k, g in self._groups.items() if g.failed][:-HISTORY]:  # ranks that never committed them
-            del self._groups[stale]
-        return group
-
-    def _abstain(self, ranks: Ranks, tag: str, exc: DatastatesError) -> None:
-        """Rank ``ranks.rank``'s commit of ``tag`` fails before it joins the node's round (its snapshot was refused,
-        or skipped): the round it owes fails with it now, for the ranks waiting in it, not at commit_timeout."""
-        if ranks.world_size == 1:
-            return
-        key = (ranks.job, ranks.world_size, tag)
-        group = self._groups.get(key)
-        if group is not None and ranks.rank not in group.committed:
-            group.fail(CommitError(f"tag {tag!r} not committed: rank {ranks.rank}'s commit of it failed: {exc.message}",
-                                   tag=tag))
-            self._told(key, group, ranks.rank)
+        self._rounds.fail(ranks, tag, reason)
 
     def commit_states(self) -> dict[int, str]:
         """Per snapshot id, where its tag's commit stands: ``open`` (not asked yet), ``committing`` (asked, not yet
         answered) or ``failed`` (answered with a failure, kept for a retry); absent once committed or dropped."""
         tables = (("open", self._open), ("committing", self._committing), ("failed", self._failed))
-        return {job.id: state for state, table in tables for jobs in table.values() for job in jobs}
+        return {s.id: state for state, table in tables for admitted in table.values() for s in admitted}
 
     def skipped(self, client_id: str, tag: str) -> str:
         return self._skipped.get((client_id, tag), "")
@@ -291,43 +196,26 @@ class CommitLedger:
         opened = {tag for owner, tag in self._open if owner == client_id}
         for table in (self._open, self._failed, self._skipped, self._refused):
             for key in [k for k in table if k[0] == client_id]:
-                jobs = table.pop(key)
+                admitted = table.pop(key)
                 if table is self._open or table is self._failed:  # by identity: an emptied table equals another
-                    self._versions.abandon([j.path for j in jobs])
+                    self._versions.abandon([s.path for s in admitted])
         return opened
 
     def died(self, client_id: str) -> None:
         """A client gone without BYE (killed, or silent past liveness): the rounds it asked to commit have one rank
         fewer to tell; a node other than 0 takes its part of a round back once none is left (daemon/gather.py). A
         client that said BYE left on purpose: its commit stands."""
-        for group in self._groups.values():
-            group.clients.discard(client_id)
+        self._rounds.died(client_id)
 
     def rank_lost(self, ranks: Ranks, opened: set[str], peers: set[str]) -> None:
-        """A rank gone without committing fails the tags it was still owed to, at once instead of at commit_timeout:
-        the rounds under way, those of the tags it had snapshotted (``opened``) that no rank asked to commit yet, and
-        those its job's other clients here (``peers``) snapshotted or asked to commit but whose round has not begun
-        (a COMMIT still waiting for its sequence when the rank went would otherwise start a round that waits for it)."""
+        """A rank gone without committing fails, at once, the tags it owed: those it had snapshotted (``opened``),
+        and those its job's other clients here (``peers``) snapshotted or asked to commit (``RankRounds.rank_lost``)."""
         owed = opened | {tag for table in (self._open, self._committing) for owner, tag in table if owner in peers}
-        for tag in owed:
-            if (ranks.job, ranks.world_size, tag) not in self._groups:
-                self._start((ranks.job, ranks.world_size, tag), ranks, time.time_ns())
-        for key, group in list(self._groups.items()):
-            if key[:2] == (ranks.job, ranks.world_size) and ranks.rank not in group.committed:
-                group.fail(CommitError(f"tag {key[2]!r} not committed: rank {ranks.rank} is gone without committing it",
-                                       tag=key[2]))
-                self._told(key, group, ranks.rank)  # its restart's commit of the tag is of the next round
-
-    def _told(self, key: tuple[str, int, str], group: _TagGroup, rank: int) -> None:
-        """``rank`` was told that ``group``'s round failed: the group goes once every rank of the node was."""
-        group.committed.add(rank)
-        if len(group.committed) >= group.ranks.local_world_size and self._groups.get(key) is group:
-            del self._groups[key]
+        self._rounds.rank_lost(ranks, owed)
 
     def groups(self) -> list[dict[str, Any]]:
         """Multi-rank tags waiting for ranks or nodes, for ``status``."""
-        return [{"tag": tag, "job": job, "committed_ranks": sorted(g.committed), "local_ranks": g.ranks.local_world_size,
-                 "nodes": g.ranks.num_nodes} for (job, _, tag), g in self._groups.items() if not g.failed]
+        return self._rounds.status()
 
     async def commit(self, client_id: str, tag: str, ranks: Ranks, began_ns: int = 0) -> m.Committed:
         """Commit ``tag`` for this client; ``began_ns``: when its process started (``ClientRecord.began_ns``)."""
@@ -337,27 +225,28 @@ class CommitLedger:
             await self._drop(self._open.pop(key, []) + self._failed.pop(key, []), set())
             exc = (SnapshotSkippedError(f"tag {tag!r} not committed: it was skipped ({skipped})", tag=tag) if skipped
                    else CommitError(f"tag {tag!r} not committed: {refused}", tag=tag))
-            self._abstain(ranks, tag, exc)
+            self._rounds.abstain(ranks, tag, exc)
             raise exc
-        jobs = self._committing[key] = self._open.pop(key, None) or []
+        admitted = self._committing[key] = self._open.pop(key, None) or []
         if ranks.world_size == 1:  # before any await: a snapshot admitted next gets its own version
-            self._versions.seal([j.path for j in jobs])
+            self._versions.seal([s.path for s in admitted])
         requested_ns = time.time_ns()
         self.pending += 1
         try:
-            jobs = self._committing[key] = await self._supersede(client_id, tag, jobs)
+            admitted = self._committing[key] = await self._supersede(client_id, tag, admitted)
             if ranks.world_size == 1:
-                self._versions.seal([j.path for j in jobs])  # a retry's
-            sequence = await self._next_sequence(tag, jobs, ranks)
+                self._versions.seal([s.path for s in admitted])  # a retry's
+            begun = functools.partial(self._rounds.has_sequence, tag, ranks)
+            sequence = await self._order.next(tag, admitted, ranks, begun)
             if ranks.world_size == 1:
-                return await self._commit_alone(client_id, tag, jobs, requested_ns, sequence)
-            return await self._commit_rank(client_id, tag, ranks, jobs, requested_ns, sequence, began_ns)
+                return await self._commit_alone(client_id, tag, admitted, requested_ns, sequence)
+            return await self._rounds.commit(client_id, tag, ranks, admitted, requested_ns, sequence, began_ns)
         finally:
             self.pending -= 1
-            if self._committing.get(key) is jobs:  # answered: committed (its marker lists them) or kept for a retry
+            if self._committing.get(key) is admitted:  # answered: committed (its marker lists them) or kept for a retry
                 del self._committing[key]
 
-    async def _supersede(self, client_id: str, tag: str, jobs: list[SnapshotJob]) -> list[SnapshotJob]:
+    async def _supersede(self, client_id: str, tag: str, admitted: list[AdmittedSnapshot]) -> list[AdmittedSnapshot]:
         """The snapshots a commit covers: the new ones of its tag, else those of its last failed commit (a retry).
 
         Never both: a tag is one point of the trainer's program, so a save after a failed
@@ -366,144 +255,51 @@ class CommitLedger:
         left under a final name in the tag's folder.
         """
         failed = self._failed.pop((client_id, tag), [])
-        if not jobs:
+        if not admitted:
             return failed
-        await self._drop(failed, {j.path for j in jobs})
-        return jobs
+        await self._drop(failed, {s.path for s in admitted})
+        return admitted
 
-    async def _drop(self, jobs: list[SnapshotJob], keep: set[str]) -> None:
+    async def _drop(self, admitted: list[AdmittedSnapshot], keep: set[str]) -> None:
         """Snapshots that will never be committed: once each has finished, delete its file unless in ``keep``."""
-        await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
-        stale = [j.path for j in jobs if j.path not in keep]
+        await asyncio.gather(*(s.durable for s in admitted), return_exceptions=True)
+        stale = [s.path for s in admitted if s.path not in keep]
         if stale:
             await self._engine.flush(_remove_uncommitted, stale, self._roots)
             self._versions.abandon(stale)  # a new version never to be committed goes whole
 
-    async def _next_sequence(self, tag: str, jobs: list[SnapshotJob], ranks: Ranks) -> int:
-        """The commit's place in its run, in the order COMMITs arrive (0 when it names no file, or none is needed).
-
-        It costs a read of every committed marker of the run, so it is read where it is used
-        only: by the first rank of a node's round (the round's sequence is its), and not on a
-        node other than node 0 of a shared folder (node 0's marker carries node 0's).
-        """
-        if not jobs or self._round_has_sequence(tag, ranks):
-            return 0
-        try:
-            folder = tag_folder(tag, {j.path: 0 for j in jobs}, self._roots)
-        except CommitError:
-            return 0  # refused when the marker is placed
-        if ranks.num_nodes > 1 and ranks.node_rank != 0 and self._storage.shared(folder):
-            return 0
-        run = os.path.dirname(folder)
-        async with self._sequence_lock:  # FIFO: sequences follow the order the requests came in
-            if self._round_has_sequence(tag, ranks):  # a rank ahead in this queue began the round meanwhile
-                return 0
-            # read again each time: another writer of this run (a trainer saving on its own after it lost this
-            # daemon, another daemon after a restart) may have committed since, with a higher sequence
-            on_disk = await self._engine.flush(next_sequence, run)
-            self._sequences[run] = max(self._sequences.get(run, 0) + 1, on_disk)
-            return self._sequences[run]
-
-    def _round_has_sequence(self, tag: str, ranks: Ranks) -> bool:
-        group = self._groups.get((ranks.job, ranks.world_size, tag)) if ranks.world_size > 1 else None
-        return group is not None and bool(group.sequence) and not group.failed
-
-    async def _durable(self, tag: str, jobs: list[SnapshotJob]) -> dict[str, int]:
+    async def _durable(self, tag: str, admitted: list[AdmittedSnapshot]) -> dict[str, int]:
         """The files of ``jobs`` once all are durable (path → size); CommitError if one failed."""
-        results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)
-        failed = [(j, r) for j, r in zip(jobs, results) if isinstance(r, BaseException)]
-        for job in jobs:
+        results = await asyncio.gather(*(s.durable for s in admitted), return_exceptions=True)
+        failed = [(s, r) for s, r in zip(admitted, results) if isinstance(r, BaseException)]
+        for snapshot in admitted:
             try:
-                job.check_still_wanted()
+                snapshot.check_still_wanted()
             except SnapshotFailedError as exc:
-                failed.append((job, exc))
+                failed.append((snapshot, exc))
         if failed:  # such a commit is never retried: a new version staged for it is removed whole now
-            self._versions.abandon([j.path for j in jobs])
-            job, exc = failed[0]
+            self._versions.abandon([s.path for s in admitted])
+            snapshot, exc = failed[0]
             raise CommitError(
-                f"tag {tag!r} not committed: {len(failed)} of its {len(jobs)} snapshot(s) failed; first: {job.path}: {exc}",
+                f"tag {tag!r} not committed: {len(failed)} of its {len(admitted)} snapshot(s) failed; first: {snapshot.path}: {exc}",
                 tag=tag,
             )
-        return {j.path: j.file_size for j in jobs}
+        return {s.path: s.file_size for s in admitted}
 
-    async def _commit_alone(self, client_id: str, tag: str, jobs: list[SnapshotJob], requested_ns: int,
+    async def _commit_alone(self, client_id: str, tag: str, admitted: list[AdmittedSnapshot], requested_ns: int,
                             sequence: int) -> m.Committed:
-        if not jobs:
+        if not admitted:
             raise CommitError(f"nothing to commit for tag {tag!r}: this client has no uncommitted snapshot with it", tag=tag)
-        files = await self._durable(tag, jobs)
+        files = await self._durable(tag, admitted)
         try:
-            return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(j.id for j in jobs),
-                                                        sequence, {j.path: j.snapshot for j in jobs},
-                                                        wanted=functools.partial(_still_wanted, jobs)))
+            return await self._first_commit(CommitEvent(client_id, tag, files, Ranks(), requested_ns, max(s.id for s in admitted),
+                                                        sequence, {s.path: s.snapshot for s in admitted},
+                                                        wanted=functools.partial(_still_wanted, admitted)))
         except CommitError:
-            self._failed[(client_id, tag)] = jobs  # a retry may succeed
+            self._failed[(client_id, tag)] = admitted  # a retry may succeed
             raise
 
-    async def _commit_rank(
-        self, client_id: str, tag: str, ranks: Ranks, jobs: list[SnapshotJob], requested_ns: int, sequence: int,
-        began_ns: int,
-    ) -> m.Committed:
-        """One rank's share; the node's last rank to arrive finishes the tag for all of them.
-
-        A rank not yet told of the node's failed round is handed its failure, even one whose snapshots came after it
-        failed: nothing tells them from that round's step (a rank's save can follow another rank's failure), so it
-        gets a false failure rather than a marker that lists two steps.
-        """
-        key = (ranks.job, ranks.world_size, tag)
-        group = self._groups.get(key)
-        if group is not None and group.failed and ranks.rank in group.committed:
-            group = None  # that round failed and told this rank: this commit is of the next one
-        if group is None:
-            group = self._start(key, ranks, requested_ns)
-        if ranks.rank in group.committed:
-            raise CommitError(f"rank {ranks.rank} already committed tag {tag!r}", tag=tag)
-        group.sequence = group.sequence or sequence  # the first rank to ask, unless it named no file
-        group.committed.add(ranks.rank)
-        group.paths.update(j.path for j in jobs)
-        if len(group.committed) == ranks.local_world_size:
-            self._versions.seal(sorted(group.paths))  # the node's last rank is in: a later snapshot is a new version
-        group.clients.add(client_id)
-        if began_ns:
-            group.began_ns = min(group.began_ns or began_ns, began_ns)
-        if not group.failed:
-            try:
-                group.files.update(await self._durable(tag, jobs))
-                group.snapshots.update({j.path: j.snapshot for j in jobs})
-                group.order = max([group.order, *(j.id for j in jobs)])
-            except CommitError as exc:
-                group.fail(exc)
-        if group.failed:  # a rank's snapshot was refused or failed: every rank is told at once
-            self._told(key, group, ranks.rank)
-        else:
-            group.durable += 1
-            if group.durable == ranks.local_world_size:
-                try:
-                    group.done.set_result(await self._finish(client_id, tag, group))
-                except DatastatesError as exc:
-                    group.done.set_exception(exc if isinstance(exc, CommitError) else CommitError(
-                        f"tag {tag!r} not committed: {exc.message}", tag=tag))
-                finally:
-                    if self._groups.get(key) is group:
-                        del self._groups[key]
-            try:
-                return await asyncio.wait_for(asyncio.shield(group.done), self._timeout)
-            except TimeoutError:
-                missing = sorted(set(range(ranks.world_size)) - group.committed)
-                exc = CommitError(
-                    f"tag {tag!r} not committed: {ranks.local_world_size - len(group.committed)} rank(s) of this node "
-                    f"did not commit within {self._timeout:.0f} s (committed: {sorted(group.committed)}; "
-                    f"not yet: {missing[:16]})", tag=tag,
-                )
-                if len(group.committed) >= ranks.local_world_size:  # its last rank is finishing it: that may still land
-                    raise exc from None
-                group.fail(exc)  # the round ends here: a later commit never joins it
-            except DatastatesError:
-                if group.durable == ranks.local_world_size:  # its commit failed: what it wrote is left as it is
-                    raise
-        await self._drop(jobs, set())  # the round failed before its commit: no file, nor staged version, left of them
-        return await group.done
-
-    async def _finish(self, client_id: str, tag: str, group: _TagGroup) -> m.Committed:
+    async def _finish(self, client_id: str, tag: str, group: RankRound) -> m.Committed:
         if not group.files:
             raise CommitError(f"tag {tag!r} not committed: no rank of this node snapshotted a file for it", tag=tag)
         return await self._first_commit(CommitEvent(client_id, tag, group.files, group.ranks, group.requested_ns,
@@ -562,7 +358,7 @@ class CommitLedger:
         return committed, sequence
 
     async def _publish(self, client_id: str, tag: str, marker: CommitMarker, folder: str, order: tuple[int, int],
-                       staging: Staging | None = None, wanted: Callable[[], None] | None = None) -> m.Committed:
+                       staging: NewVersion | None = None, wanted: Callable[[], None] | None = None) -> m.Committed:
         """The tag's marker, then the trackers: a tracker never names a tag before its marker exists.
 
         With ``staging``, the marker goes beside the new version's files, and the version is
@@ -576,33 +372,16 @@ class CommitLedger:
             await self._engine.flush(self._versions.switch, staging, functools.partial(_ask, wanted, tag))
         parent = os.path.dirname(folder)
         if os.path.basename(folder) == tag and any(within(parent, r) for r in self._roots):
-            async with self._tracker_lock:  # one tracker write at a time, so renames land in order
-                for tracker, data in trackers(tag, folder).items():
-                    if order >= self._tracked.get(tracker, (-1, -1)):
-                        self._tracked[tracker] = order
-                        await self._write(tracker, data, tag)
-            keep_last = self._storage.keep_last_at(parent)
-            if keep_last is not None:
-                await self._prune(parent, keep_last)
+            await self._trackers.advance(tag, folder, order, functools.partial(self._write, tag=tag))
+            await self._keep_last.after_commit(parent)
         files = tag_files(folder, marker)
         self.committed.append({"tag": tag, "client": client_id, "marker": path, "files": len(files),
                                "committed_ns": marker.committed_ns})
         return m.Committed(tag=tag, marker=path, files=files)
 
-    async def _prune(self, parent: str, keep_last: int) -> None:
-        """Retention after a commit; a tag that cannot be deleted is logged, and the commit stands."""
-        try:
-            gone = await self._engine.flush(prune, parent, keep_last, self.open_tags())
-        except OSError as exc:
-            log.warning("keep_last: pruning %s failed: %s", parent, exc)
-            return
-        for listener in self._listeners:
-            listener.pruned(gone)
-
-    def open_tags(self) -> set[str]:
-        """Tags with snapshots not yet committed (being saved again), or held by a listener (a tier transfer): never pruned."""
-        held = {tag for _, tag in self._open} | {tag for (_, _, tag), g in self._groups.items() if not g.failed}
-        return held.union(*(listener.holds() for listener in self._listeners))
+    def _held(self) -> set[str]:
+        """Tags with snapshots not yet committed (being saved again): retention never deletes them."""
+        return {tag for _, tag in self._open} | self._rounds.held()
 
     async def _write(self, path: str, data: bytes, tag: str, check: Callable[[int], None] | None = None) -> None:
         try:
@@ -627,9 +406,9 @@ def check_listed(folder: str, marker: CommitMarker, wanted: Callable[[], None] |
         raise CommitError(f"tag {marker.tag!r} not committed: {why}", tag=marker.tag)
 
 
-def _still_wanted(jobs: list[SnapshotJob]) -> None:
-    for job in jobs:
-        job.check_still_wanted()
+def _still_wanted(admitted: list[AdmittedSnapshot]) -> None:
+    for snapshot in admitted:
+        snapshot.check_still_wanted()
 
 
 def _ask(wanted: Callable[[], None] | None, tag: str) -> None:
@@ -650,9 +429,9 @@ def _remember(table: collections.OrderedDict[tuple[str, str], str], key: tuple[s
 
 def _remove_uncommitted(paths: list[str], roots: Sequence[str]) -> None:
     """Delete the files of superseded snapshots, unless a committed marker lists one (then it is not theirs):
-    any marker within ``roots``, whatever its folder's trust (``listing``)."""
+    any marker within ``roots``, whatever its folder's trust (``file_commits``)."""
     for path in paths:
-        if not listing(path, roots=roots):
+        if not file_commits(path, roots=roots):
             _unlink(path)
 
 

@@ -33,7 +33,7 @@ _TCP_RE = re.compile(r"^tcp://(\*|[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$
 
 HISTORY = 64
 """Commits, skipped tags and tier transfers remembered for ``status`` and for commits that follow."""
-JOB_HISTORY = 256
+SNAPSHOT_HISTORY = 256
 """Finished snapshots kept for ``status`` and for a WAIT that names them."""
 LOST_HISTORY = 256
 """Clients taken as gone, listed in ``status``."""

@@ -26,7 +26,7 @@ from datastates.protocol.errors import DatastatesError, SnapshotFailedError
 
 from .copier import copy_piece, write_hashed
 from .instances import Gone
-from .job import SnapshotJob
+from .snapshot import AdmittedSnapshot
 from .memory import Chunk, HostPool, Window
 from datastates.protocol.layout import FilePlan, Piece
 
@@ -87,7 +87,7 @@ class Engine:
         """Run blocking work that moves a snapshot's bytes (its pieces, its head, its fsync) on a flush thread."""
         return await asyncio.get_running_loop().run_in_executor(self._flush, fn, *args)
 
-    async def run(self, job: SnapshotJob, after: list[asyncio.Future]) -> None:
+    async def run(self, job: AdmittedSnapshot, after: list[asyncio.Future]) -> None:
         """Carry ``job`` to durable or failed; never raises.
 
         ``after`` are earlier snapshots of the same path: this one is renamed into place
@@ -194,7 +194,7 @@ class Engine:
         job.mark_durable()
         log.info("snapshot %d durable: %s (%d bytes)", job.id, job.path, job.total_bytes)
 
-    def _defer_replica(self, job: SnapshotJob) -> bool:
+    def _defer_replica(self, job: AdmittedSnapshot) -> bool:
         """Whether ``job``'s replica is written only once every piece is copied (each piece's chunk held until
         then), so its fresh pages are allocated after the copies, not while the trainer may wait on them: a rank
         file's first replica, which has no spare to be written over (the fence of a fresh daemon's first 1 GiB
@@ -223,7 +223,7 @@ def _write_head(sink: FileSink, plan: FilePlan, sums: list[list[bytes]]) -> None
     sink.header(plan.head(sums), plan.data_offset, plan.layout.tail_at, plan.layout.tail)
 
 
-def _finalize(job: SnapshotJob, sink: FileSink) -> None:
+def _finalize(job: AdmittedSnapshot, sink: FileSink) -> None:
     """Rename the file into place, on a flush thread right after the last check that its trainer still wants it."""
     job.check_still_wanted()
     sink.finalize()

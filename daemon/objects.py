@@ -41,7 +41,8 @@ from datastates.protocol.paths import within
 from datastates.protocol.retention import prune
 from datastates.protocol.tags import read_marker_object, safe_name
 
-from .commit import make_marker, trackers
+from .commit import make_marker
+from .trackers import trackers
 from .events import CommitEvent
 from .gather import FIRST_LOOK_S, LONGEST_LOOK_S, LOOKS_PER_S
 from .storage.s3 import S3Writer

@@ -4,7 +4,7 @@ Each request is handled in its own task, so a WAIT or COMMIT that takes seconds 
 hold up anyone else. Every handler runs inside one error boundary: a DatastatesError
 becomes an ERROR reply with its code, anything else is logged and reported as
 ``internal``, and the loop goes on serving. Handlers are thin: the snapshot table is
-``jobs.py``, client liveness ``clients.py``, commits ``commit.py``, the tier transfers
+``admissions.py``, client liveness ``clients.py``, commits ``commit.py``, the tier transfers
 ``tiers.py`` (a listener of the ledger) and the replicas ``replicas.py``.
 """
 
@@ -47,11 +47,12 @@ from .connections import Connections, open_descriptors
 from .commit import CommitLedger, tag_folder
 from .config import NodeConfig
 from .engine import Engine
-from .job import SnapshotJob
-from .jobs import JobTable
+from .snapshot import AdmittedSnapshot
+from .admissions import Admissions
 from .memory import HostPool
 from .instances import LIFE_SIGN_S, Instance
-from .replicas import ReplicaStore, remove_gone
+from .recovery import clean_up_after_kill
+from .replicas import ReplicaStore
 from .tiers import TierTransfers
 from .versions import Versions
 from .gpus import gpus
@@ -77,7 +78,7 @@ class Daemon:
         self.leftovers: list[str] | None = None
         self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
-        self.jobs = JobTable()
+        self.jobs = Admissions()
         self.versions = Versions(self.instance.owner)
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions, owner)
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger, owner, cfg.commit_timeout)
@@ -257,7 +258,7 @@ class Daemon:
                                     lambda other: self.clients.alive(other, self.cfg.client_timeout))
         earlier = self.jobs.pending_at(plan.path)
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
-        job = SnapshotJob(job_id, client.id, body.tag, plan, regions, decision, fences=fences, folder=folder,
+        job = AdmittedSnapshot(job_id, client.id, body.tag, plan, regions, decision, fences=fences, folder=folder,
                           owner_alive=lambda: self.clients.alive(client.id, self.cfg.client_timeout))
         job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks, job.snapshot, client.id)
         self.jobs.add(job)
@@ -267,17 +268,8 @@ class Daemon:
 
     async def _recover(self) -> None:
         """Remove what killed daemons of this node left (any endpoint): half-written files, replicas; then admit."""
-        gone = self.instance.gone
         try:
-            dead = await self.engine.flush(self.instance.dead)
-            removed: list[str] = []  # staging folders first: removing a temp file inside one renews its mtime
-            for root in self.cfg.storage.roots:
-                removed += await self.engine.flush(Versions.remove_leftovers, root, gone)
-            written, kept = await self.engine.remove_leftovers(self.cfg.storage.written, gone)
-            self.leftovers = removed + written + await self.engine.flush(remove_gone, gone)
-            if self.instance.alone():  # no other daemon may still need a dead client's "abandoned" decisions
-                self.leftovers += await self.engine.flush(outcome.remove_dead_client_folders)
-            await self.engine.flush(self.instance.forget_gone, dead, kept)
+            self.leftovers = await clean_up_after_kill(self.engine, self.cfg.storage, self.instance)
         finally:
             self._recovered.set()
         if self.leftovers:
@@ -286,7 +278,7 @@ class Daemon:
         if resumed:
             log.warning("resuming %d tier transfer(s) an earlier run left undone: %s", len(resumed), resumed[:5])
 
-    async def _run(self, job: SnapshotJob, earlier: list[SnapshotJob]) -> None:
+    async def _run(self, job: AdmittedSnapshot, earlier: list[AdmittedSnapshot]) -> None:
         await self.engine.run(job, after=[j.durable for j in earlier])
         if job.replica is None or job.error is not None:  # its replica failed, or the snapshot did
             self.replicas.discard(job.id)

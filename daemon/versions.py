@@ -32,7 +32,7 @@ from datastates.protocol.fileio import RENAME_EXCHANGE, open_folder, remove, ren
 from datastates.protocol.format import STAGING_RE, CommitMarker, marker_name, staging_name
 from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.retention import finish_delete
-from datastates.protocol.tags import listing
+from datastates.protocol.tags import file_commits
 
 from .instances import Gone
 from .storage.base import storage_error
@@ -54,7 +54,9 @@ def exchange(a: str, b: str) -> None:
 
 
 @dataclass
-class Staging:
+class NewVersion:
+    """A tag's next version, written in a hidden staging folder beside its committed one until switched in."""
+
     tag: str
     folder: str
     """The tag's folder, which holds its committed version."""
@@ -69,9 +71,9 @@ class Staging:
 class Versions:
     def __init__(self, owner: str) -> None:
         self._owner = owner
-        self._open: dict[tuple[str, str], Staging] = {}
+        self._open: dict[tuple[str, str], NewVersion] = {}
         """(tag folder, tag) → the staging folder of its next version, which new snapshots of the tag join."""
-        self._sealed: list[Staging] = []
+        self._sealed: list[NewVersion] = []
         """Staging folders whose commit has begun: a snapshot admitted meanwhile starts a version of its own."""
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # admission runs on executor threads
@@ -84,9 +86,9 @@ class Versions:
         a committed tag is refused instead of saved again. ``committing``: a commit of the tag in
         ``folder`` is in flight, so the tag counts as committed already (its marker may land before
         this snapshot's file is renamed into place). ``roots``: the daemon's, within which every
-        marker listing ``path`` counts, whatever its folder's trust (``listing``).
+        marker listing ``path`` counts, whatever its folder's trust (``file_commits``).
         """
-        others = sorted({mk.tag for _, mk, _ in listing(path, roots=roots) if mk.tag != tag})
+        others = sorted({mk.tag for _, mk, _ in file_commits(path, roots=roots) if mk.tag != tag})
         if others:
             raise PathNotAllowedError(f"path {path!r} refused: it is a file of committed tag(s) {others}, whose bytes "
                                       "must not change; save it under a new path, or under the same tag", path=path)
@@ -103,7 +105,7 @@ class Versions:
                     raise PathNotAllowedError(f"path {path!r} refused: tag {tag!r} is {state} in {folder}, and a "
                                               "multi-node job cannot save a committed tag again; use a new tag", path=path)
                 name = staging_name(self._owner, next(self._ids))  # fits NAME_MAX beside any folder
-                staging = Staging(tag, folder, os.path.join(os.path.dirname(folder), name))
+                staging = NewVersion(tag, folder, os.path.join(os.path.dirname(folder), name))
                 try:
                     os.close(open_folder(staging.staging, create=True))
                 except OSError as exc:  # a full disk, say: a refusal of this snapshot, which fails its tag's commit
@@ -122,7 +124,7 @@ class Versions:
                 if any(within(p, staging.staging) for p in paths):
                     self._sealed.append(self._open.pop(key))
 
-    def staged(self, tag: str, files: dict[str, int]) -> Staging | None:
+    def staged(self, tag: str, files: dict[str, int]) -> NewVersion | None:
         """The staging folder ``files`` were written to, if any; CommitError if only some of them were."""
         with self._lock:
             found = [s for s in [*self._open.values(), *self._sealed]
@@ -160,7 +162,7 @@ class Versions:
                     removed.append(os.path.join(folder, name))
         return removed
 
-    def switch(self, staging: Staging, ask: Callable[[], None] = lambda: None) -> None:
+    def switch(self, staging: NewVersion, ask: Callable[[], None] = lambda: None) -> None:
         """Put the new version (its marker written) in place of the old in one step, then delete the old.
 
         The swap moves the whole folder, so it is refused (the old version stands) while the
@@ -196,7 +198,7 @@ def _remove(folder: str, trusted: str = "/") -> None:
             log.warning("cannot remove staging folder %s (%s); the next daemon removes it", folder, exc.strerror)
 
 
-def _strangers(staging: Staging) -> list[str]:
+def _strangers(staging: NewVersion) -> list[str]:
     """What the tag folder holds besides its tag's committed version: the entries the swap would delete."""
     marker = CommitMarker.read(os.path.join(staging.folder, marker_name(staging.tag)))
     mine = {marker_name(staging.tag)} | {f.path.split("/")[0] for f in (marker.files if marker else [])}

@@ -49,7 +49,7 @@ from datastates.client.client import Client
 from datastates.protocol.errors import CommitError, DaemonUnavailable, InvalidRequestError, WaitTimeout
 from datastates.protocol.format import STAGING_RE, check_tag
 
-from .commits import PendingCommits
+from .pending_commits import PendingCommits
 from .loading import MapLocation, load_any
 
 log = logging.getLogger(__name__)

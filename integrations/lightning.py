@@ -70,7 +70,7 @@ from datastates.protocol.format import TAG_MAX, CommitMarker, check_tag, marker_
 from datastates.protocol.retention import delete_tag
 from datastates.protocol.tags import CommittedTag
 
-from .commits import PendingCommits
+from .pending_commits import PendingCommits
 from .loading import MapLocation, load_any
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import torch
 from datastates.client.client import Client
 from datastates.client.locate import again_if_deleted
 from datastates.client.reader.restore import load_into
-from datastates.integrations.commits import PendingCommits
+from datastates.integrations.pending_commits import PendingCommits
 from datastates.protocol.retention import prune
 from datastates.protocol.tags import committed_tags
 from datastates.protocol.errors import InvalidRequestError

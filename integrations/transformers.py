@@ -53,7 +53,7 @@ except ImportError as exc:  # datastates itself never needs transformers; only t
 
 from datastates.client.client import Client
 from datastates.client.reader.stream import verify
-from datastates.integrations.commits import PendingCommits
+from datastates.integrations.pending_commits import PendingCommits
 from datastates.integrations.loading import is_datastates_file, load_any
 from datastates.protocol.errors import InvalidRequestError
 from datastates.protocol.fileio import fsync_dir

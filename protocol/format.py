@@ -380,6 +380,13 @@ class MarkerFile:
     snapshot: str = ""
     """The snapshot the file must hold (``FileHeader.snapshot``); "" in markers written before it existed."""
 
+    def holds(self, snapshot: str, size: int | None = None) -> bool:
+        """Whether a file holding ``snapshot`` (and ``size`` bytes; None: not asked) is the one listed: its snapshot,
+        or, where the marker lists none (an older marker), its size. The one rule of "is this file committed?"."""
+        if self.snapshot:
+            return self.snapshot == snapshot
+        return size is None or self.size == size
+
 
 @dataclass(frozen=True)
 class CommitMarker:

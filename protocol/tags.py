@@ -93,7 +93,7 @@ def unlisted(folder: str, marker: CommitMarker, folder_fd: int | None = None, id
             return f"its file {rec.path} is gone from {folder} ({exc.strerror})"
         if size != rec.size:
             return f"its file {rec.path} in {folder} is {size} bytes, not {rec.size}"
-        if held is not None and held != rec.snapshot:
+        if held is not None and not rec.holds(held):
             return (f"its file {rec.path} in {folder} holds snapshot {held or '(none: it is no checkpoint)'}, not "
                     f"{rec.snapshot}: another writer's")
     return ""
@@ -316,8 +316,9 @@ def _on_daemon_threads(fn: Callable[[str], T], items: list[str], at_once: int) -
     return results
 
 
-def listing(path: str, depth: int = 3, roots: Sequence[str] | None = None) -> list[tuple[str, CommitMarker, MarkerFile]]:
-    """(marker path, marker, its entry) for every commit marker in the ``depth`` folders above ``path`` that lists it.
+def file_commits(path: str, depth: int = 3, roots: Sequence[str] | None = None) -> list[tuple[str, CommitMarker, MarkerFile]]:
+    """Is this file committed? (marker path, marker, its entry) for every commit marker in the ``depth`` folders above
+    ``path`` that lists it; whether the file there now is the one listed is its entry's to say (``MarkerFile.holds``).
 
     A tag's marker sits in its tag folder, at or above its files: this is how a reader
     given only a file's path finds what its tag says the file must be. Only where a marker

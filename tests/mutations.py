@@ -122,8 +122,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "commit-before-durable",
         "COMMIT writes the marker without waiting for the files to be durable",
         (Edit("daemon/commit.py",
-              "        results = await asyncio.gather(*(j.durable for j in jobs), return_exceptions=True)\n",
-              "        results = [None for _ in jobs]  # MUTATION: no wait for durable files\n"),),
+              "        results = await asyncio.gather(*(s.durable for s in admitted), return_exceptions=True)\n",
+              "        results = [None for _ in admitted]  # MUTATION: no wait for durable files\n"),),
         ("tests/test_commit.py::test_commit_fails_when_a_file_cannot_become_durable_though_its_marker_could",),
     ),
     Mutation(
@@ -259,7 +259,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "sequence-read-once",
         "a run's commit sequence is read from disk once and counted on from there",
-        (Edit("daemon/commit.py",
+        (Edit("daemon/run_order.py",
               "            on_disk = await self._engine.flush(next_sequence, run)\n"
               "            self._sequences[run] = max(self._sequences.get(run, 0) + 1, on_disk)\n",
               "            if run not in self._sequences:  # MUTATION: read once\n"
@@ -388,7 +388,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "two-clients-save-one-tag-at-once",
         "a client's snapshot of a tag another client is saving in the same folder is admitted when it is a file of "
         "its own: two DCP saves of one checkpoint_id each refuse a file of the other's, and neither commits",
-        (Edit("daemon/commit.py", "held != tag or not any(j.folder == folder for j in jobs):",
+        (Edit("daemon/commit.py", "held != tag or not any(s.folder == folder for s in admitted):",
               "held != tag or True:  # MUTATION"),),
         ("tests/faults/test_dcp_resave.py::test_two_clients_saving_one_checkpoint_at_once_commit_one_of_them_whole",),
     ),
@@ -513,7 +513,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "refused-rank-waits",
         "a rank's refused snapshot fails its own commit only: the other ranks wait for it until commit_timeout",
         (Edit("daemon/commit.py",
-              "        _remember(self._refused, (client_id, tag), reason)\n        self._fail_round(ranks, tag, reason)\n",
+              "        _remember(self._refused, (client_id, tag), reason)\n        self._rounds.fail(ranks, tag, reason)\n",
               "        _remember(self._refused, (client_id, tag), reason)  # MUTATION: the round waits\n"),),
         ("tests/test_multirank.py::test_a_refused_rank_fails_every_ranks_commit_at_once[True]",),
     ),
@@ -563,7 +563,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "markers-above-the-root-trusted",
-        "listing() climbs past folders others may write and reads every marker there, /tmp above /tmp/ckpt included",
+        "file_commits() climbs past folders others may write and reads every marker there, /tmp above /tmp/ckpt included",
         (Edit("protocol/tags.py", "if roots is not None else untrusted_folder(folder)",
               "if roots is not None else \"\"  # MUTATION: no trust check of the folders climbed"),
          Edit("protocol/tags.py",
@@ -668,7 +668,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "round-outlives-its-timeout",
         "a multi-rank round that timed out stays open: a later round's commit joins it, and its marker lists two steps",
-        (Edit("daemon/commit.py",
+        (Edit("daemon/rounds.py",
               "                group.fail(exc)  # the round ends here: a later commit never joins it\n",
               "                raise exc from None  # MUTATION: the timed-out round stays open\n"),),
         ("tests/test_multirank.py::test_a_round_that_timed_out_is_never_joined_by_a_later_commit",),
@@ -677,7 +677,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "refused-commit-spares-the-round",
         "a rank's commit that fails on its refused snapshot leaves the round another rank waits in open, until "
         "commit_timeout",
-        (Edit("daemon/commit.py",
+        (Edit("daemon/rounds.py",
               "        if group is not None and ranks.rank not in group.committed:\n            group.fail(CommitError(",
               "        if group is not None and group.failed and ranks.rank not in group.committed:  # MUTATION\n"
               "            group.fail(CommitError("),),
@@ -687,17 +687,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "round-joined-across-a-failure",
         "a rank with snapshots, not yet told of the node's failed round, starts a round of its own instead of being "
         "handed that failure: another rank's next step joins it, and both are told committed for a marker of two steps",
-        (Edit("daemon/commit.py",
+        (Edit("daemon/rounds.py",
               "if group is not None and group.failed and ranks.rank in group.committed:",
-              "if group is not None and group.failed and (ranks.rank in group.committed or jobs):  # MUTATION"),),
+              "if group is not None and group.failed and (ranks.rank in group.committed or admitted):  # MUTATION"),),
         ("tests/test_multirank.py::test_a_rank_whose_snapshot_came_after_its_rounds_failure_is_handed_it",),
     ),
     Mutation(
         "failed-round-keeps-its-version",
         "a rank told its round failed keeps its snapshots' staged new version: it leaks",
-        (Edit("daemon/commit.py",
-              "        await self._drop(jobs, set())  # the round failed before its commit",
-              "        pass  # MUTATION: await self._drop(jobs, set())  # the round failed before its commit"),),
+        (Edit("daemon/rounds.py",
+              "        await self._drop(admitted, set())  # the round failed before its commit",
+              "        pass  # MUTATION: await self._drop(admitted, set())  # the round failed before its commit"),),
         ("tests/test_multirank.py::test_a_rank_told_its_round_failed_leaves_no_new_version_behind",),
     ),
     Mutation(
@@ -714,7 +714,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "guards-trust-filtered",
         "the daemon's guards (a save over a committed file, keeping a file a marker lists) skip the markers of "
         "folders a reader may not trust: a group-writable run folder's committed file is saved over",
-        (Edit("daemon/versions.py", "listing(path, roots=roots)", "listing(path, roots=None)"),),
+        (Edit("daemon/versions.py", "file_commits(path, roots=roots)", "file_commits(path, roots=None)"),),
         ("tests/faults/test_shared_run_folder.py::test_a_group_writable_run_folder_keeps_the_save_guard",),
     ),
     Mutation(
@@ -785,8 +785,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "writer-renames-over-committed",
         "a finished file is renamed over whatever is at its path, a committed file too",
-        (Edit("daemon/storage/posix.py", "    return any(entry.snapshot == held if entry.snapshot else",
-              "    return False and any(entry.snapshot == held if entry.snapshot else"),),
+        (Edit("daemon/storage/posix.py", "    return any(entry.holds(held, size) for",
+              "    return False and any(entry.holds(held, size) for"),),
         ("tests/faults/test_identity.py::test_a_writer_never_renames_its_file_over_a_committed_one",),
     ),
     Mutation(
@@ -972,7 +972,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "commit-identity-skips-non-checkpoints",
         "a commit takes a listed file that holds no snapshot (not a checkpoint) of the listed size as the one committed",
-        (Edit("protocol/tags.py", "        if held is not None and held != rec.snapshot:\n", "        if held and held != rec.snapshot:  # MUTATION\n"),),
+        (Edit("protocol/tags.py", "        if held is not None and not rec.holds(held):\n", "        if held and not rec.holds(held):  # MUTATION\n"),),
         ("tests/faults/test_identity.py::test_a_file_replaced_by_same_size_bytes_that_are_no_checkpoint_fails_the_commit",),
     ),
     Mutation(
@@ -1013,7 +1013,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "lost-rank-spares-unstarted-rounds",
         "a rank gone (BYE or killed) with a tag snapshotted and not committed fails only rounds already under way: "
         "the other ranks that ask to commit that tag afterwards wait out commit_timeout",
-        (Edit("daemon/commit.py", "        for tag in opened:\n", "        for tag in ():\n"),),
+        (Edit("daemon/rounds.py", "        for tag in owed:\n", "        for tag in ():\n"),),
         ("tests/test_multirank.py::test_a_rank_that_says_bye_without_committing_fails_the_tag_at_once"
          "[before any rank asked to commit]",
          "tests/test_multirank.py::test_a_rank_killed_before_committing_fails_the_tag_at_once"

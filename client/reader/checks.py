@@ -39,7 +39,7 @@ from .source import Source, open_source
 
 Listed = list[tuple[str, CommitMarker, MarkerFile]]
 """What the commit markers of a file's tag say of it: (marker path, marker, its entry for the file), as
-``protocol.tags.listing`` finds them."""
+``protocol.tags.file_commits`` finds them."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def _read_header(path: str, source: Source) -> CheckpointFile:
 def check_identity(file: CheckpointFile, listed: Listed) -> None:
     """Refuse a file that is not the snapshot its tag's marker lists: a mix across files, with sound checksums."""
     for marker_path, marker, entry in listed:
-        if entry.snapshot and entry.snapshot != file.header.snapshot:
+        if not entry.holds(file.header.snapshot):
             raise CorruptCheckpointError(
                 f"{file.path}: holds snapshot {file.header.snapshot or '(unnamed)'}, but tag {marker.tag!r}'s marker "
                 f"{marker_path} lists snapshot {entry.snapshot} for it: the file was replaced after the tag was "

@@ -57,7 +57,7 @@ import torch
 from datastates.protocol.errors import StateMismatchError
 from datastates.protocol.format import FileHeader
 from datastates.protocol.objectstore import one_read
-from datastates.protocol.tags import listing
+from datastates.protocol.tags import file_commits
 
 from .checks import CheckpointFile, open_file
 from .rebuild import Rebuild
@@ -266,7 +266,7 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, into: Any
         if into is not None:
             return load_into(path, into, device, new_key=lambda _: not strict, verify=verify,
                              weights_only=weights_only)
-        file = open_file(path, listing(path), views=verify, zip_records=verify)
+        file = open_file(path, file_commits(path), views=verify, zip_records=verify)
         return fresh(file, Stream(file, None, verify).read_region(), weights_only, device).entry(file.header.root)
 
 
@@ -284,7 +284,7 @@ def fresh(file: CheckpointFile, region: mmap.mmap | None, weights_only: bool, de
 def load_into(path: str, into: Any, device: torch.device | None, *, new_key: NewKey, verify: bool,
               weights_only: bool) -> Any:
     """``into``, its tensors holding the checkpoint at ``path`` (``datastates.load(path, into=...)``)."""
-    file = open_file(path, listing(path), views=verify, zip_records=verify)
+    file = open_file(path, file_commits(path), views=verify, zip_records=verify)
     header = file.header
     plan = Rebuild(file, weights_only, _unbacked(file))
     match = _Match(plan, new_key)
@@ -367,7 +367,7 @@ def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_
 
 
 def _load_slices(path: str, slices: list[Slice], verify: bool, weights_only: bool) -> dict[str, Any]:
-    file = open_file(path, listing(path), views=verify, zip_records=False)
+    file = open_file(path, file_commits(path), views=verify, zip_records=False)
     plan = Rebuild(file, weights_only, lambda _, nbytes: torch.UntypedStorage(nbytes, device="meta"))
     root = plan.entry(file.header.root)
     spans: dict[int, list[tuple[Slice, int, int, dict, torch.dtype]]] = {}

@@ -48,7 +48,7 @@ from datastates.protocol.cudart import host_register, host_unregister
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.format import DATA_ALIGN, align_up, checksummer
 from datastates.protocol.objectstore import one_read
-from datastates.protocol.tags import listing
+from datastates.protocol.tags import file_commits
 
 from .checks import CheckpointFile, check_bounds, check_local_headers, open_file, storage_error
 from .source import Source, open_source, region_buffer
@@ -422,6 +422,6 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     """
     path = os.fspath(path)
     with one_read(whole=True):
-        file = open_file(path, listing(path), views=True, zip_records=True)
+        file = open_file(path, file_commits(path), views=True, zip_records=True)
         Stream(file, None, verify=True).read_region()
     return len(file.header.entries), file.header.data_len

@@ -15,7 +15,7 @@ memory itself.
 
 Lifetime: like GPU memory, this memory goes with the trainer, so a snapshot is safe from a
 trainer crash once it is copied (``wait()`` returned), not before; the job asks whether
-the trainer still lives after its last read (``SnapshotJob.mark_copied``), which also
+the trainer still lives after its last read (``AdmittedSnapshot.mark_copied``), which also
 catches a pid reused mid-copy.
 """
 

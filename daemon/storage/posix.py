@@ -30,7 +30,7 @@ from datastates.protocol.fileio import (MADV_POPULATE_WRITE, PAGE, RENAME_EXCHAN
                                        remove, rename_within)
 from datastates.protocol.format import DONE_PREFIX, TEMP_SUFFIX, TEMP_TOKEN_MAX, CommitMarker
 from datastates.protocol.paths import shallow_walk
-from datastates.protocol.tags import file_snapshot, listing
+from datastates.protocol.tags import file_commits, file_snapshot
 
 from ..instances import Gone
 from .base import StorageWriter, register_writer, storage_error
@@ -130,10 +130,8 @@ def _place(folder: int, temp: str, path: str) -> None:
 def _committed(folder: int, name: str, path: str) -> bool:
     """Whether the file ``name`` in ``folder`` is what a marker lists for ``path``: its snapshot, or (a marker
     listing none) its size."""
-    held = file_snapshot(name, folder)
-    return any(entry.snapshot == held if entry.snapshot else
-               entry.size == os.stat(name, dir_fd=folder, follow_symlinks=False).st_size
-               for _, _, entry in listing(path, roots=("/",)))
+    held, size = file_snapshot(name, folder), os.stat(name, dir_fd=folder, follow_symlinks=False).st_size
+    return any(entry.holds(held, size) for _, _, entry in file_commits(path, roots=("/",)))
 
 
 class _Mapped:

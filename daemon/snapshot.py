@@ -24,7 +24,9 @@ from .sources import Region
 from .sources.cuda import Fences
 
 
-class JobState(enum.StrEnum):
+class SnapshotState(enum.StrEnum):
+    """Where an admitted snapshot stands, in order; ``status`` shows it."""
+
     COPYING = "copying"
     FLUSHING = "flushing"
     DURABLE = "durable"
@@ -36,12 +38,14 @@ def _quiet(fut: asyncio.Future) -> None:
         fut.exception()  # mark retrieved: a failure nobody waits for is still in status
 
 
-class SnapshotJob:
-    def __init__(self, job_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region],
+class AdmittedSnapshot:
+    """One snapshot the daemon admitted, from its copy to durable (or failed)."""
+
+    def __init__(self, snapshot_id: int, client_id: str, tag: str, plan: FilePlan, regions: Sequence[Region],
                  decision: tuple[str, str] | None = None, owner_alive: Callable[[], bool] | None = None,
                  fences: Fences | None = None, folder: str = "") -> None:
         loop = asyncio.get_running_loop()
-        self.id = job_id
+        self.id = snapshot_id
         self.client_id = client_id
         self.tag = tag
         self.path = plan.path
@@ -63,7 +67,7 @@ class SnapshotJob:
         """Copy threads add to ``copied_bytes`` side by side (``add_copied``)."""
         self.flushed_bytes = 0
         """Tensor bytes written to the file (the event loop counts them as each piece's write returns)."""
-        self.state = JobState.COPYING
+        self.state = SnapshotState.COPYING
         self.error: str | None = None
         self.started = time.monotonic()
         self.first_copy_at: float | None = None
@@ -86,16 +90,16 @@ class SnapshotJob:
 
     @property
     def pending(self) -> bool:
-        return self.state in (JobState.COPYING, JobState.FLUSHING)
+        return self.state in (SnapshotState.COPYING, SnapshotState.FLUSHING)
 
     def abandon_trainer_copy(self, why: str) -> bool:
-        """Stop copying from trainer memory that is gone; whether this job had any left to copy.
+        """Stop copying from trainer memory that is gone; whether this snapshot had any left to copy.
 
         Shared memory outlives the trainer (the daemon maps it), so a snapshot of shared
         memory only still finishes; memory read in place (GPU memory, CPU memory read with
         process_vm_readv) does not, so its pieces not yet copied must not be read.
         """
-        if self.state != JobState.COPYING or not any(r.in_trainer for r in self.regions):
+        if self.state != SnapshotState.COPYING or not any(r.in_trainer for r in self.regions):
             return False
         self.abandoned = SnapshotFailedError(f"snapshot of {self.path} failed: {why} before its state was "
                                              "copied, and its memory went with it", path=self.path)
@@ -143,7 +147,7 @@ class SnapshotJob:
             raise SnapshotFailedError(f"snapshot of {self.path} failed: its trainer died before its state was "
                                       "copied, so the bytes read may not be its (GPU kernels it had queued, a reused "
                                       "pid)", path=self.path)
-        self.state = JobState.FLUSHING
+        self.state = SnapshotState.FLUSHING
         self.copied_at = time.monotonic()
         self.regions = ()  # the daemon holds its own copy; the trainer's maps may go
         self.copied.set_result(None)
@@ -155,12 +159,12 @@ class SnapshotJob:
                                       "its checkpoints itself (fallback='local')", path=self.path)
 
     def mark_durable(self) -> None:
-        self.state = JobState.DURABLE
+        self.state = SnapshotState.DURABLE
         self._finish()
         self.durable.set_result(None)
 
     def mark_failed(self, exc: BaseException) -> None:
-        self.state = JobState.FAILED
+        self.state = SnapshotState.FAILED
         self.error = str(exc)
         self._finish()
         for fut in (self.copied, self.durable):
@@ -175,11 +179,11 @@ class SnapshotJob:
 
     def status(self) -> dict[str, Any]:
         """Progress and rates: ``copy_bps`` and ``flush_bps`` over the last RATE_WINDOW_S while their phase
-        runs, the phase's average once it is over; ``throughput_bps`` is the rate of the phase the job is in
+        runs, the phase's average once it is over; ``throughput_bps`` is the rate of the phase the snapshot is in
         (copying, then flushing), and once it ended, the flushed bytes over its whole life."""
         now = time.monotonic()
         elapsed = (self.finished or now) - self.started
-        copying = self.state == JobState.COPYING
+        copying = self.state == SnapshotState.COPYING
         copy_bps = self._copy_rate.rate(now, self.copied_bytes) if copying else \
             average(self.copied_bytes, (self.copied_at or self.finished or now) - self.started)
         flush_bps = self._flush_rate.rate(now, self.flushed_bytes) if self.pending else \

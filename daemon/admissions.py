@@ -3,7 +3,7 @@
 Clients do not wait for the admission reply, so a WAIT or COMMIT can arrive while the
 snapshot it is about is still being admitted on a thread; and one client's snapshots are
 admitted in order (same-path renames and ``on_busy`` rely on it). The table tracks both.
-Finished snapshots stay for ``status`` and for a WAIT that names them, up to JOB_HISTORY.
+Finished snapshots stay for ``status`` and for a WAIT that names them, up to SNAPSHOT_HISTORY.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import contextlib
 import itertools
 from typing import Any, AsyncIterator
 
-from .config import JOB_HISTORY
-from .job import SnapshotJob
+from .config import SNAPSHOT_HISTORY
+from .snapshot import AdmittedSnapshot
 
 
-class JobTable:
+class Admissions:
+    """Every snapshot admitted, by id, and the admissions still under way, per client."""
+
     def __init__(self) -> None:
-        self._jobs: dict[int, SnapshotJob] = {}
+        self._snapshots: dict[int, AdmittedSnapshot] = {}
         self._finished: collections.deque[int] = collections.deque()
         self._ids = itertools.count(1)
         self._admitting: dict[str, set[asyncio.Future]] = {}
@@ -28,31 +30,31 @@ class JobTable:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def add(self, job: SnapshotJob) -> None:
-        self._jobs[job.id] = job
+    def add(self, snapshot: AdmittedSnapshot) -> None:
+        self._snapshots[snapshot.id] = snapshot
 
-    def finished(self, job: SnapshotJob) -> None:
-        """``job`` is durable or failed: kept for status, the oldest finished ones forgotten."""
-        self._finished.append(job.id)
-        while len(self._finished) > JOB_HISTORY:
-            self._jobs.pop(self._finished.popleft(), None)
+    def finished(self, snapshot: AdmittedSnapshot) -> None:
+        """``snapshot`` is durable or failed: kept for status, the oldest finished ones forgotten."""
+        self._finished.append(snapshot.id)
+        while len(self._finished) > SNAPSHOT_HISTORY:
+            self._snapshots.pop(self._finished.popleft(), None)
 
-    def get(self, job_id: int) -> SnapshotJob | None:
-        return self._jobs.get(job_id)
+    def get(self, snapshot_id: int) -> AdmittedSnapshot | None:
+        return self._snapshots.get(snapshot_id)
 
-    def of_client(self, client_id: str) -> list[SnapshotJob]:
-        return [j for j in self._jobs.values() if j.client_id == client_id]
+    def of_client(self, client_id: str) -> list[AdmittedSnapshot]:
+        return [s for s in self._snapshots.values() if s.client_id == client_id]
 
-    def pending(self) -> list[SnapshotJob]:
-        return [j for j in self._jobs.values() if j.pending]
+    def pending(self) -> list[AdmittedSnapshot]:
+        return [s for s in self._snapshots.values() if s.pending]
 
-    def pending_at(self, path: str) -> list[SnapshotJob]:
+    def pending_at(self, path: str) -> list[AdmittedSnapshot]:
         """Earlier snapshots of ``path`` still in flight: a new one is renamed into place only after them."""
-        return [j for j in self._jobs.values() if j.path == path and j.pending]
+        return [s for s in self._snapshots.values() if s.path == path and s.pending]
 
     def busy(self, client_id: str, tag: str) -> str:
         """Why a new tag's snapshot would queue behind an older tag's, or '' if it would not."""
-        older = next((j for j in self._jobs.values() if j.client_id == client_id and j.tag != tag and j.pending), None)
+        older = next((s for s in self._snapshots.values() if s.client_id == client_id and s.tag != tag and s.pending), None)
         return "" if older is None else f"tag {older.tag!r} is still {older.state.value} {older.path}"
 
     @contextlib.asynccontextmanager
@@ -81,4 +83,4 @@ class JobTable:
         return any(self._admitting.values())
 
     def status(self) -> list[dict[str, Any]]:
-        return [j.status() for j in self._jobs.values()]
+        return [s.status() for s in self._snapshots.values()]
