@@ -1241,7 +1241,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "deferred-first-replica-never-written",
         "a rank file's first replica, written once its snapshot is copied, is never written: it restores zeros",
-        (Edit("daemon/engine.py", "                    await self.flush(sink.write_replicas, at, dst.view[: piece.length])\n",
+        (Edit("daemon/engine.py", "                    await self.write(sink.write_replicas, at, dst.view[: piece.length])\n",
               "                    pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_ranks_agree_on_the_tag_when_only_one_fits_in_memory",),
     ),
