@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError
 from datastates.protocol.fileio import MADV_POPULATE_READ, on_tmpfs, open_for_reading
-from datastates.protocol.objectstore import READ_STREAMS, ObjectFile, is_object, one_read
+from datastates.protocol.storage.s3 import READ_STREAMS, ObjectFile, is_object, one_read
 from datastates.protocol.format import (
     ARCHIVE,
     DATA_ALIGN,

@@ -41,7 +41,7 @@ import torch
 from datastates.protocol.descriptors import EntryDesc
 from datastates.protocol.errors import StateMismatchError
 from datastates.protocol.format import FileHeader, ZipLayout
-from datastates.protocol.objectstore import one_read
+from datastates.protocol.storage.s3 import one_read
 
 from .entries import Entries
 from .filecheck import check_bounds, check_identity, check_views, check_zip, read_header

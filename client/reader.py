@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from datastates.protocol.format import FileHeader, ZipLayout
-from datastates.protocol.objectstore import one_read
+from datastates.protocol.storage.s3 import one_read
 
 from .entries import Entries
 from .filecheck import (  # noqa: F401  (verify: re-exported)

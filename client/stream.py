@@ -46,7 +46,7 @@ import torch
 
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.fileio import forget_cached, on_tmpfs, open_for_reading, open_sequential
-from datastates.protocol.objectstore import READ_STREAMS, ObjectFile, is_object
+from datastates.protocol.storage.s3 import READ_STREAMS, ObjectFile, is_object
 from datastates.protocol.format import DATA_ALIGN, FileHeader, ZipLayout, align_up, checksummer
 
 from .filecheck import READ_PIECE, READ_THREADS, check_bounds, check_local_headers, storage_error

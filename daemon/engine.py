@@ -23,15 +23,15 @@ from typing import Any, Callable
 import torch
 
 from datastates.protocol.errors import DatastatesError, SnapshotFailedError
+from datastates.protocol.storage import Gone, WritableStorage, backend_class
 
 from .copier import copy_piece, write_hashed
-from .instances import Gone
+from .instances import daemons_folder
 from .job import SnapshotJob
 from .memory import Chunk, HostPool, Window
 from datastates.protocol.layout import FilePlan, Piece
 
 from .sink import FileSink
-from .storage import StorageWriter, writer_class
 from .turns import Slots
 
 log = logging.getLogger(__name__)
@@ -58,18 +58,18 @@ class Engine:
         """Pieces of the snapshots whose replica waits for their last copy (``_defer_replica``): their chunks."""
         self._direct_io = direct_io
         self._owner = owner
-        self._writers: dict[type, StorageWriter] = {}
+        self._writers: dict[type, Any] = {}
 
-    def writer(self, path: str) -> StorageWriter:
-        """The one writer instance for ``path``'s scheme, made with the config's options."""
-        cls = writer_class(path)
+    def writer(self, path: str) -> WritableStorage:
+        """The one backend instance for ``path``'s scheme, made with the config's options."""
+        cls = backend_class(path)
         if cls not in self._writers:
-            self._writers[cls] = cls(direct_io=self._direct_io, owner=self._owner)
+            self._writers[cls] = cls(direct_io=self._direct_io, owner=self._owner, journals=daemons_folder())
         return self._writers[cls]
 
     async def remove_leftovers(self, roots: list[str], gone: Gone) -> tuple[list[str], set[str]]:
         """What killed daemons of this node (``gone`` owners) left half-written under the roots, deleted; and the
-        owners whose leftovers could not all be (``StorageWriter.kept``)."""
+        owners whose leftovers could not all be (``Storage.kept``)."""
         removed: list[str] = []
         for root in roots:
             removed += await self.flush(self.writer(root).remove_leftovers, root, gone)

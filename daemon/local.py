@@ -35,7 +35,7 @@ from .instances import Instance
 from .memory import Chunk
 from .sink import FileSink
 from .sources import Owner, Region, open_region
-from .storage import StorageWriter, writer_class
+from datastates.protocol.storage import WritableStorage, backend_class
 from .versions import Versions
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,8 @@ class LocalSaver:
             self._snapshots.pop(p, None)
         self._versions.abandon([*files, *paths])
 
-    def _writer(self, path: str) -> StorageWriter:
-        return writer_class(path)(direct_io=False, owner=self._instance.owner)
+    def _writer(self, path: str) -> WritableStorage:
+        return backend_class(path)(direct_io=False, owner=self._instance.owner)
 
     def commit(self, tag: str) -> m.Committed:
         files = self._files.pop(tag, None)

@@ -56,7 +56,7 @@ from datastates.protocol.descriptors import Ranks
 from datastates.protocol.paths import SHM_DIR
 
 from .events import CommitEvent
-from .instances import Gone
+from datastates.protocol.storage import Gone
 from .pins import Pins
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,7 @@ import zmq.asyncio
 
 from datastates.protocol import messages as m
 from datastates.protocol import outcome
-from datastates.protocol import objectstore
-from datastates.protocol.objectstore import is_object
+from datastates.protocol.storage import backend_for
 from datastates.protocol.errors import (
     DatastatesError,
     InvalidRequestError,
@@ -70,8 +69,7 @@ class Daemon:
         self.pool = HostPool(cfg.chunk_size, cfg.chunks, pinned=cfg.pin_host_memory and torch.cuda.is_available())
         self.instance = Instance(self.cfg.storage.written)
         for tier in cfg.storage.tiers:
-            if is_object(tier.path):
-                objectstore.register(tier.path, tier.endpoint, tier.region)
+            backend_for(tier.path).connect(tier.path, tier.endpoint, tier.region)
         owner = self.instance.owner
         self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads, cfg.direct_io, owner)
         self.leftovers: list[str] | None = None

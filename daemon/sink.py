@@ -1,7 +1,7 @@
 """The one write sequence of a checkpoint file: create → pieces → header → finalize, or abort.
 
 The engine (a snapshot), the local fallback, and the tier transfers all write files
-this way, through a StorageWriter, off the event loop (the pieces, head and finalize on a
+this way, through a WritableStorage backend, off the event loop (the pieces, head and finalize on a
 flush thread, create and abort on a thread for small file work). A sink may also feed replicas:
 secondary files written with the same bytes (the daemon's in-memory replica of a
 snapshot). A replica's failure is contained: it drops that replica, logs why, and never
@@ -24,13 +24,13 @@ from typing import Any, Callable
 from datastates.protocol.errors import DatastatesError
 from datastates.protocol.fileio import aligned_block
 
-from .storage import StorageWriter
+from datastates.protocol.storage import WritableStorage
 
 log = logging.getLogger(__name__)
 
 
 class _Replica:
-    def __init__(self, writer: StorageWriter, path: str, reuse: str = "") -> None:
+    def __init__(self, writer: WritableStorage, path: str, reuse: str = "") -> None:
         self.writer = writer
         self.path = path
         self.reuse = reuse
@@ -42,8 +42,8 @@ class _Replica:
 
 
 class FileSink:
-    def __init__(self, writer: StorageWriter, path: str, token: str,
-                 replicas: list[tuple[StorageWriter, str, str]] | None = None) -> None:
+    def __init__(self, writer: WritableStorage, path: str, token: str,
+                 replicas: list[tuple[WritableStorage, str, str]] | None = None) -> None:
         self._writer = writer
         self.path = path
         self._token = token

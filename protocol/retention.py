@@ -22,7 +22,8 @@ from typing import Callable, Iterable
 from .errors import DatastatesError
 from .fileio import RENAME_NOREPLACE, fsync_dir, open_folder, read_regular, remove, rename_within
 from .format import DELETING_RE, TRACKER, CommitMarker, deleting_name, is_marker_name, marker_name
-from .objectstore import delete_object, is_object, list_keys, read_object
+from .storage import backend_for
+from .storage.s3 import delete_object, list_keys, read_object
 from .tags import CommittedTag, committed_tags, marker_paths, read_marker_object, untrusted_folder
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}: the newest committed tag always stays")
     spare = set(spare)
-    if is_object(root):
+    if not backend_for(root).mounted:
         return _prune_objects(root, keep_last, spare, accept, dry_run)
     if not dry_run:
         _finish_deletes(root)

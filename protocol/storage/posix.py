@@ -1,4 +1,4 @@
-"""The local / parallel file-system writer: temporary name, pwrite, fsync, rename.
+"""The local / parallel file-system backend: temporary name, pwrite, fsync, rename; pread to read.
 
 Data goes through O_DIRECT where the file system allows it: the pool's chunks are page
 aligned and pieces are multiples of 4 KiB, so large writes skip the page cache, cost
@@ -25,15 +25,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from datastates.protocol.errors import PathNotAllowedError
-from datastates.protocol.fileio import (MADV_POPULATE_WRITE, PAGE, RENAME_EXCHANGE, RENAME_NOREPLACE, on_tmpfs, open_folder,
-                                       remove, rename_within)
-from datastates.protocol.format import DONE_PREFIX, TEMP_SUFFIX, TEMP_TOKEN_MAX, CommitMarker
-from datastates.protocol.paths import shallow_walk
-from datastates.protocol.tags import file_snapshot, listing
-
-from ..instances import Gone
-from .base import StorageWriter, register_writer, storage_error
+from ..errors import PathNotAllowedError
+from ..fileio import (MADV_POPULATE_WRITE, PAGE, RENAME_EXCHANGE, RENAME_NOREPLACE, on_tmpfs, open_folder,
+                      remove, rename_within)
+from ..format import DONE_PREFIX, TEMP_SUFFIX, TEMP_TOKEN_MAX, CommitMarker
+from ..paths import shallow_walk
+from ..tags import file_snapshot, listing
+from .base import Gone, WritableStorage, register_backend, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +176,7 @@ class _Handle:
     lock: threading.Lock = field(default_factory=threading.Lock)
     buffered_fd: int = -1
     mapped: _Mapped | None = None
-    """The file's pages (``PosixWriter.pages``)."""
+    """The file's pages (``PosixStorage.pages``)."""
     kept: _Mapped | None = None
     """The writer's kept mapping of the file this one took over (``reuse``), for ``pages`` to use; closed
     at finalize if it did not: a file rewritten through ``write`` may be cut shorter than it maps."""
@@ -211,8 +209,9 @@ class _Handle:
             self.folder = -1
 
 
-class PosixWriter(StorageWriter):
+class PosixStorage(WritableStorage):
     scheme = "file"
+    mounted = True
 
     def create(self, path: str, token: str, reuse: str = "", direct: bool | None = None) -> _Handle:
         if len(token) > TEMP_TOKEN_MAX:  # the name's limit counts on it (protocol/format.py TEMP_RESERVE)
@@ -376,7 +375,6 @@ class PosixWriter(StorageWriter):
             self.abort(handle)
             raise
 
-
     def remove_leftovers(self, root: str, gone: Gone) -> list[str]:
         removed = []
         for folder, _, files in shallow_walk(root, LEFTOVER_DEPTH):  # checkpoints live at <root>/<tag>/<file>
@@ -390,6 +388,39 @@ class PosixWriter(StorageWriter):
                         continue
         return removed
 
+    def read(self, path: str) -> bytes | None:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def open(self, path: str) -> _File:
+        return _File(path)
+
+    def list(self, folder: str) -> Iterator[tuple[str, int]]:
+        for below, _, names in os.walk(folder):
+            for name in names:
+                path = os.path.join(below, name)
+                with contextlib.suppress(FileNotFoundError):
+                    yield path, os.stat(path, follow_symlinks=False).st_size
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def is_folder(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def delete(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def absolute(self, path: str, resolve: bool = False) -> str:
+        return os.path.realpath(path) if resolve else os.path.abspath(path)
+
+    def join(self, folder: str, relative: str) -> str:
+        return os.path.normpath(os.path.join(folder, relative))
+
 
 def _left_by(name: str, path: str, gone: Gone) -> bool:
     """Whether ``path`` is a temporary file or a done marker (daemon/gather.py) of a dead writer (``gone``)."""
@@ -402,4 +433,21 @@ def _left_by(name: str, path: str, gone: Gone) -> bool:
     return False
 
 
-register_writer(PosixWriter)
+class _File:
+    """A file opened for positional reads (``PosixStorage.open``), through the page cache."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.size = os.fstat(self.fd).st_size
+
+    def pread(self, length: int, at: int) -> bytes:
+        return os.pread(self.fd, length, at)
+
+    def preadv(self, buffers: list[memoryview], at: int, until: int = 0) -> int:
+        return os.preadv(self.fd, buffers, at)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+register_backend(PosixStorage)
