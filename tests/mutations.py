@@ -304,8 +304,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "failed-copy-frames-kept",
         "a failed snapshot's tracebacks keep views of its replica's pages, which stay mapped after the file is removed",
         (Edit("daemon/engine.py",
-              "                traceback.clear_frames(exc.__traceback__)\n",
-              "                pass  # MUTATION: frames kept\n"),),
+              "            traceback.clear_frames(exc.__traceback__)\n",
+              "            pass  # MUTATION: frames kept\n"),),
         ("tests/faults/test_storage_faults.py::test_disk_full_fails_the_tag_and_keeps_the_last_one",),
     ),
     Mutation(
@@ -1241,8 +1241,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "deferred-first-replica-never-written",
         "a rank file's first replica, written once its snapshot is copied, is never written: it restores zeros",
-        (Edit("daemon/engine.py", "                    await self.write(sink.write_replicas, at, dst.view[: piece.length])\n",
-              "                    pass  # MUTATION\n"),),
+        (Edit("daemon/engine.py", "                await engine.write(self.sink.write_replicas, at, dst.view[: piece.length])\n",
+              "                pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_ranks_agree_on_the_tag_when_only_one_fits_in_memory",),
     ),
     Mutation(
