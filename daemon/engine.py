@@ -31,6 +31,7 @@ from .job import SnapshotJob
 from .memory import Chunk, HostPool, Window
 from datastates.protocol.layout import FilePlan, Piece
 
+from .replicastorage import ReplicaStorage
 from .sink import FileSink
 from .turns import Slots
 
@@ -59,6 +60,8 @@ class Engine:
         self._direct_io = direct_io
         self._owner = owner
         self._writers: dict[type, Any] = {}
+        self.replica_storage = ReplicaStorage(direct_io=direct_io, owner=owner)
+        """The backend of the snapshots' in-memory replicas."""
 
     def writer(self, path: str) -> WritableStorage:
         """The one backend instance for ``path``'s scheme, made with the config's options."""
@@ -95,7 +98,7 @@ class Engine:
         """
         plan = job.plan
         assert plan is not None
-        replicas = [] if job.replica is None else [(self.writer(job.replica.file), job.replica.file, job.replica.spare)]
+        replicas = [] if job.replica is None else [(self.replica_storage, job.replica.file, job.replica.spare)]
         run = _Run(self, job, FileSink(self.writer(plan.path), plan.path, f"{job.client_id}-{job.id}", replicas))
         try:
             await self.flush(run.sink.create)
@@ -181,11 +184,10 @@ class _Run:
         """Whether the replica is written only once every piece is copied (``Engine._defer_replica``)."""
 
     async def fill_replica(self) -> None:
-        """Have the copies fill the replica's pages, from which the file is written: only over a spare's pages
-        (fresh ones would be allocated before the copy, where the trainer may wait on them, not on a flush thread
-        after it), and not for GPU copies, which want pinned chunks."""
+        """Have the copies fill the replica's pages, from which the file is written, where its backend says so."""
         replica = self.job.replica
-        if replica is None or not replica.spare or any(r.fenced for r in self.job.regions):
+        fenced = any(r.fenced for r in self.job.regions)
+        if replica is None or not self.engine.replica_storage.fills_directly(replica.spare, fenced):
             return
         self.pages = await self.engine.flush(self.sink.replica_pages, self.plan.file_size)
         if self.pages is not None:

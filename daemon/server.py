@@ -80,7 +80,7 @@ class Daemon:
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions, owner)
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger, owner, cfg.commit_timeout)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
-                                     on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed(),
+                                     on_removed=self.engine.replica_storage.release_removed,
                                      ready_ahead=lambda path, size, done: self._spawn(self._ready_ahead(path, size, done)),
                                      alive=lambda client: self.clients.alive(client, cfg.client_timeout))
         self.ledger.subscribe(self.replicas)
@@ -145,7 +145,7 @@ class Daemon:
     async def _ready_ahead(self, path: str, size: int, done: Callable[[BaseException | None], None]) -> None:
         """A spare's pages readied on a flush thread (``ready_pages``), then ``done`` here with what it raised."""
         try:
-            await self.engine.write(self.engine.writer(path).ready_pages, path, size)
+            await self.engine.write(self.engine.replica_storage.ready_pages, path, size)
         except Exception as exc:
             done(exc)
         else:

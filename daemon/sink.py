@@ -23,19 +23,20 @@ from typing import Any, Callable
 
 from datastates.protocol.errors import DatastatesError
 from datastates.protocol.fileio import aligned_block
-
 from datastates.protocol.storage import WritableStorage
+
+from .replicastorage import ReplicaHandle, ReplicaStorage
 
 log = logging.getLogger(__name__)
 
 
 class _Replica:
-    def __init__(self, writer: WritableStorage, path: str, reuse: str = "") -> None:
+    def __init__(self, writer: ReplicaStorage, path: str, reuse: str = "") -> None:
         self.writer = writer
         self.path = path
         self.reuse = reuse
         """A file beside it whose pages it may write over (the replica it replaces), or ""."""
-        self.handle: Any = None
+        self.handle: ReplicaHandle | None = None
         self.failed = False
         self.pages: memoryview | None = None
         """Its own pages, filled directly by the copies (``FileSink.replica_pages``)."""
@@ -43,7 +44,7 @@ class _Replica:
 
 class FileSink:
     def __init__(self, writer: WritableStorage, path: str, token: str,
-                 replicas: list[tuple[WritableStorage, str, str]] | None = None) -> None:
+                 replicas: list[tuple[ReplicaStorage, str, str]] | None = None) -> None:
         self._writer = writer
         self.path = path
         self._token = token

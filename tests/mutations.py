@@ -295,7 +295,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "removed-replica-kept-mapped",
         "the writer keeps its mapping of a replica file after the file is removed, so its pages are never freed",
-        (Edit("protocol/storage/posix.py",
+        (Edit("daemon/replicastorage.py",
               "            for key in [k for k, m in self._kept.items() if m.removed()]:\n",
               "            for key in []:  # MUTATION: never swept\n"),),
         ("tests/test_restore.py::test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages",),

@@ -1,14 +1,13 @@
 """The storage interface: where and how checkpoint bytes become durable files, and are read back.
 
 A backend is chosen by a path's URL scheme (plain paths are ``file``: protocol/storage/posix.py; ``s3://``:
-protocol/storage/s3.py); a daemon-side backend may add kinds of its own. ``backend_for(path)`` is the shared
+protocol/storage/s3.py); the daemon's in-memory replicas have one of their own (daemon/replicastorage.py), which
+adds taking over a spare's pages and handing them out to be filled directly. ``backend_for(path)`` is the shared
 instance that reads, lists and answers what a path's storage can do; the daemon makes writing ones with its options
 (``backend_class(path)(direct_io=..., owner=...)``). Nothing outside the backends asks which one a path has.
 
 Writing, every call from a daemon's flush thread (or a trainer saving on its own):
-1. ``create(path, token, reuse="")`` opens a temporary file beside ``path`` (or starts an upload); ``reuse`` names a
-   file of the same folder to take over instead (its pages are reused: the daemon's in-memory replicas); a backend
-   that cannot ignores it, and the caller removes it;
+1. ``create(path, token)`` opens a temporary file beside ``path`` (or starts an upload);
 2. the pieces, any number, in any order: ``write(handle, offset, data)`` from memory where the medium takes bytes at
    any offset (``WritableStorage``: a file system), or ``upload(handle, fd, offset, length)`` of parts of a local
    file (``UploadedStorage``: an object store, whose parts the upload process reads from a committed file);
@@ -81,22 +80,7 @@ class Storage(ABC):
         stay for the next daemon (``Instance.forget_gone``), rather than be forgotten with work still to do."""
 
     @abstractmethod
-    def create(self, path: str, token: str, reuse: str = "") -> Any: ...
-
-    def pages(self, handle: Any, size: int) -> memoryview | None:
-        """The file's first ``size`` bytes as writable memory, every page allocated, for the caller to fill
-        in place rather than ``write`` from a buffer of its own: one memcpy less. None where the file's pages
-        are not memory (a disk), as here; StorageError where they cannot be allocated (the file system is full).
-        ``finalize`` or ``abort`` unmaps them once the caller's views of them are gone."""
-        return None
-
-    def ready_pages(self, path: str, size: int) -> None:
-        """Allocate the first ``size`` bytes of the file ``path`` and map them now, so that a later
-        ``create`` taking the file over (``reuse``) gets ``pages`` of that size with no allocation or mapping on its
-        own path; OSError where they cannot be. Nothing where a file's pages are not memory, as here."""
-
-    def release_removed(self) -> None:
-        """Let go of what the writer still holds of files removed since (``pages``' mappings); nothing here."""
+    def create(self, path: str, token: str) -> Any: ...
 
     @abstractmethod
     def finalize(self, handle: Any) -> None: ...

@@ -643,7 +643,7 @@ class S3Storage(UploadedStorage):
                 raise object_error(what, url, exc) from None
             raise
 
-    def create(self, path: str, token: str, reuse: str = "") -> _Upload:
+    def create(self, path: str, token: str) -> _Upload:
         where = ObjectPath.parse(path)
         s3 = client_for(path)
         reply = self._call("cannot start uploading", path, s3.create_multipart_upload, Bucket=where.bucket,
