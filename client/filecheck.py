@@ -142,7 +142,7 @@ def _advise(buf: mmap.mmap, advice: int) -> None:
 
 @contextlib.contextmanager
 def opened(path: str) -> Iterator[tuple[int, Callable[[int, int], bytes]]]:
-    """(size, pread(length, at)) of a file, or of an object (protocol/objectstore.py): for small reads, a head or a tail."""
+    """(size, pread(length, at)) of a file, or of an object (protocol/storage/s3.py): for small reads, a head or a tail."""
     if is_object(path):
         yield (source := ObjectFile.open(path)).size, source.pread
         return

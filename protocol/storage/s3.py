@@ -629,7 +629,9 @@ class S3Storage(UploadedStorage):
         super().__init__(**options)
         self._lock = threading.Lock()
         self._journals = journals
-        self._journal = _journal(journal_path(journals, self.owner)) if journals else None
+        self._journal: _Journal | None = _journal(journal_path(journals, self.owner)) if journals else None
+        """Where this instance's uploads are journaled; None where it never starts one (it reads, or only removes
+        what a killed daemon left)."""
         self.uploader = uploader
         self.completed: dict[str, str] = {}
         """url → the ETag of the object this writer's last upload there made: the commit checks the object is still
@@ -644,6 +646,7 @@ class S3Storage(UploadedStorage):
             raise
 
     def create(self, path: str, token: str) -> _Upload:
+        assert self._journal is not None, "an upload is started only by an instance made with its journals folder"
         where = ObjectPath.parse(path)
         s3 = client_for(path)
         reply = self._call("cannot start uploading", path, s3.create_multipart_upload, Bucket=where.bucket,
