@@ -18,12 +18,12 @@ import logging
 import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
 from datastates.protocol.errors import DatastatesError, SnapshotFailedError
-from datastates.protocol.storage import Gone, WritableStorage, backend_class
+from datastates.protocol.storage import Gone, Storage, WritableStorage, backend_class
 
 from .copier import copy_piece, write_hashed
 from .instances import daemons_folder
@@ -59,12 +59,17 @@ class Engine:
         """Pieces of the snapshots whose replica waits for their last copy (``_defer_replica``): their chunks."""
         self._direct_io = direct_io
         self._owner = owner
-        self._writers: dict[type, Any] = {}
+        self._writers: dict[type, Storage] = {}
         self.replica_storage = ReplicaStorage(direct_io=direct_io, owner=owner)
         """The backend of the snapshots' in-memory replicas."""
 
     def writer(self, path: str) -> WritableStorage:
-        """The one backend instance for ``path``'s scheme, made with the config's options."""
+        """The one backend instance for ``path``'s scheme, made with the config's options (a snapshot's path is
+        always a file system's, which takes pieces from memory)."""
+        return cast(WritableStorage, self.storage(path))
+
+    def storage(self, path: str) -> Storage:
+        """The one backend instance for ``path``'s scheme (an object store tier's too, for its leftovers)."""
         cls = backend_class(path)
         if cls not in self._writers:
             self._writers[cls] = cls(direct_io=self._direct_io, owner=self._owner, journals=daemons_folder())
@@ -75,7 +80,7 @@ class Engine:
         owners whose leftovers could not all be (``Storage.kept``)."""
         removed: list[str] = []
         for root in roots:
-            removed += await self.flush(self.writer(root).remove_leftovers, root, gone)
+            removed += await self.flush(self.storage(root).remove_leftovers, root, gone)
         return removed, set().union(*(w.kept for w in self._writers.values()))
 
     async def prefill(self) -> None:
