@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from datastates.protocol.format import CommitMarker, marker_name
 from datastates.protocol.storage import backend_for
-from datastates.protocol.storage.s3 import list_keys
 from datastates.protocol.tags import committed_tags, tag_files
 
 
@@ -62,7 +61,7 @@ def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
 def _object_tags(root: str, now: float, in_memory: set[str]) -> list[TagEntry]:
     """``list_tags`` of an object store folder, from one listing: objects with no marker are ``uncommitted``."""
     sizes: dict[str, list[int]] = {}
-    for url, size in list_keys(root):
+    for url, size in backend_for(root).list(root):
         name = url[len(root) + 1:].split("/", 1)[0]
         if "/" in url[len(root) + 1:] and not name.startswith("."):
             sizes.setdefault(name, []).append(size)

@@ -16,7 +16,6 @@ from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DaemonNotRunning, DatastatesError, InvalidRequestError
 from datastates.protocol.fileio import read_regular
 from datastates.protocol.storage import backend_for
-from datastates.protocol.storage.s3 import list_keys
 from datastates.protocol.format import CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import prune
 from datastates.protocol.tags import distrust, marker_paths, read_marker_object, tag_files
@@ -164,7 +163,7 @@ def _object_files(target: str, named: bool) -> list[str]:
         marker = None
     if marker is not None:
         return tag_files(folder, marker)
-    if named or next(list_keys(folder), None) is not None:
+    if named or next(backend_for(folder).list(folder), None) is not None:
         raise CorruptCheckpointError(f"no commit marker for {target!r} (no committed tag there)")
     return [target]
 

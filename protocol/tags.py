@@ -20,7 +20,6 @@ from .errors import DatastatesError
 from .format import (INDEX_AT, PREAMBLE_SIZE, CommitMarker, MarkerFile, header_snapshot, index_at, is_marker_name,
                      marker_name, parse_preamble)
 from .storage import backend_for
-from .storage.s3 import list_keys, read_object
 from .paths import within
 
 log = logging.getLogger(__name__)
@@ -67,8 +66,9 @@ def tag_files(folder: str, marker: CommitMarker) -> list[str]:
 
 def read_marker(path: str) -> CommitMarker | None:
     """The marker at ``path`` if it is whole and every file it lists has the size it lists."""
-    if not backend_for(path).mounted:
-        return _object_marker(path, dict(list_keys(os.path.dirname(path))))
+    store = backend_for(path)
+    if not store.mounted:
+        return _object_marker(path, dict(store.list(os.path.dirname(path))))
     marker = CommitMarker.read(path)
     if marker is None or unlisted(os.path.dirname(path), marker):
         return None
@@ -237,7 +237,7 @@ def safe_name(path: str) -> bool:
 def read_marker_object(path: str) -> CommitMarker | None:
     """The marker (or done marker) object at ``path`` as it reads, or None: absent, not a marker, or listing a file
     outside its folder."""
-    raw = read_object(path)
+    raw = backend_for(path).read(path)
     try:
         marker = CommitMarker.decode(raw) if raw is not None else None
     except (ValueError, RecursionError, DatastatesError):
@@ -259,7 +259,7 @@ def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable
     """``committed_tags`` of an object store folder: one listing of it, and a GET of each marker object there, up to
     MARKER_READS at once (a run without ``keep_last`` holds a marker per save, each a round trip)."""
     root = root.rstrip("/")
-    sizes = dict(list_keys(root))
+    sizes = dict(backend_for(root).list(root))
     paths = [path for path in sizes if is_marker_name(path.rsplit("/", 1)[1])
              and path.rsplit("/", 1)[0][len(root):].count("/") <= depth]
 
