@@ -15,14 +15,13 @@ from typing import Any, Callable
 
 import torch
 
-from datastates.protocol import objectstore
-from datastates.protocol.objectstore import is_object
 from datastates.protocol import messages as m
 from datastates.protocol import outcome
 from datastates.protocol.descriptors import Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError
 from datastates.protocol.format import check_tag, marker_name
+from datastates.protocol.storage import backend_for
 from datastates.protocol.tags import trusted_marker
 from datastates.protocol.liveness import pid_namespace, process_began_ns, process_start
 from datastates.protocol.paths import check_derived, check_path
@@ -181,8 +180,7 @@ class Client:
         self.roots = welcome.roots
         self.tiers = welcome.tiers
         for tier in self.tiers:
-            if is_object(tier.path):
-                objectstore.register(tier.path, tier.endpoint, tier.region)
+            backend_for(tier.path).connect(tier.path, tier.endpoint, tier.region)
         self.in_place = self._probe is not None and not welcome.vm_refused
         if self._probe is not None and welcome.vm_refused:
             log.info("datastatesd cannot read this process's memory in place (%s): CPU tensors go through %s",
@@ -314,7 +312,7 @@ class Client:
         path of the daemon's replica where it holds one of that very tag, else of the file in storage.
         ``Restored.state`` is what ``read`` returned."""
         root = os.fspath(root)
-        root = root.rstrip("/") if is_object(root) else os.path.abspath(root)
+        root = backend_for(root).absolute(root)
         tag = check_tag(tag) if tag is not None else None
         return again_if_deleted(lambda: self._restore(root, name, tag, read), root)
 
@@ -343,7 +341,7 @@ class Client:
             except DatastatesError as exc:  # the replica went, or the daemon: storage still has it
                 why_not = f"{exc.code}: {exc}"
         state = read(path)
-        if is_object(path):  # no rename there: a tag saved again has its objects replaced one by one, under no marker
+        if not backend_for(path).mounted:  # no rename there: a tag saved again has its objects replaced one by one, under no marker
             now = trusted_marker(os.path.join(folder, marker_name(tag)))  # the bucket just answered: an error is one
             if now is None or now.sequence != marker.sequence or \
                     next((f.snapshot for f in now.files if f.path == name), None) != entry.snapshot:

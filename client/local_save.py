@@ -27,6 +27,7 @@ from datastates.protocol.descriptors import CUDA_IPC, VM
 from datastates.protocol.errors import CommitError, DatastatesError
 from datastates.protocol.format import marker_name
 from datastates.protocol.layout import plan_snapshot
+from datastates.protocol.storage import WritableStorage, backend_class
 from datastates.protocol.tags import next_sequence
 
 from datastates.daemon.commit import check_listed, make_marker, tag_folder
@@ -35,7 +36,6 @@ from datastates.daemon.instances import Instance
 from datastates.daemon.memory import Chunk
 from datastates.daemon.sink import FileSink
 from datastates.daemon.sources import Owner, Region, open_region
-from datastates.daemon.storage import StorageWriter, writer_class
 from datastates.daemon.trackers import trackers
 from datastates.daemon.versions import Versions
 
@@ -110,8 +110,8 @@ class LocalSaver:
             self._snapshots.pop(p, None)
         self._versions.abandon([*files, *paths])
 
-    def _writer(self, path: str) -> StorageWriter:
-        return writer_class(path)(direct_io=False, owner=self._instance.owner)
+    def _writer(self, path: str) -> WritableStorage:
+        return backend_class(path)(direct_io=False, owner=self._instance.owner)
 
     def commit(self, tag: str) -> m.Committed:
         files = self._files.pop(tag, None)

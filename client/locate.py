@@ -23,7 +23,7 @@ from datastates.protocol.paths import home_tier
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import CheckpointGoneError, CommitError, DatastatesError, StorageError
 from datastates.protocol.format import CommitMarker, marker_name
-from datastates.protocol.objectstore import is_object
+from datastates.protocol.storage import backend_for
 from datastates.protocol.tags import newest, trusted_marker
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def latest(root: str | os.PathLike) -> str | None:
 
 def tier_roots(root: str, tiers: list[Tier]) -> list[tuple[Tier | None, str]]:
     """``root`` as it lies on each tier, fastest first; just ``root`` if it is in no tier."""
-    real = root.rstrip("/") if is_object(root) else os.path.realpath(root)
+    real = backend_for(root).absolute(root, resolve=True)
     home = home_tier(tiers, real)
     if home is None:
         return [(None, root)]
@@ -78,7 +78,7 @@ def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: boo
         try:
             marker = trusted_marker(os.path.join(folder, marker_name(tag)))
         except DatastatesError as exc:  # StorageError; ConfigError with no boto3 here
-            if not is_object(place):
+            if backend_for(place).mounted:
                 raise
             log.warning("cannot read %s, looking on the other tiers: %s", folder, exc.message)
             unreadable = unreadable or StorageError(f"cannot read {folder}, and no other tier holds tag {tag!r} "
@@ -106,8 +106,8 @@ def newest_of(places: list[str], strict: bool) -> list[CommitMarker]:
     that cannot be read raises StorageError; nodes that could and nodes that could not read it would otherwise
     restore different steps.
     """
-    probes = {p: _in_background(newest, p) for p in places if is_object(p)}
-    found = [c.marker for c in (newest(p) for p in places if not is_object(p)) if c is not None]
+    probes = {p: _in_background(newest, p) for p in places if not backend_for(p).mounted}
+    found = [c.marker for c in (newest(p) for p in places if backend_for(p).mounted) if c is not None]
     until = time.monotonic() + OBJECT_WAIT_S if found and not strict else None
     unreadable: list[tuple[str, DatastatesError]] = []
     for place, probe in probes.items():

@@ -17,7 +17,8 @@ import yaml
 from datastates.protocol import security
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.descriptors import Tier
-from datastates.protocol.objectstore import ObjectPath, check_endpoint, check_region, is_object
+from datastates.protocol.storage import backend_for
+from datastates.protocol.storage.s3 import ObjectPath, check_endpoint, check_region
 from datastates.protocol.errors import ConfigError
 from datastates.protocol.fileio import PAGE
 
@@ -85,7 +86,7 @@ class StorageConfig:
     @property
     def written(self) -> list[str]:
         """Everywhere this daemon writes: the roots, and the object store tiers."""
-        return self.roots + [t.path for t in self.tiers if is_object(t.path)]
+        return self.roots + [t.path for t in self.tiers if not backend_for(t.path).mounted]
 
     def tier_of(self, path: str) -> int | None:
         """The index of the tier ``path`` (resolved) lies in, if any."""
@@ -248,14 +249,14 @@ def _storage(value: Any) -> StorageConfig:
         raise ConfigError("storage: must be a mapping with 'roots' and/or 'tiers'", key="storage")
     _check_keys(value, StorageConfig, "storage: ")
     tiers = _tiers(value.get("tiers", []))
-    roots = value.get("roots", [t.path for t in tiers if not is_object(t.path)] or _default_roots())
+    roots = value.get("roots", [t.path for t in tiers if backend_for(t.path).mounted] or _default_roots())
     if not isinstance(roots, list) or not roots or not all(isinstance(r, str) and os.path.isabs(r) for r in roots):
         raise ConfigError(f"storage.roots: {roots!r} must be a non-empty list of absolute paths", key="storage.roots")
     keep_last = value.get("keep_last")
     if keep_last is not None:
         keep_last = _positive_int(keep_last, "storage.keep_last")
     roots = [os.path.realpath(r) for r in roots]
-    roots += [t.path for t in tiers if t.path not in roots and not is_object(t.path)]
+    roots += [t.path for t in tiers if t.path not in roots and backend_for(t.path).mounted]
     priority = value.get("upload_priority", "low")
     if priority not in UPLOAD_PRIORITIES:
         raise ConfigError(f"storage.upload_priority: {priority!r} must be one of {', '.join(UPLOAD_PRIORITIES)}",
@@ -280,11 +281,12 @@ def _tiers(value: Any) -> list[Tier]:
         shared = raw.get("shared", True)
         if not isinstance(shared, bool):
             raise ConfigError(f"{where}.shared: {shared!r} is not true or false", key=f"{where}.shared")
-        if not shared and is_object(path):
+        mounted = backend_for(path).mounted
+        if not shared and not mounted:
             raise ConfigError(f"{where}.shared: an object store tier is seen by every node", key=f"{where}.shared")
         place = {k: raw.get(k, "") for k in ("endpoint", "region")}
         for key, value in place.items():
-            if value and not is_object(path) or not isinstance(value, str):
+            if value and mounted or not isinstance(value, str):
                 raise ConfigError(f"{where}.{key}: {value!r} must be a string, and only an s3:// tier has one",
                                   key=f"{where}.{key}")
             why = (check_endpoint if key == "endpoint" else check_region)(value)
@@ -298,7 +300,7 @@ def _tiers(value: Any) -> list[Tier]:
             if within(tier.path, other.path) or within(other.path, tier.path):
                 raise ConfigError(f"{where}.path: {tier.path} and tier {other.name!r} ({other.path}) lie inside one "
                                   "another; each tier needs its own folder", key=f"{where}.path")
-        if tiers and is_object(tiers[-1].path) and not is_object(path):
+        if tiers and not backend_for(tiers[-1].path).mounted and mounted:
             raise ConfigError(f"{where}.path: {path!r} comes after the object store tier {tiers[-1].name!r}; object "
                               "store tiers come last (each tier is written from the first)", key=f"{where}.path")
         tiers.append(tier)

@@ -89,13 +89,13 @@ def copy_piece(piece: Piece, chunk: Chunk | Window, regions: Sequence[Region],
         progress(in_flight)
 
 
-def write_hashed(sink: FileSink, piece: Piece, chunk: Chunk | Window, at: int, in_place: bool,
+def write_hashed(sink: FileSink, piece: Piece, chunk: Chunk | Window, at: int, from_replica: bool,
                  sums: list[list[bytes]], replicas: bool = True) -> None:
     """On the flush side: ``piece``'s ``checksums`` into ``sums`` (by storage and slot), then its bytes in ``chunk``
     to the file at ``at`` (and to the replicas, unless ``replicas`` is False: ``FileSink.write``)."""
     for storage, slot, digest in checksums(piece, chunk):
         sums[storage][slot] = digest
-    sink.write(at, chunk.view[: piece.length], in_place, replicas)
+    sink.write(at, chunk.view[: piece.length], from_replica, replicas)
 
 
 def checksums(piece: Piece, chunk: Chunk | Window) -> list[tuple[int, int, bytes]]:

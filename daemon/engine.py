@@ -18,20 +18,21 @@ import logging
 import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
 from datastates.protocol.errors import DatastatesError, SnapshotFailedError
+from datastates.protocol.storage import Gone, Storage, WritableStorage, backend_class
 
 from .copier import copy_piece, write_hashed
-from .instances import Gone
+from .instances import daemons_folder
 from .snapshot import AdmittedSnapshot
 from .memory import Chunk, HostPool, Window
 from datastates.protocol.layout import FilePlan, Piece
 
+from .replicastorage import ReplicaStorage
 from .sink import FileSink
-from .storage import StorageWriter, writer_class
 from .turns import Slots
 
 log = logging.getLogger(__name__)
@@ -58,21 +59,28 @@ class Engine:
         """Pieces of the snapshots whose replica waits for their last copy (``_defer_replica``): their chunks."""
         self._direct_io = direct_io
         self._owner = owner
-        self._writers: dict[type, StorageWriter] = {}
+        self._writers: dict[type, Storage] = {}
+        self.replica_storage = ReplicaStorage(direct_io=direct_io, owner=owner)
+        """The backend of the snapshots' in-memory replicas."""
 
-    def writer(self, path: str) -> StorageWriter:
-        """The one writer instance for ``path``'s scheme, made with the config's options."""
-        cls = writer_class(path)
+    def writer(self, path: str) -> WritableStorage:
+        """The one backend instance for ``path``'s scheme, made with the config's options (a snapshot's path is
+        always a file system's, which takes pieces from memory)."""
+        return cast(WritableStorage, self.storage(path))
+
+    def storage(self, path: str) -> Storage:
+        """The one backend instance for ``path``'s scheme (an object store tier's too, for its leftovers)."""
+        cls = backend_class(path)
         if cls not in self._writers:
-            self._writers[cls] = cls(direct_io=self._direct_io, owner=self._owner)
+            self._writers[cls] = cls(direct_io=self._direct_io, owner=self._owner, journals=daemons_folder())
         return self._writers[cls]
 
     async def remove_leftovers(self, roots: list[str], gone: Gone) -> tuple[list[str], set[str]]:
         """What killed daemons of this node (``gone`` owners) left half-written under the roots, deleted; and the
-        owners whose leftovers could not all be (``StorageWriter.kept``)."""
+        owners whose leftovers could not all be (``Storage.kept``)."""
         removed: list[str] = []
         for root in roots:
-            removed += await self.flush(self.writer(root).remove_leftovers, root, gone)
+            removed += await self.flush(self.storage(root).remove_leftovers, root, gone)
         return removed, set().union(*(w.kept for w in self._writers.values()))
 
     async def prefill(self) -> None:
@@ -95,104 +103,48 @@ class Engine:
         """
         plan = job.plan
         assert plan is not None
-        token = f"{job.client_id}-{job.id}"
-        replicas = [] if job.replica is None else [(self.writer(job.replica.file), job.replica.file, job.replica.spare)]
-        sink = FileSink(self.writer(plan.path), plan.path, token, replicas)
-        sums: list[list[bytes]] = [list(s.checksums) for s in plan.header.storages]
-        failures: list[BaseException] = []
-        uncopied = len(plan.pieces)
-        loop = asyncio.get_running_loop()
-        pages: memoryview | None = None
-        in_place: torch.Tensor | None = None
-        deferred = False
-        all_copied = asyncio.Event()
-
-        async def one(piece: Piece) -> None:
-            nonlocal uncopied
-            if failures:
-                return
-            chunk: Chunk | None = await self.pool.acquire(job.client_id)
-            at = plan.data_offset + piece.offset
-            try:
-                if failures:
-                    return
-                if job.abandoned is not None:
-                    raise job.abandoned
-                filled_in_place = in_place is not None
-                dst = Window(in_place, pages, at, piece.length) if filled_in_place else chunk
-                async with self._copy_turns.turn(job.client_id):
-                    await loop.run_in_executor(self._copy, copy_piece, piece, dst, job.regions, job.before_copy,
-                                               job.add_copied)
-                uncopied -= 1
-                if uncopied == 0:
-                    job.mark_copied()
-                    all_copied.set()
-                if filled_in_place:
-                    self.pool.release(chunk)  # it only paced this copy: the bytes are in the replica's pages
-                    chunk = None
-                else:
-                    self.pool.copied(chunk)
-                await self.write(write_hashed, sink, piece, dst, at, filled_in_place, sums, not deferred)
-                if deferred:
-                    await all_copied.wait()
-                    if failures:
-                        return
-                    await self.write(sink.write_replicas, at, dst.view[: piece.length])
-                job.flushed_bytes += sum(s.length for s in piece.segments)
-            except BaseException as exc:
-                failures.append(exc)
-                all_copied.set()  # the pieces holding their chunks for the replica let go of them
-                raise
-            finally:
-                if chunk is not None:
-                    self.pool.release(chunk)
-
+        replicas = [] if job.replica is None else [(self.replica_storage, job.replica.file, job.replica.spare)]
+        run = _Run(self, job, FileSink(self.writer(plan.path), plan.path, f"{job.client_id}-{job.id}", replicas))
         try:
-            await self.flush(sink.create)
+            await self.flush(run.sink.create)
         except DatastatesError as exc:
             job.mark_failed(exc)
             return
         try:
-            if job.replica is not None and job.replica.spare and not any(r.fenced for r in job.regions):
-                # only over a spare's pages: fresh ones would be allocated before the copy, where the trainer
-                # may wait on them, not on a flush thread after it; and GPU copies want pinned chunks
-                pages = await self.flush(sink.in_place, plan.file_size)
-                if pages is not None:
-                    job.replica.in_place = True
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")  # "non-writable buffer": it is writable
-                        in_place = torch.frombuffer(pages, dtype=torch.uint8)
+            await run.fill_replica()
             if job.fences is not None and any(r.fenced for r in job.regions):
                 await job.fences.wait(job.stop_reason, self._fence)
             if not plan.pieces:
                 job.mark_copied()
-            deferred = self._defer_replica(job)
+            run.deferred = self._defer_replica(job)
             try:
-                await asyncio.gather(*(one(p) for p in plan.pieces), return_exceptions=True)
+                await asyncio.gather(*(run.piece(p) for p in plan.pieces), return_exceptions=True)
             finally:
-                self._deferring -= len(plan.pieces) if deferred else 0
-            in_place = pages = None  # every copy and write is done: finalize may unmap the pages
-            for exc in failures:  # their tracebacks hold the copies' frames, whose locals still view the pages
-                traceback.clear_frames(exc.__traceback__)
-            if failures:
-                raise failures[0]
-            await self.write(_write_head, sink, plan, sums)
+                self._deferring -= len(plan.pieces) if run.deferred else 0
+            run.let_go_of_pages()
+            await self.write(_write_head, run.sink, plan, run.sums)
             if after:
                 await asyncio.wait(after)
-            await self.write(_finalize, job, sink)
+            await self.write(_finalize, job, run.sink)
         except Exception as exc:
             if not isinstance(exc, DatastatesError):
                 log.exception("snapshot %d to %s failed", job.id, job.path)
                 exc = SnapshotFailedError(f"snapshot of {job.path} failed: {exc}", path=job.path)
             try:
-                await self.flush(sink.abort)
+                await self.flush(run.sink.abort)
             finally:  # the job ends failed whatever its clean-up meets: a commit waiting on it must not hang
                 job.mark_failed(exc)
             return
-        if not sink.replicas_written:
+        if not run.sink.replicas_written:
             job.replica = None
         job.mark_durable()
         log.info("snapshot %d durable: %s (%d bytes)", job.id, job.path, job.total_bytes)
+
+    async def copy(self, piece: Piece, dst: Chunk | Window, job: AdmittedSnapshot) -> None:
+        """Copy ``piece`` of ``job`` into ``dst`` on a copy thread, in this client's turn."""
+        async with self._copy_turns.turn(job.client_id):
+            await asyncio.get_running_loop().run_in_executor(self._copy, copy_piece, piece, dst, job.regions,
+                                                             job.before_copy, job.add_copied)
 
     def _defer_replica(self, job: AdmittedSnapshot) -> bool:
         """Whether ``job``'s replica is written only once every piece is copied (each piece's chunk held until
@@ -215,6 +167,87 @@ class Engine:
         self._copy.shutdown(wait=True)
         self._flush.shutdown(wait=True)
         self._files.shutdown(wait=True)
+
+
+class _Run:
+    """One snapshot's way through the pipeline: each piece acquires a chunk, is copied, written, and releases it."""
+
+    def __init__(self, engine: Engine, job: AdmittedSnapshot, sink: FileSink) -> None:
+        assert job.plan is not None
+        self.engine = engine
+        self.job = job
+        self.plan = job.plan
+        self.sink = sink
+        self.sums: list[list[bytes]] = [list(s.checksums) for s in self.plan.header.storages]
+        self.failures: list[BaseException] = []
+        self.uncopied = len(self.plan.pieces)
+        self.all_copied = asyncio.Event()
+        self.pages: memoryview | None = None
+        self.replica_tensor: torch.Tensor | None = None
+        """The replica's own pages, which the copies fill directly (``fill_replica``), or None."""
+        self.deferred = False
+        """Whether the replica is written only once every piece is copied (``Engine._defer_replica``)."""
+
+    async def fill_replica(self) -> None:
+        """Have the copies fill the replica's pages, from which the file is written, where its backend says so."""
+        replica = self.job.replica
+        fenced = any(r.fenced for r in self.job.regions)
+        if replica is None or not self.engine.replica_storage.fills_directly(replica.spare, fenced):
+            return
+        self.pages = await self.engine.flush(self.sink.replica_pages, self.plan.file_size)
+        if self.pages is not None:
+            replica.in_place = True
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "non-writable buffer": it is writable
+                self.replica_tensor = torch.frombuffer(self.pages, dtype=torch.uint8)
+
+    async def piece(self, piece: Piece) -> None:
+        """Acquire a chunk, copy ``piece`` into it (or into the replica's pages), write it, release the chunk."""
+        engine, job = self.engine, self.job
+        if self.failures:
+            return
+        chunk: Chunk | None = await engine.pool.acquire(job.client_id)
+        at = self.plan.data_offset + piece.offset
+        try:
+            if self.failures:
+                return
+            if job.abandoned is not None:
+                raise job.abandoned
+            into_replica = self.replica_tensor is not None
+            dst = Window(self.replica_tensor, self.pages, at, piece.length) if into_replica else chunk
+            await engine.copy(piece, dst, job)
+            self.uncopied -= 1
+            if self.uncopied == 0:
+                job.mark_copied()
+                self.all_copied.set()
+            if into_replica:
+                engine.pool.release(chunk)  # it only paced this copy: the bytes are in the replica's pages
+                chunk = None
+            else:
+                engine.pool.copied(chunk)
+            await engine.write(write_hashed, self.sink, piece, dst, at, into_replica, self.sums, not self.deferred)
+            if self.deferred:
+                await self.all_copied.wait()
+                if self.failures:
+                    return
+                await engine.write(self.sink.write_replicas, at, dst.view[: piece.length])
+            job.flushed_bytes += sum(s.length for s in piece.segments)
+        except BaseException as exc:
+            self.failures.append(exc)
+            self.all_copied.set()  # the pieces holding their chunks for the replica let go of them
+            raise
+        finally:
+            if chunk is not None:
+                engine.pool.release(chunk)
+
+    def let_go_of_pages(self) -> None:
+        """Every copy and write is done: drop this run's views of the replica's pages, so finalize may unmap them;
+        then raise the first failure."""
+        self.replica_tensor = self.pages = None
+        for exc in self.failures:  # their tracebacks hold the copies' frames, whose locals still view the pages
+            traceback.clear_frames(exc.__traceback__)
+        if self.failures:
+            raise self.failures[0]
 
 
 def _write_head(sink: FileSink, plan: FilePlan, sums: list[list[bytes]]) -> None:

@@ -19,7 +19,7 @@ import re
 import secrets
 import socket
 import time
-from typing import Callable, Container
+from typing import Container
 
 from datastates.protocol.paths import SHM_DIR
 
@@ -33,10 +33,6 @@ FORGET_AFTER_S = 7 * 86400
 
 LIFE_SIGN_S = 3600.0
 """How often a running daemon renews its lock file's time (``Instance.touch``)."""
-
-
-Gone = Callable[[str, str], bool]
-"""(owner tag, a path that writer left) → whether that writer is dead: ``Instance.gone``."""
 
 
 def _before_boot(path: str) -> bool:

@@ -15,7 +15,7 @@ rank3.pt under /ckpt), not by job id: a restarted job, with a new run id, still 
 the replicas of the run it restarts.
 
 A superseded replica that no restore was handed is not deleted but kept as its rank file's *spare*: the next replica of
-that file is written over the spare's pages (renamed to its temporary name by the writer),
+that file is written over the spare's pages (renamed to its temporary name by daemon/replicastorage.py),
 not into freshly allocated ones. Allocating, zeroing and later freeing /dev/shm pages was
 most of the daemon's CPU per checkpoint (0.40 of 0.64 CPU-s for a 0.76 GB state, measured);
 writing over kept pages costs half. The spare counts in ``used``: the budget already held
@@ -56,7 +56,7 @@ from datastates.protocol.descriptors import Ranks
 from datastates.protocol.paths import SHM_DIR
 
 from .events import CommitEvent
-from .instances import Gone
+from datastates.protocol.storage import Gone
 from .pins import Pins
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def remove_gone(gone: Gone) -> list[str]:
 
 
 ReadyAhead = Callable[[str, int, Callable[[BaseException | None], None]], None]
-"""Makes the first bytes of a spare file ready (allocated and mapped: the writer's ``ready_pages``) off the event loop,
+"""Makes the first bytes of a spare file ready (allocated and mapped: ``ReplicaStorage.ready_pages``) off the event loop,
 then calls its last argument on the loop with what that raised (or None)."""
 
 
@@ -171,7 +171,7 @@ class ReplicaStore:
         """Replicas and spares released for another file's room (``_release_stale``), and their bytes."""
         self.released_bytes = 0
         self._on_removed = on_removed
-        """Called once files were removed: the storage writer may still map them (their pages are freed then)."""
+        """Called once files were removed: the replica backend may still map them (their pages are freed then)."""
         self._ready_ahead = ready_ahead
         """Readies a spare's pages off the fence's path, a spare allocated ahead (``prepare``) and a superseded
         replica's alike; None: neither."""

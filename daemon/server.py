@@ -25,8 +25,7 @@ import zmq.asyncio
 
 from datastates.protocol import messages as m
 from datastates.protocol import outcome
-from datastates.protocol import objectstore
-from datastates.protocol.objectstore import is_object
+from datastates.protocol.storage import backend_for
 from datastates.protocol.errors import (
     DatastatesError,
     InvalidRequestError,
@@ -71,8 +70,7 @@ class Daemon:
         self.pool = HostPool(cfg.chunk_size, cfg.chunks, pinned=cfg.pin_host_memory and torch.cuda.is_available())
         self.instance = Instance(self.cfg.storage.written)
         for tier in cfg.storage.tiers:
-            if is_object(tier.path):
-                objectstore.register(tier.path, tier.endpoint, tier.region)
+            backend_for(tier.path).connect(tier.path, tier.endpoint, tier.region)
         owner = self.instance.owner
         self.engine = Engine(self.pool, cfg.copy_threads, cfg.flush_threads, cfg.direct_io, owner)
         self.leftovers: list[str] | None = None
@@ -83,7 +81,7 @@ class Daemon:
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions, owner)
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger, owner, cfg.commit_timeout)
         self.replicas = ReplicaStore(cfg.memory_restore, cfg.memory_restore_budget, owner,
-                                     on_removed=lambda: self.engine.writer(self.replicas.folder).release_removed(),
+                                     on_removed=self.engine.replica_storage.release_removed,
                                      ready_ahead=lambda path, size, done: self._spawn(self._ready_ahead(path, size, done)),
                                      alive=lambda client: self.clients.alive(client, cfg.client_timeout))
         self.ledger.subscribe(self.replicas)
@@ -148,7 +146,7 @@ class Daemon:
     async def _ready_ahead(self, path: str, size: int, done: Callable[[BaseException | None], None]) -> None:
         """A spare's pages readied on a flush thread (``ready_pages``), then ``done`` here with what it raised."""
         try:
-            await self.engine.write(self.engine.writer(path).ready_pages, path, size)
+            await self.engine.write(self.engine.replica_storage.ready_pages, path, size)
         except Exception as exc:
             done(exc)
         else:

@@ -1,15 +1,15 @@
 """The one write sequence of a checkpoint file: create → pieces → header → finalize, or abort.
 
 The engine (a snapshot), the local fallback, and the tier transfers all write files
-this way, through a StorageWriter, off the event loop (the pieces, head and finalize on a
+this way, through a WritableStorage backend, off the event loop (the pieces, head and finalize on a
 flush thread, create and abort on a thread for small file work). A sink may also feed replicas:
 secondary files written with the same bytes (the daemon's in-memory replica of a
 snapshot). A replica's failure is contained: it drops that replica, logs why, and never
 fails the primary file.
 
 Call order (one call at a time, pieces in any order):
-1. ``create()``, then ``in_place(size)`` at most once; 2. ``write(offset, data)`` any number of times
-(``in_place=True`` for data already in the pages ``in_place`` handed out; ``replicas=False`` for the file alone,
+1. ``create()``, then ``replica_pages(size)`` at most once; 2. ``write(offset, data)`` any number of times
+(``from_replica=True`` for data already in the pages ``replica_pages`` handed out; ``replicas=False`` for the file alone,
 then ``write_replicas(offset, data)`` for the same bytes before step 3); 3. ``header(head,
 size, tail_at, tail)`` once the checksums are known (a file without a separate header, a byte-for-byte
 transfer, skips it); 4. ``finalize()`` makes the replicas then the primary durable, or
@@ -23,27 +23,28 @@ from typing import Any, Callable
 
 from datastates.protocol.errors import DatastatesError
 from datastates.protocol.fileio import aligned_block
+from datastates.protocol.storage import WritableStorage
 
-from .storage import StorageWriter
+from .replicastorage import ReplicaHandle, ReplicaStorage
 
 log = logging.getLogger(__name__)
 
 
 class _Replica:
-    def __init__(self, writer: StorageWriter, path: str, reuse: str = "") -> None:
+    def __init__(self, writer: ReplicaStorage, path: str, reuse: str = "") -> None:
         self.writer = writer
         self.path = path
         self.reuse = reuse
         """A file beside it whose pages it may write over (the replica it replaces), or ""."""
-        self.handle: Any = None
+        self.handle: ReplicaHandle | None = None
         self.failed = False
         self.pages: memoryview | None = None
-        """Its own pages, filled in place by the copies (``FileSink.in_place``)."""
+        """Its own pages, filled directly by the copies (``FileSink.replica_pages``)."""
 
 
 class FileSink:
-    def __init__(self, writer: StorageWriter, path: str, token: str,
-                 replicas: list[tuple[StorageWriter, str, str]] | None = None) -> None:
+    def __init__(self, writer: WritableStorage, path: str, token: str,
+                 replicas: list[tuple[ReplicaStorage, str, str]] | None = None) -> None:
         self._writer = writer
         self.path = path
         self._token = token
@@ -60,7 +61,7 @@ class FileSink:
         for r in self._replicas:
             self._contain(r, lambda: setattr(r, "handle", r.writer.create(r.path, self._token, r.reuse)))
 
-    def in_place(self, size: int) -> memoryview | None:
+    def replica_pages(self, size: int) -> memoryview | None:
         """The first ``size`` bytes of a replica whose pages are memory, for copies to fill directly: the
         primary file is then written from them, and the replica costs no copy of its own. None if no replica
         can (none, or its writer's files are not memory, or they cannot be allocated: the replica is dropped)."""
@@ -70,20 +71,20 @@ class FileSink:
                 return r.pages
         return None
 
-    def write(self, offset: int, data: memoryview, in_place: bool = False, replicas: bool = True) -> None:
+    def write(self, offset: int, data: memoryview, from_replica: bool = False, replicas: bool = True) -> None:
         """``data`` at ``offset`` in the file, and in each replica (not with ``replicas=False``: the caller writes
         them later with ``write_replicas``)."""
         self._writer.write(self._handle, offset, data)
         if replicas:
-            self.write_replicas(offset, data, in_place)
+            self.write_replicas(offset, data, from_replica)
 
-    def write_replicas(self, offset: int, data: memoryview, in_place: bool = False) -> None:
+    def write_replicas(self, offset: int, data: memoryview, from_replica: bool = False) -> None:
         for r in self._replicas:
-            if not (in_place and r.pages is not None):  # there already
+            if not (from_replica and r.pages is not None):  # there already
                 self._contain(r, lambda: r.writer.write(r.handle, offset, data))
 
     def _release_pages(self) -> None:
-        """Let go of the pages ``in_place`` handed out, so the writer can unmap them; where the caller still
+        """Let go of the pages ``replica_pages`` handed out, so the writer can unmap them; where the caller still
         holds a view of them (a failure cut its work short), they are unmapped with the last such view."""
         for r in self._replicas:
             if r.pages is not None:

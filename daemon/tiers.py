@@ -8,7 +8,7 @@ threads (so snapshot writes interleave), and has the ledger commit the tag on ea
 with a marker of its own, by the same rules as the first: fsynced files, then the marker,
 then the trackers, then that tier's ``keep_last``. An object store tier (``s3://``) takes
 the pieces as the parts of one multipart upload per file, several at once, uploaded by the
-upload process (daemon/uploader.py), and ``ObjectTiers`` (daemon/objects.py) commits the
+upload process (daemon/uploader.py), and ``ObjectTiers`` (daemon/objecttiers.py) commits the
 tag there instead of the ledger. A transfer that fails leaves the tag uncommitted on that tier only; the faster
 tier's commit stands. A transfer opens the tag's files once, before any byte moves, each checked to hold the
 snapshot its commit lists, and reads only through those descriptors: a version switched in meanwhile (the tag
@@ -37,16 +37,16 @@ from datastates.protocol.descriptors import Ranks, Tier
 from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.fileio import open_for_reading, read_range
 from datastates.protocol.format import marker_name
-from datastates.protocol.objectstore import is_object
+from datastates.protocol.storage import backend_for
+from datastates.protocol.storage.s3 import MAX_PARTS, PART
 from datastates.protocol.tags import CommittedTag, committed_tags, read_marker, snapshot_in
 
 from .commit import CommitLedger
 from .events import CommitEvent
 from .config import HISTORY, StorageConfig
 from .engine import Engine
-from .objects import ObjectTiers
-from .storage.s3 import MAX_PARTS
-from .uploader import PART, PARTS_AT_ONCE
+from .objecttiers import ObjectTiers
+from .uploader import PARTS_AT_ONCE
 from .sink import FileSink
 
 log = logging.getLogger(__name__)
@@ -313,15 +313,16 @@ class TierTransfers:
         lower = commit.moved(lambda p: tier.place(p, home))
         transfer.state = TransferState.TRANSFERRING
         self._progress()
+        uploaded = not backend_for(tier.path).mounted  # an object store's tag is committed by ObjectTiers
         try:
-            if is_object(tier.path):
+            if uploaded:
                 await asyncio.wrap_future(self.objects.call(self.objects.begin, lower))
             for (src, size), path in zip(commit.files.items(), lower.files):
-                if is_object(tier.path):
+                if uploaded:
                     await self._upload_file(sources[src], src, path, size, transfer, f"tier-{commit.order}")
                 else:
                     await self._copy_file(sources[src], path, size, transfer, f"tier-{commit.order}")
-            if is_object(tier.path):
+            if uploaded:
                 gone = await asyncio.wrap_future(self.objects.call(
                     self.objects.commit, lower, tier, self._storage.keep_last_at(tier.path), self.holds()))
                 self.pruned(gone)

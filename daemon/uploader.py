@@ -43,7 +43,7 @@ from typing import Any
 
 from datastates.protocol.errors import DatastatesError, ShuttingDownError, StorageError
 from datastates.protocol.fileio import read_range
-from datastates.protocol.objectstore import ObjectPath, client, is_client_error, object_error, place_for
+from datastates.protocol.storage.s3 import PART, ObjectPath, client, is_client_error, object_error, place_for
 
 try:
     from isal.isal_zlib import crc32  # ISA-L's: the same CRC32 as zlib's, about 10 times as fast (24 against 2 GB/s)
@@ -52,8 +52,6 @@ except ImportError:  # boto3 installed without the [s3] extra
 
 log = logging.getLogger(__name__)
 
-PART = 16 << 20
-"""Bytes of one uploaded part (the last of a file may be shorter): a tier transfer's piece."""
 PARTS_AT_ONCE = 8
 """Parts uploaded at a time, each from a buffer of its own: 128 MiB in all, beside the daemon's ``host_memory``."""
 UPLOAD_NICE = 19

@@ -34,8 +34,7 @@ from datastates.protocol.paths import shallow_walk, within
 from datastates.protocol.retention import finish_delete
 from datastates.protocol.tags import file_commits
 
-from .instances import Gone
-from .storage.base import storage_error
+from datastates.protocol.storage import Gone, storage_error
 
 log = logging.getLogger(__name__)
 

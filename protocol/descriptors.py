@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidRequestError
-from .objectstore import is_object
+from .storage import backend_for
 
 VM = "vm"
 """Source kind: an address in the client's own memory, which the daemon reads in place (process_vm_readv)."""
@@ -103,13 +103,11 @@ class Tier:
     """Every node sees this tier (a parallel file system); false for a node-local disk or /dev/shm.
     Only shared tiers decide which tag a multi-node job restores."""
     endpoint: str = ""
-    """An object store tier's server (``https://host:port``); '': the AWS environment's (protocol/objectstore.py)."""
+    """An object store tier's server (``https://host:port``); '': the AWS environment's (protocol/storage/s3.py)."""
     region: str = ""
     """An object store tier's region; '': the AWS environment's."""
 
     def place(self, path: str, home: Tier) -> str:
         """``path``, which lies in tier ``home``, at the same place below this tier: where its copy goes."""
         below = os.path.normpath(os.path.relpath(path, home.path))
-        if is_object(self.path):  # no normpath over the scheme's "//"
-            return self.path if below == "." else f"{self.path.rstrip('/')}/{below}"
-        return os.path.normpath(os.path.join(self.path, below))
+        return backend_for(self.path).join(self.path, below)

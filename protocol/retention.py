@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 from .errors import DatastatesError
 from .fileio import RENAME_NOREPLACE, fsync_dir, open_folder, read_regular, remove, rename_within
 from .format import DELETING_RE, TRACKER, CommitMarker, deleting_name, is_marker_name, marker_name
-from .objectstore import delete_object, is_object, list_keys, read_object
+from .storage import backend_for
 from .tags import CommittedTag, committed_tags, marker_paths, read_marker_object, untrusted_folder
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}: the newest committed tag always stays")
     spare = set(spare)
-    if is_object(root):
+    if not backend_for(root).mounted:
         return _prune_objects(root, keep_last, spare, accept, dry_run)
     if not dry_run:
         _finish_deletes(root)
@@ -190,22 +190,23 @@ def _prune_objects(run: str, keep_last: int, spare: set[str], accept: Callable[[
     tag committed again since it was listed, and the tag the ``latest`` tracker names all stay. An object store has
     no rename: a delete cut short leaves objects without a marker (never a tag), which a lifecycle rule clears."""
     gone = []
+    store = backend_for(run)
     tracker = f"{run.rstrip('/')}/{TRACKER}"
     for tag in committed_tags(run, own_folder=True, accept=accept)[keep_last:]:
         if tag.tag in spare:
             continue
         try:
-            listed = [url for url, _ in list_keys(tag.folder)]
+            listed = [url for url, _ in store.list(tag.folder)]
             why = _kept_object(tag, tracker, listed)
             if why:
                 log.warning("%s checkpoint %s of %s: %s", "would not delete" if dry_run else "not deleting", tag.tag,
                             tag.folder, why)
                 continue
             if not dry_run:
-                delete_object(tag.marker_path)
+                store.delete(tag.marker_path)
                 for url in listed:  # as listed before the guards: an object put there since is not this tag's
                     if url != tag.marker_path:
-                        delete_object(url)
+                        store.delete(url)
         except DatastatesError as exc:  # a refusal, or a key no address can name (``a//b``): left as it is
             log.warning("cannot delete tag %s from %s: %s", tag.tag, run, exc.message)
             continue
@@ -221,7 +222,7 @@ def _kept_object(tag: CommittedTag, tracker: str, listed: list[str]) -> str:
         return f"it also holds another tag's marker ({strangers[0].rsplit('/', 1)[1]})"
     if read_marker_object(tag.marker_path) != tag.marker:  # right before the delete: the window is a round trip
         return "it was committed again since it was listed, or its marker is gone"
-    if (read_object(tracker) or b"").decode(errors="replace").strip() == tag.tag:
+    if (backend_for(tracker).read(tracker) or b"").decode(errors="replace").strip() == tag.tag:
         return f"the {TRACKER!r} tracker beside it names it"
     return ""
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 from .errors import DatastatesError
 from .format import (INDEX_AT, PREAMBLE_SIZE, CommitMarker, MarkerFile, header_snapshot, index_at, is_marker_name,
                      marker_name, parse_preamble)
-from .objectstore import is_object, list_keys, read_object
+from .storage import backend_for
 from .paths import within
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,9 @@ def tag_files(folder: str, marker: CommitMarker) -> list[str]:
 
 def read_marker(path: str) -> CommitMarker | None:
     """The marker at ``path`` if it is whole and every file it lists has the size it lists."""
-    if is_object(path):
-        return _object_marker(path, dict(list_keys(os.path.dirname(path))))
+    store = backend_for(path)
+    if not store.mounted:
+        return _object_marker(path, dict(store.list(os.path.dirname(path))))
     marker = CommitMarker.read(path)
     if marker is None or unlisted(os.path.dirname(path), marker):
         return None
@@ -193,7 +194,7 @@ def trusted_marker(path: str, whole: bool = True) -> CommitMarker | None:
     ``whole`` False: the marker as it reads, whether or not its files are all there (what a
     reader checking one file against its tag needs).
     """
-    if is_object(path):  # who may write the bucket is its policy's to say
+    if not backend_for(path).mounted:  # who may write the bucket is its policy's to say
         return read_marker(path) if whole else read_marker_object(path)
     if not os.path.lexists(path):  # no tag committed here (a new node's fast tier, an interrupted save): no warning
         return None
@@ -213,7 +214,7 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
     ``strict``: a marker object that cannot be read raises, rather than being skipped: the
     newest tag cannot be named without it (``newest``).
     """
-    if is_object(root):
+    if not backend_for(root).mounted:
         return _committed_objects(root, depth, own_folder, accept, strict)
     found = []
     for path in marker_paths(root, depth):
@@ -236,7 +237,7 @@ def safe_name(path: str) -> bool:
 def read_marker_object(path: str) -> CommitMarker | None:
     """The marker (or done marker) object at ``path`` as it reads, or None: absent, not a marker, or listing a file
     outside its folder."""
-    raw = read_object(path)
+    raw = backend_for(path).read(path)
     try:
         marker = CommitMarker.decode(raw) if raw is not None else None
     except (ValueError, RecursionError, DatastatesError):
@@ -258,7 +259,7 @@ def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable
     """``committed_tags`` of an object store folder: one listing of it, and a GET of each marker object there, up to
     MARKER_READS at once (a run without ``keep_last`` holds a marker per save, each a round trip)."""
     root = root.rstrip("/")
-    sizes = dict(list_keys(root))
+    sizes = dict(backend_for(root).list(root))
     paths = [path for path in sizes if is_marker_name(path.rsplit("/", 1)[1])
              and path.rsplit("/", 1)[0][len(root):].count("/") <= depth]
 
@@ -332,7 +333,7 @@ def file_commits(path: str, depth: int = 3, roots: Sequence[str] | None = None) 
     counts, whatever its folder's trust (a setgid 2775 run folder, one made under umask
     002); the climb still stops at a root, so a marker planted above one changes nothing.
     """
-    if is_object(path):  # a tag's objects lie in its own folder, its marker beside them
+    if not backend_for(path).mounted:  # a tag's objects lie in its own folder, its marker beside them
         folder = os.path.dirname(path)
         marker_path = f"{folder}/{marker_name(os.path.basename(folder))}"
         marker = read_marker_object(marker_path)

@@ -77,10 +77,10 @@ MUTATIONS: tuple[Mutation, ...] = (
          Edit("protocol/fileio.py",
               "                    os.mkdir(part, mode, dir_fd=fd)\n                    os.fsync(fd)\n",
               "                    os.mkdir(part, mode, dir_fd=fd)  # MUTATION: no fsync of a new folder's parent\n"),
-         Edit("daemon/storage/posix.py",
+         Edit("protocol/storage/posix.py",
               "            os.fsync(handle.fd)\n",
               "            pass  # MUTATION: no file fsync\n"),
-         Edit("daemon/storage/posix.py",
+         Edit("protocol/storage/posix.py",
               "            os.fsync(handle.folder)\n",
               "            pass  # MUTATION: no folder fsync after the rename\n")),
         ("tests/faults/test_power_loss.py",),
@@ -88,7 +88,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "write-in-place",
         "data written in place under its final name (no temporary name, no rename)",
-        (Edit("daemon/storage/posix.py",
+        (Edit("protocol/storage/posix.py",
               "        temp = temp_path(path, f\"{self.owner}-{token}\")\n"
               "        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW\n",
               "        temp = path  # MUTATION: written under the final name\n"
@@ -206,7 +206,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "start-leaves-a-dead-daemons-done-marker",
         "a daemon's start leaves the done markers a killed daemon of its node wrote",
-        (Edit("daemon/storage/posix.py", "    if name.startswith(DONE_PREFIX):\n", "    if False:  # MUTATION\n"),),
+        (Edit("protocol/storage/posix.py", "    if name.startswith(DONE_PREFIX):\n", "    if False:  # MUTATION\n"),),
         ("tests/faults/test_restarted_job.py::test_a_restarted_job_never_commits_a_tag_with_a_failed_attempts_part[its daemon is killed and restarted]",),
     ),
     Mutation(
@@ -295,7 +295,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "removed-replica-kept-mapped",
         "the writer keeps its mapping of a replica file after the file is removed, so its pages are never freed",
-        (Edit("daemon/storage/posix.py",
+        (Edit("daemon/replicastorage.py",
               "            for key in [k for k, m in self._kept.items() if m.removed()]:\n",
               "            for key in []:  # MUTATION: never swept\n"),),
         ("tests/test_restore.py::test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages",),
@@ -304,8 +304,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "failed-copy-frames-kept",
         "a failed snapshot's tracebacks keep views of its replica's pages, which stay mapped after the file is removed",
         (Edit("daemon/engine.py",
-              "                traceback.clear_frames(exc.__traceback__)\n",
-              "                pass  # MUTATION: frames kept\n"),),
+              "            traceback.clear_frames(exc.__traceback__)\n",
+              "            pass  # MUTATION: frames kept\n"),),
         ("tests/faults/test_storage_faults.py::test_disk_full_fails_the_tag_and_keeps_the_last_one",),
     ),
     Mutation(
@@ -785,7 +785,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "writer-renames-over-committed",
         "a finished file is renamed over whatever is at its path, a committed file too",
-        (Edit("daemon/storage/posix.py", "    return any(entry.holds(held, size) for",
+        (Edit("protocol/storage/posix.py", "    return any(entry.holds(held, size) for",
               "    return False and any(entry.holds(held, size) for"),),
         ("tests/faults/test_identity.py::test_a_writer_never_renames_its_file_over_a_committed_one",),
     ),
@@ -804,7 +804,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "buffered-descriptor-leaked",
         "the daemon never closes a file's second descriptor, opened for its unaligned writes: one more per save",
-        (Edit("daemon/storage/posix.py",
+        (Edit("protocol/storage/posix.py",
               "        for fd in (self.fd, self.buffered_fd):\n",
               "        for fd in (self.fd,):  # MUTATION: the buffered descriptor stays open\n"),),
         ("tests/test_soak.py::test_soak_leaves_counts_flat_and_memory_bounded",),
@@ -956,10 +956,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "place-exchanges-before-looking",
         "a writer's rename exchanges whatever is at its path (a directory included) and only then looks at it, as it "
         "did: a failed look's abort leaves the exchanged folder under the temporary name",
-        (Edit("daemon/storage/posix.py", "    if not stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):\n",
+        (Edit("protocol/storage/posix.py", "    if not stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):\n",
               "    if False:  # MUTATION\n"),
-         Edit("daemon/storage/posix.py", "    if _committed(folder, name, path):\n        raise refused\n", ""),
-         Edit("daemon/storage/posix.py", "    except BaseException:  # not a file it can read (a directory made there meanwhile): put back where it was\n        rename_within(folder, temp, name, RENAME_EXCHANGE)\n        raise\n",
+         Edit("protocol/storage/posix.py", "    if _committed(folder, name, path):\n        raise refused\n", ""),
+         Edit("protocol/storage/posix.py", "    except BaseException:  # not a file it can read (a directory made there meanwhile): put back where it was\n        rename_within(folder, temp, name, RENAME_EXCHANGE)\n        raise\n",
               "    except BaseException:  # MUTATION\n        raise\n")),
         ("tests/faults/test_identity.py::test_a_writer_never_moves_a_committed_tag_folder_made_at_its_path_meanwhile",),
     ),
@@ -1241,8 +1241,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "deferred-first-replica-never-written",
         "a rank file's first replica, written once its snapshot is copied, is never written: it restores zeros",
-        (Edit("daemon/engine.py", "                    await self.flush(sink.write_replicas, at, dst.view[: piece.length])\n",
-              "                    pass  # MUTATION\n"),),
+        (Edit("daemon/engine.py", "                await engine.write(self.sink.write_replicas, at, dst.view[: piece.length])\n",
+              "                pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_ranks_agree_on_the_tag_when_only_one_fits_in_memory",),
     ),
     Mutation(
@@ -1296,13 +1296,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-old-marker-kept-while-a-tag-is-uploaded-again",
         "a tag saved again keeps its old marker on the bucket while its objects are replaced one by one",
-        (Edit("daemon/objects.py", "        self.writer.remove(own_marker)", "        pass  # MUTATION"),),
+        (Edit("daemon/objecttiers.py", "        self.writer.delete(own_marker)", "        pass  # MUTATION"),),
         ("tests/test_s3.py::test_a_tag_saved_again_is_uncommitted_on_the_bucket_until_its_new_version_is_whole",),
     ),
     Mutation(
         "s3-aborts-every-journaled-upload",
         "the next daemon aborts the uploads every daemon of the node journaled, a live one's too",
-        (Edit("daemon/storage/s3.py", " or owner == self.owner or not gone(owner, None):",
+        (Edit("protocol/storage/s3.py", " or owner == self.owner or not gone(owner, None):",
               " or owner == self.owner:  # MUTATION"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons",),
     ),
@@ -1315,7 +1315,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-old-version-objects-left",
         "a tag saved again without one of its files leaves that file's old object on the bucket, readable by its address",
-        (Edit("daemon/objects.py", "        if earlier is None:\n            return\n", "        if True:  # MUTATION\n            return\n"),),
+        (Edit("daemon/objecttiers.py", "        if earlier is None:\n            return\n", "        if True:  # MUTATION\n            return\n"),),
         ("tests/test_s3.py::test_a_tag_saved_again_without_one_of_its_files_leaves_no_old_object_on_the_bucket",),
     ),
     Mutation(
@@ -1345,22 +1345,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "hung-server-tried-six-times",
         "a request the server leaves unanswered is tried botocore's six times: a read of a hung bucket waits minutes",
-        (Edit("protocol/objectstore.py", "    return False if _unanswered(caught_exception) and attempts >= TIMEOUT_TRIES else None",
+        (Edit("protocol/storage/s3.py", "    return False if _unanswered(caught_exception) and attempts >= TIMEOUT_TRIES else None",
               "    return None  # MUTATION"),),
         ("tests/test_s3.py::test_a_read_of_a_hung_bucket_gives_up_with_an_error_naming_it",),
     ),
     Mutation(
         "s3-journal-taken-away",
         "a daemon that cannot list uploads removes the dead daemons' journals it read, another job's daemon's too",
-        (Edit("daemon/storage/s3.py", "            self.kept |= set(owners.values())\n",
-              "            for owner in set(owners.values()):  # MUTATION\n                os.unlink(journal_path(owner))\n"),),
+        (Edit("protocol/storage/s3.py", "            self.kept |= set(owners.values())\n",
+              "            for owner in set(owners.values()):  # MUTATION\n                os.unlink(journal_path(folder, owner))\n"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_"
          "them",),
     ),
     Mutation(
         "s3-journal-forgotten-unaborted",
         "a daemon that cannot list its dead predecessor's uploads forgets that daemon's journal all the same",
-        (Edit("daemon/storage/s3.py", "            self.kept |= set(owners.values())\n", "            pass  # MUTATION\n"),),
+        (Edit("protocol/storage/s3.py", "            self.kept |= set(owners.values())\n", "            pass  # MUTATION\n"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_"
          "them",),
     ),
@@ -1392,20 +1392,20 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "folder-lock-closed-not-unlocked",
         "a folder's flock is only closed, not unlocked: a child sharing the folder's descriptor keeps it",
-        (Edit("daemon/storage/posix.py", "            fcntl.flock(held, fcntl.LOCK_UN)\n", "            pass  # MUTATION\n"),),
+        (Edit("protocol/storage/posix.py", "            fcntl.flock(held, fcntl.LOCK_UN)\n", "            pass  # MUTATION\n"),),
         ("tests/faults/test_identity.py::test_a_folder_lock_is_free_once_its_commit_is_done_though_a_child_shares_the_"
          "folders_descriptor",),
     ),
     Mutation(
         "s3-journal-never-trimmed",
         "a daemon's upload journal keeps a line for every upload it ever made",
-        (Edit("daemon/storage/s3.py", "        self._journal.ended(handle.upload_id)\n        size =", "        pass  # MUTATION\n        size ="),),
+        (Edit("protocol/storage/s3.py", "        self._journal.ended(handle.upload_id)\n        size =", "        pass  # MUTATION\n        size ="),),
         ("tests/test_s3.py::test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon",),
     ),
     Mutation(
         "s3-journal-trimmed-of-open-uploads",
         "a trimmed journal keeps no upload, the open ones neither",
-        (Edit("daemon/storage/s3.py", "for upload_id, bucket in self.open.items()))", "for upload_id, bucket in {}.items()))  # MUTATION"),),
+        (Edit("protocol/storage/s3.py", "for upload_id, bucket in self.open.items()))", "for upload_id, bucket in {}.items()))  # MUTATION"),),
         ("tests/test_s3.py::test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon",),
     ),
     Mutation(
@@ -1484,7 +1484,7 @@ def check_imports(tree: Path) -> None:
     env = environment(tree)
     probe = ("import importlib.util as u; print('\\n'.join(u.find_spec(n).origin for n in "
              "('datastates', 'datastates.protocol.fileio', 'datastates.client.client', 'datastates.daemon.commit', "
-             "'datastates.daemon.storage.posix')))")
+             "'datastates.protocol.storage.posix')))")
     for cwd in (tree, Path("/")):
         origins = subprocess.run([str(PYTHON), "-c", probe], cwd=cwd, env=env, capture_output=True, text=True,
                                  check=True).stdout.split()

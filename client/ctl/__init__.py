@@ -15,7 +15,7 @@ from datastates.protocol.descriptors import Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import CorruptCheckpointError, DaemonNotRunning, DatastatesError, InvalidRequestError
 from datastates.protocol.fileio import read_regular
-from datastates.protocol.objectstore import is_object, list_keys
+from datastates.protocol.storage import backend_for
 from datastates.protocol.format import CommitMarker, check_tag, marker_name
 from datastates.protocol.retention import prune
 from datastates.protocol.tags import distrust, marker_paths, read_marker_object, tag_files
@@ -126,9 +126,9 @@ def _tag_files(target: str, root: str) -> list[str]:
     under ``root``. A listed file that is missing is still returned, so it is reported. A
     marker this user may not trust (``distrust``: another user's, a FIFO) is skipped, saying why.
     """
-    if is_object(root) and not is_object(target) and not os.path.exists(target):
+    if not backend_for(root).mounted and backend_for(target).mounted and not os.path.exists(target):
         return _object_files(f"{root.rstrip('/')}/{check_tag(target)}", named=True)
-    if is_object(target):
+    if not backend_for(target).mounted:
         return _object_files(target, named=False)
     if os.path.isfile(target):
         return [target]
@@ -163,7 +163,7 @@ def _object_files(target: str, named: bool) -> list[str]:
         marker = None
     if marker is not None:
         return tag_files(folder, marker)
-    if named or next(list_keys(folder), None) is not None:
+    if named or next(backend_for(folder).list(folder), None) is not None:
         raise CorruptCheckpointError(f"no commit marker for {target!r} (no committed tag there)")
     return [target]
 
@@ -182,14 +182,14 @@ def _verify(target: str, root: str) -> int:
 
 def _ls(root: str, endpoint: str | None, timeout: float) -> int:
     """Tags of ``root``, on every storage tier it spans; the daemon, when one answers, names the tiers and its replicas."""
-    root = root if is_object(root) else os.path.abspath(root)
+    root = backend_for(root).absolute(root)
     try:
         status = daemon_status(endpoint, timeout)
         replicas = [r for r in status["replicas"]["replicas"] if r["committed"]]
         tiers = [Tier(**t) for t in status["tier_transfers"]["tiers"]]
     except DatastatesError:
         replicas, tiers = [], []
-    places = [(t, p) for t, p in tier_roots(root, tiers) if is_object(p) or os.path.isdir(p)]
+    places = [(t, p) for t, p in tier_roots(root, tiers) if backend_for(p).is_folder(p)]
     if not places:
         raise FileNotFoundError(f"no folder {root}")
     entries = []
@@ -214,7 +214,7 @@ def _age(seconds: float) -> str:
 
 
 def _prune(root: str, keep_last: int, dry_run: bool) -> int:
-    gone = prune(root if is_object(root) else os.path.abspath(root), keep_last, dry_run=dry_run)
+    gone = prune(backend_for(root).absolute(root), keep_last, dry_run=dry_run)
     for folder in gone:
         print(f"{'would delete' if dry_run else 'deleted'} {folder}")
     print(f"{len(gone)} tag(s) {'to prune' if dry_run else 'pruned'}; the {keep_last} newest committed kept")

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from datastates.protocol.format import CommitMarker, marker_name
-from datastates.protocol.objectstore import is_object, list_keys
+from datastates.protocol.storage import backend_for
 from datastates.protocol.tags import committed_tags, tag_files
 
 
@@ -32,8 +32,8 @@ class TagEntry:
 def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
     """The tag folders directly under ``root``, newest first; ``in_memory``: tags the daemon holds a replica of."""
     now = time.time()
-    if is_object(root):
-        return _object_tags(root.rstrip("/"), now, in_memory)
+    if not backend_for(root).mounted:
+        return _object_tags(backend_for(root).absolute(root), now, in_memory)
     root = os.path.abspath(root)
     out = []
     committed = {c.folder: c.marker for c in committed_tags(root, own_folder=True)}
@@ -61,7 +61,7 @@ def list_tags(root: str, in_memory: set[str] = frozenset()) -> list[TagEntry]:
 def _object_tags(root: str, now: float, in_memory: set[str]) -> list[TagEntry]:
     """``list_tags`` of an object store folder, from one listing: objects with no marker are ``uncommitted``."""
     sizes: dict[str, list[int]] = {}
-    for url, size in list_keys(root):
+    for url, size in backend_for(root).list(root):
         name = url[len(root) + 1:].split("/", 1)[0]
         if "/" in url[len(root) + 1:] and not name.startswith("."):
             sizes.setdefault(name, []).append(size)

@@ -56,7 +56,7 @@ import torch
 
 from datastates.protocol.errors import StateMismatchError
 from datastates.protocol.format import FileHeader
-from datastates.protocol.objectstore import one_read
+from datastates.protocol.storage.s3 import one_read
 from datastates.protocol.tags import file_commits
 
 from .checks import CheckpointFile, open_file

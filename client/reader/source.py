@@ -2,7 +2,7 @@
 
 The reader's one seam to storage: ``open_source`` gives a ``Source`` (``pread``, ``preadv``,
 ``size``, ``close``) over a local file (protocol/fileio.py) or an object
-(protocol/objectstore.py), and ``region_buffer`` the memory a data region is read into.
+(protocol/storage/s3.py), and ``region_buffer`` the memory a data region is read into.
 Nothing else in the reader asks which one a path is.
 """
 
@@ -18,7 +18,7 @@ from typing import Literal
 
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.fileio import MADV_POPULATE_READ, forget_cached, on_tmpfs, open_for_reading, open_sequential
-from datastates.protocol.objectstore import READ_STREAMS, ObjectFile, is_object
+from datastates.protocol.storage.s3 import READ_STREAMS, ObjectFile, is_object
 
 Reads = Literal["small", "direct", "sequential"]
 """How a source is read: a few small reads (a header, a tail); large reads that bypass the page cache where the file

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from datastates.protocol.cudart import host_register, host_unregister
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.format import DATA_ALIGN, align_up, checksummer
-from datastates.protocol.objectstore import one_read
+from datastates.protocol.storage.s3 import one_read
 from datastates.protocol.tags import file_commits
 
 from .checks import CheckpointFile, check_bounds, check_local_headers, open_file, storage_error

@@ -325,7 +325,7 @@ def test_a_stale_accept_event_for_a_number_a_folder_took_keeps_no_descriptor_and
     import zmq.asyncio
 
     from datastates.daemon.connections import Connections, open_descriptors
-    from datastates.daemon.storage.posix import folder_locked
+    from datastates.protocol.storage.posix import folder_locked
 
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)

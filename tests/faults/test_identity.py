@@ -19,7 +19,7 @@ import torch
 
 import datastates
 from datastates.client import Client
-from datastates.daemon.storage.posix import PosixWriter
+from datastates.protocol.storage.posix import PosixStorage
 from datastates.protocol.errors import CommitError, CorruptCheckpointError, PathNotAllowedError, StorageError
 from datastates.protocol.format import marker_name
 
@@ -97,7 +97,7 @@ def test_a_writer_never_renames_its_file_over_a_committed_one(shared_daemon: Dae
     run = shared_daemon.root / "renamed-over"
     save(shared_client, state(1), run / "step1" / "m.pt")
     save(shared_client, state(2), run / "step2" / "m.pt")
-    writer = PosixWriter(direct_io=False, owner="0123456789abcdef")
+    writer = PosixStorage(direct_io=False, owner="0123456789abcdef")
     with pytest.raises(PathNotAllowedError, match="another writer committed it"):
         writer.publish(str(run / "step1" / "m.pt"), (run / "step2" / "m.pt").read_bytes())
     assert datastates.load(run / "step1" / "m.pt")["step"] == 1
@@ -116,7 +116,7 @@ def test_a_writer_never_moves_a_committed_tag_folder_made_at_its_path_meanwhile(
     could not read it as a checkpoint, and its abort left the committed folder under a hidden temporary name (the
     tag gone from every listing) and the unfinished save's file at its path."""
     run = shared_daemon.root / "folder-at-path"
-    writer = PosixWriter(direct_io=False, owner="0123456789abcdef")
+    writer = PosixStorage(direct_io=False, owner="0123456789abcdef")
     handle = writer.create(str(run / "step1"), "t1")
     writer.write(handle, 0, memoryview(b"x" * 4096))
     save(shared_client, state(1), run / "step1" / "m.pt")
@@ -137,7 +137,7 @@ def test_a_folder_lock_is_free_once_its_commit_is_done_though_a_child_shares_the
     import subprocess
     import sys
 
-    from datastates.daemon.storage.posix import folder_locked
+    from datastates.protocol.storage.posix import folder_locked
 
     folder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(folder,))

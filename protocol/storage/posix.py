@@ -1,4 +1,4 @@
-"""The local / parallel file-system writer: temporary name, pwrite, fsync, rename.
+"""The local / parallel file-system backend: temporary name, pwrite, fsync, rename; pread to read.
 
 Data goes through O_DIRECT where the file system allows it: the pool's chunks are page
 aligned and pieces are multiples of 4 KiB, so large writes skip the page cache, cost
@@ -17,7 +17,6 @@ import errno
 import fcntl
 import hashlib
 import logging
-import mmap
 import os
 import re
 import stat
@@ -25,15 +24,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from datastates.protocol.errors import PathNotAllowedError
-from datastates.protocol.fileio import (MADV_POPULATE_WRITE, PAGE, RENAME_EXCHANGE, RENAME_NOREPLACE, on_tmpfs, open_folder,
-                                       remove, rename_within)
-from datastates.protocol.format import DONE_PREFIX, TEMP_SUFFIX, TEMP_TOKEN_MAX, CommitMarker
-from datastates.protocol.paths import shallow_walk
-from datastates.protocol.tags import file_commits, file_snapshot
-
-from ..instances import Gone
-from .base import StorageWriter, register_writer, storage_error
+from ..errors import PathNotAllowedError
+from ..fileio import PAGE, RENAME_EXCHANGE, RENAME_NOREPLACE, open_folder, remove, rename_within
+from ..format import DONE_PREFIX, TEMP_SUFFIX, TEMP_TOKEN_MAX, CommitMarker
+from ..paths import shallow_walk
+from ..tags import file_commits, file_snapshot
+from .base import Gone, WritableStorage, register_backend, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -134,35 +130,10 @@ def _committed(folder: int, name: str, path: str) -> bool:
     return any(entry.holds(held, size) for _, _, entry in file_commits(path, roots=("/",)))
 
 
-class _Mapped:
-    """A tmpfs file's pages, mapped shared, every page mapped now. Kept by the writer after the file is
-    finalized: the daemon's next replica of the same rank file takes this file over (a spare, renamed,
-    the same inode) and finds its pages mapped already, instead of mapping 4 KiB pages one by one again."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd = fd
-        """Kept open: its link count says when the file was removed, and the mapping must go."""
-        st = os.fstat(fd)
-        self.key = (st.st_dev, st.st_ino)
-        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        try:
-            self.map.madvise(MADV_POPULATE_WRITE)
-        except OSError:  # before Linux 5.14: the copies fault the (allocated) pages in
-            pass
-
-    def removed(self) -> bool:
-        return os.fstat(self.fd).st_nlink == 0
-
-    def close(self) -> None:
-        try:
-            self.map.close()
-        except BufferError:  # a view of it lives on: the pages go unmapped with the last of them
-            pass
-        os.close(self.fd)
-
-
 @dataclass
-class _Handle:
+class FileHandle:
+    """A file being written under its temporary name (``PosixStorage.create``)."""
+
     path: str
     temp: str
     folder: int
@@ -175,11 +146,6 @@ class _Handle:
     """Where the furthest write ended (flush threads write pieces in parallel: under ``lock``)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     buffered_fd: int = -1
-    mapped: _Mapped | None = None
-    """The file's pages (``PosixWriter.pages``)."""
-    kept: _Mapped | None = None
-    """The writer's kept mapping of the file this one took over (``reuse``), for ``pages`` to use; closed
-    at finalize if it did not: a file rewritten through ``write`` may be cut shorter than it maps."""
 
     def fd_for(self, offset: int, length: int) -> int:
         if not self.direct or (offset % PAGE == 0 and length % PAGE == 0):
@@ -193,10 +159,6 @@ class _Handle:
         return self.buffered_fd
 
     def close(self) -> None:
-        for mapped in (self.mapped, self.kept):
-            if mapped is not None:
-                mapped.close()
-        self.mapped = self.kept = None
         for fd in (self.fd, self.buffered_fd):
             if fd >= 0:
                 os.close(fd)
@@ -209,10 +171,17 @@ class _Handle:
             self.folder = -1
 
 
-class PosixWriter(StorageWriter):
+class PosixStorage(WritableStorage):
     scheme = "file"
+    mounted = True
+    handle_type: type[FileHandle] = FileHandle
 
-    def create(self, path: str, token: str, reuse: str = "", direct: bool | None = None) -> _Handle:
+    def create(self, path: str, token: str, direct: bool | None = None) -> FileHandle:
+        return self._create(path, token, "", direct)
+
+    def _create(self, path: str, token: str, reuse: str, direct: bool | None) -> FileHandle:
+        """``create``, taking over the file ``reuse`` of the same folder where one is named: its pages are
+        written over, not allocated and zeroed again (the daemon's in-memory replicas)."""
         if len(token) > TEMP_TOKEN_MAX:  # the name's limit counts on it (protocol/format.py TEMP_RESERVE)
             token = hashlib.blake2b(token.encode(), digest_size=TEMP_TOKEN_MAX // 2).hexdigest()
         temp = temp_path(path, f"{self.owner}-{token}")
@@ -236,14 +205,9 @@ class PosixWriter(StorageWriter):
         except OSError as exc:
             os.close(folder)
             raise storage_error("cannot create", path, exc) from None
-        handle = _Handle(path=path, temp=temp, folder=folder, fd=fd, direct=want_direct, reused=bool(reuse))
-        if reuse:
-            st = os.fstat(fd)
-            with self._kept_lock:
-                handle.kept = self._kept.pop((st.st_dev, st.st_ino), None)
-        return handle
+        return self.handle_type(path=path, temp=temp, folder=folder, fd=fd, direct=want_direct, reused=bool(reuse))
 
-    def write(self, handle: _Handle, offset: int, data: memoryview) -> None:
+    def write(self, handle: FileHandle, offset: int, data: memoryview) -> None:
         with handle.lock:
             handle.end = max(handle.end, offset + len(data))
         try:
@@ -259,75 +223,7 @@ class PosixWriter(StorageWriter):
         except OSError as exc:
             raise storage_error("cannot write", handle.path, exc) from None
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._kept: dict[tuple[int, int], _Mapped] = {}
-        """The mappings of finalized tmpfs files, by inode, for the next ``create`` that takes one over."""
-        self._kept_lock = threading.Lock()
-
-    def pages(self, handle: _Handle, size: int) -> memoryview | None:
-        """A tmpfs file's own pages (the daemon's replicas). A file taken over (``reuse``) whose pages this
-        writer mapped before, at this size, gets that mapping back; any other is allocated first with
-        ``fallocate``, so a full /dev/shm is an error here, not a SIGBUS at a store into a page it cannot back."""
-        if not on_tmpfs(handle.temp):
-            return None
-        kept, handle.kept = handle.kept, None
-        try:
-            fd = os.open(os.path.basename(handle.temp), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=handle.folder)
-            if kept is not None and len(kept.map) == size and os.fstat(fd).st_size >= size:
-                os.close(fd)
-                handle.mapped, kept = kept, None
-            else:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                    handle.mapped = _Mapped(fd, size)
-                except BaseException:
-                    os.close(fd)
-                    raise
-        except OSError as exc:
-            raise storage_error("cannot allocate", handle.path, exc) from None
-        finally:
-            if kept is not None:
-                kept.close()
-        with handle.lock:
-            handle.end = max(handle.end, size)
-        return memoryview(handle.mapped.map)
-
-    def ready_pages(self, path: str, size: int) -> None:
-        if not on_tmpfs(os.path.dirname(path)):
-            return
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)  # never made here: taken over meanwhile, it is gone
-        try:
-            st = os.fstat(fd)
-            with self._kept_lock:
-                kept = self._kept.get((st.st_dev, st.st_ino))
-            if kept is not None and len(kept.map) == size:  # written in place last time: mapped already
-                os.close(fd)
-                return
-            os.posix_fallocate(fd, 0, size)
-            mapped = _Mapped(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._keep(mapped)
-        self.release_removed()  # the file removed meanwhile (a spare dropped): its pages go now, not at the next removal
-
-    def _keep(self, mapped: _Mapped) -> None:
-        """``mapped`` kept for the next ``create`` that takes its file over; an older mapping of the file goes."""
-        with self._kept_lock:
-            old = self._kept.pop(mapped.key, None)
-            self._kept[mapped.key] = mapped
-        if old is not None:
-            old.close()
-
-    def release_removed(self) -> None:
-        """Unmap the kept files removed since: their pages are freed only then."""
-        with self._kept_lock:
-            for key in [k for k, m in self._kept.items() if m.removed()]:
-                self._kept.pop(key).close()
-
-    def finalize(self, handle: _Handle) -> None:
-        mapped, handle.mapped = handle.mapped, None
+    def finalize(self, handle: FileHandle) -> None:
         try:
             if handle.reused:
                 os.ftruncate(handle.fd, handle.end)
@@ -337,18 +233,14 @@ class PosixWriter(StorageWriter):
                 _place(handle.folder, os.path.basename(handle.temp), handle.path)
             os.fsync(handle.folder)
         except PathNotAllowedError:
-            handle.mapped = mapped
             self.abort(handle)
             raise
         except OSError as exc:
-            handle.mapped = mapped
             self.abort(handle)
             raise storage_error("cannot make durable", handle.path, exc) from None
         handle.release()
-        if mapped is not None:
-            self._keep(mapped)
 
-    def abort(self, handle: _Handle) -> None:
+    def abort(self, handle: FileHandle) -> None:
         if handle.folder < 0:
             return  # finalized, or aborted already: its temporary name is gone
         handle.close()
@@ -363,7 +255,7 @@ class PosixWriter(StorageWriter):
             handle.release()
 
     def publish(self, path: str, data: bytes, check: Callable[[int], None] | None = None) -> None:
-        handle = self.create(path, f"{os.getpid()}-{id(data):x}", "", direct=False)
+        handle = self.create(path, f"{os.getpid()}-{id(data):x}", direct=False)
         try:
             self.write(handle, 0, memoryview(data))
             with folder_locked(handle.folder):  # no writer's rename (this process's or a trainer's) between the two
@@ -373,7 +265,6 @@ class PosixWriter(StorageWriter):
         except BaseException:
             self.abort(handle)
             raise
-
 
     def remove_leftovers(self, root: str, gone: Gone) -> list[str]:
         removed = []
@@ -388,6 +279,39 @@ class PosixWriter(StorageWriter):
                         continue
         return removed
 
+    def read(self, path: str) -> bytes | None:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def open(self, path: str) -> _File:
+        return _File(path)
+
+    def list(self, folder: str) -> Iterator[tuple[str, int]]:
+        for below, _, names in os.walk(folder):
+            for name in names:
+                path = os.path.join(below, name)
+                with contextlib.suppress(FileNotFoundError):
+                    yield path, os.stat(path, follow_symlinks=False).st_size
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def is_folder(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def delete(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def absolute(self, path: str, resolve: bool = False) -> str:
+        return os.path.realpath(path) if resolve else os.path.abspath(path)
+
+    def join(self, folder: str, relative: str) -> str:
+        return os.path.normpath(os.path.join(folder, relative))
+
 
 def _left_by(name: str, path: str, gone: Gone) -> bool:
     """Whether ``path`` is a temporary file or a done marker (daemon/gather.py) of a dead writer (``gone``)."""
@@ -400,4 +324,21 @@ def _left_by(name: str, path: str, gone: Gone) -> bool:
     return False
 
 
-register_writer(PosixWriter)
+class _File:
+    """A file opened for positional reads (``PosixStorage.open``), through the page cache."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.size = os.fstat(self.fd).st_size
+
+    def pread(self, length: int, at: int) -> bytes:
+        return os.pread(self.fd, length, at)
+
+    def preadv(self, buffers: list[memoryview], at: int, until: int = 0) -> int:
+        return os.preadv(self.fd, buffers, at)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+register_backend(PosixStorage)

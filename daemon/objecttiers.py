@@ -1,7 +1,7 @@
 """Object store tiers: their check at start, the commit of a tag transferred there, and their retention.
 
-A tag's objects are uploaded by the tier transfers (daemon/tiers.py) through the S3 writer
-(daemon/storage/s3.py), its parts by the upload process (daemon/uploader.py), so neither the
+A tag's objects are uploaded by the tier transfers (daemon/tiers.py) through the object store backend
+(protocol/storage/s3.py), its parts by the upload process (daemon/uploader.py), so neither the
 network nor the upload's CPU ever holds up the fast tier's flush threads or the daemon. Then ``commit``: one listing of the
 tag's folder proves every object complete at its size, and only then the marker object is
 PUT, then the trackers, then that tier's ``keep_last``. An object store has no rename: the
@@ -36,16 +36,18 @@ from typing import Any, Callable
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.format import done_name, is_marker_name, marker_name
-from datastates.protocol.objectstore import is_object, list_etags, list_keys
 from datastates.protocol.paths import within
 from datastates.protocol.retention import prune
+from datastates.protocol.storage import backend_for
+from datastates.protocol.storage.s3 import S3Storage, list_etags, list_keys
 from datastates.protocol.tags import read_marker_object, safe_name
 
 from .commit import make_marker
 from .trackers import trackers
 from .events import CommitEvent
 from .gather import FIRST_LOOK_S, LONGEST_LOOK_S, LOOKS_PER_S
-from .storage.s3 import S3Writer
+from .instances import daemons_folder
+from .uploader import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +58,9 @@ PROBE = ".datastates-probe-"
 
 class _Calls:
     """The threads of the object store calls: daemon threads, so that one left in a call to a hung server (each
-    request tried TIMEOUT_TRIES times, READ_TIMEOUT_S each: protocol/objectstore.py) never holds the daemon's exit,
+    request tried TIMEOUT_TRIES times, READ_TIMEOUT_S each: protocol/storage/s3.py) never holds the daemon's exit,
     as a ThreadPoolExecutor's, joined at exit, would. What such a call leaves undone, the upload journal and the next
-    daemon's resume take up (daemon/storage/s3.py, daemon/tiers.py). Used from the event loop's thread alone."""
+    daemon's resume take up (protocol/storage/s3.py, daemon/tiers.py). Used from the event loop's thread alone."""
 
     def __init__(self, threads: int) -> None:
         self._threads = threads
@@ -101,11 +103,11 @@ class ObjectTiers:
     """The object store tiers of the node config; owned by the tier transfers."""
 
     def __init__(self, tiers: list[Tier], owner: str, timeout: float, idle: bool = False) -> None:
-        self.tiers = [t for t in tiers if is_object(t.path)]
+        self.tiers = [t for t in tiers if not backend_for(t.path).mounted]
         self._owner = owner
         self._timeout = timeout
         """``commit_timeout``: how long node 0 waits for the other nodes' done markers, and they for its marker."""
-        self.writer = S3Writer(owner=owner, idle=idle)
+        self.writer = S3Storage(owner=owner, journals=daemons_folder(), uploader=Uploader(idle))
         self.problems: dict[str, str] = {}
         """Tier name → why its start-up check failed (shown in status); transfers there are still tried."""
         self.checked = not self.tiers
@@ -138,7 +140,7 @@ class ObjectTiers:
                 probe = f"{tier.path.rstrip('/')}/{PROBE}{self._owner}"
                 try:
                     self.writer.publish(probe, b"datastates start-up check")
-                    self.writer.remove(probe)
+                    self.writer.delete(probe)
                 except DatastatesError as exc:
                     self.problems[tier.name] = exc.message
                     log.error("storage tier %s (%s) cannot be written: %s; tags committed on faster tiers stay there",
@@ -154,7 +156,7 @@ class ObjectTiers:
         folder = os.path.dirname(next(iter(lower.files)))
         own_marker = f"{folder}/{marker_name(lower.tag)}"
         earlier = read_marker_object(own_marker)
-        self.writer.remove(own_marker)
+        self.writer.delete(own_marker)
         if earlier is None:
             return
         others = set()  # listed by another tag's marker in the same folder (a "best" saved into step1/): theirs
@@ -164,7 +166,7 @@ class ObjectTiers:
                 marker = read_marker_object(url)
                 others |= {f"{folder}/{f.path}" for f in marker.files} if marker is not None else set()
         for url in {f"{folder}/{f.path}" for f in earlier.files} - set(lower.files) - others:
-            self.writer.remove(url)
+            self.writer.delete(url)
 
     def commit(self, lower: CommitEvent, tier: Tier, keep_last: int | None, spare: set[str]) -> list[str]:
         """Commit ``lower`` (its objects uploaded) on ``tier``: the marker last; then retention. The tag folders pruned."""
@@ -191,7 +193,7 @@ class ObjectTiers:
         self.writer.publish(f"{folder}/{marker_name(tag)}", marker.encode())
         try:  # committed: what follows only tidies, and a failure of it is logged, never the commit's
             for k in range(ranks.num_nodes if ranks.num_nodes > 1 else 0):
-                self.writer.remove(f"{folder}/{done_name(tag, k)}")
+                self.writer.delete(f"{folder}/{done_name(tag, k)}")
             run = os.path.dirname(folder)
             if os.path.basename(folder) != tag or not within(run, tier.path):
                 return []  # files with no folder of their own: no run folder of theirs to track or prune in
@@ -255,7 +257,7 @@ class ObjectTiers:
             if marker is not None and marker.tag == tag and marker.sequence == lower.sequence:
                 return
             if time.monotonic() > deadline:
-                self.writer.remove(f"{folder}/{done_name(tag, lower.ranks.node_rank)}")
+                self.writer.delete(f"{folder}/{done_name(tag, lower.ranks.node_rank)}")
                 raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: node 0 did not commit it within "
                                    f"{self._timeout:.0f} s", path=folder)
             time.sleep(pause)
