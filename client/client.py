@@ -20,9 +20,8 @@ from datastates.protocol import outcome
 from datastates.protocol.descriptors import Ranks, Tier
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.errors import DaemonUnavailable, DatastatesError, InvalidRequestError
-from datastates.protocol.format import check_tag, marker_name
+from datastates.protocol.format import check_tag
 from datastates.protocol.storage import backend_for
-from datastates.protocol.tags import trusted_marker
 from datastates.protocol.liveness import pid_namespace, process_began_ns, process_start
 from datastates.protocol.paths import check_derived, check_path
 
@@ -341,11 +340,8 @@ class Client:
             except DatastatesError as exc:  # the replica went, or the daemon: storage still has it
                 why_not = f"{exc.code}: {exc}"
         state = read(path)
-        if not backend_for(path).mounted:  # no rename there: a tag saved again has its objects replaced one by one, under no marker
-            now = trusted_marker(os.path.join(folder, marker_name(tag)))  # the bucket just answered: an error is one
-            if now is None or now.sequence != marker.sequence or \
-                    next((f.snapshot for f in now.files if f.path == name), None) != entry.snapshot:
-                raise FileNotFoundError(2, "the tag was saved again while it was read", path)  # picked anew
+        if not backend_for(path).unchanged(folder, name, marker):
+            raise FileNotFoundError(2, "the tag was saved again while it was read", path)  # picked anew
         log.info("restored %s (tag %s) from storage%s: %s", path, tag, f" tier {found.tier}" * bool(found.tier), why_not)
         return Restored(tag=tag, path=path, source="storage", state=state, why_not_memory=why_not, tier=found.tier)
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -78,7 +76,7 @@ def locate(root: str, tiers: list[Tier], tag: str | None = None, multi_node: boo
         try:
             marker = trusted_marker(os.path.join(folder, marker_name(tag)))
         except DatastatesError as exc:  # StorageError; ConfigError with no boto3 here
-            if backend_for(place).mounted:
+            if not backend_for(place).unreachable(exc):
                 raise
             log.warning("cannot read %s, looking on the other tiers: %s", folder, exc.message)
             unreadable = unreadable or StorageError(f"cannot read {folder}, and no other tier holds tag {tag!r} "
@@ -106,11 +104,14 @@ def newest_of(places: list[str], strict: bool) -> list[CommitMarker]:
     that cannot be read raises StorageError; nodes that could and nodes that could not read it would otherwise
     restore different steps.
     """
-    probes = {p: _in_background(newest, p) for p in places if not backend_for(p).mounted}
-    found = [c.marker for c in (newest(p) for p in places if backend_for(p).mounted) if c is not None]
+    probes = {p: backend_for(p).probe(newest, p) for p in places}  # a file system's answered here, an error raised
+    answered = {p: f.result() for p, f in probes.items() if f.done() and f.exception() is None}
+    found = [c.marker for c in answered.values() if c is not None]
     until = time.monotonic() + OBJECT_WAIT_S if found and not strict else None
     unreadable: list[tuple[str, DatastatesError]] = []
     for place, probe in probes.items():
+        if place in answered:
+            continue
         try:
             got = probe.result(None if until is None else max(0.0, until - time.monotonic()))
         except FutureTimeout:
@@ -128,20 +129,6 @@ def newest_of(places: list[str], strict: bool) -> list[CommitMarker]:
             raise StorageError(f"cannot read {place}, {why}: {exc.message}", path=place) from None
         log.warning("cannot read %s, restoring from the other tiers: %s", place, exc.message)
     return found
-
-
-def _in_background(fn: Callable[[str], T], arg: str) -> Future:
-    """``fn(arg)`` on a daemon thread: one left waiting on a hung server never holds the process at its exit."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(arg))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="datastates-tier-probe", daemon=True).start()
-    return future
 
 
 def again_if_deleted(restore: Callable[[], T], root: str) -> T:

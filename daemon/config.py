@@ -18,8 +18,7 @@ from datastates.protocol import security
 from datastates.protocol.endpoint import resolve_endpoint
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.storage import backend_for
-from datastates.protocol.storage.s3 import ObjectPath, check_endpoint, check_region
-from datastates.protocol.errors import ConfigError
+from datastates.protocol.errors import ConfigError, InvalidRequestError
 from datastates.protocol.fileio import PAGE
 
 from datastates.protocol.paths import default_root, home_tier, within, writable_by_others
@@ -86,7 +85,7 @@ class StorageConfig:
     @property
     def written(self) -> list[str]:
         """Everywhere this daemon writes: the roots, and the object store tiers."""
-        return self.roots + [t.path for t in self.tiers if not backend_for(t.path).mounted]
+        return self.roots + [t.path for t in self.tiers if t.path not in self.roots]
 
     def tier_of(self, path: str) -> int | None:
         """The index of the tier ``path`` (resolved) lies in, if any."""
@@ -249,14 +248,14 @@ def _storage(value: Any) -> StorageConfig:
         raise ConfigError("storage: must be a mapping with 'roots' and/or 'tiers'", key="storage")
     _check_keys(value, StorageConfig, "storage: ")
     tiers = _tiers(value.get("tiers", []))
-    roots = value.get("roots", [t.path for t in tiers if backend_for(t.path).mounted] or _default_roots())
+    roots = value.get("roots", [r for t in tiers for r in backend_for(t.path).root_folders(t.path)] or _default_roots())
     if not isinstance(roots, list) or not roots or not all(isinstance(r, str) and os.path.isabs(r) for r in roots):
         raise ConfigError(f"storage.roots: {roots!r} must be a non-empty list of absolute paths", key="storage.roots")
     keep_last = value.get("keep_last")
     if keep_last is not None:
         keep_last = _positive_int(keep_last, "storage.keep_last")
     roots = [os.path.realpath(r) for r in roots]
-    roots += [t.path for t in tiers if t.path not in roots and backend_for(t.path).mounted]
+    roots += [r for t in tiers for r in backend_for(t.path).root_folders(t.path) if r not in roots]
     priority = value.get("upload_priority", "low")
     if priority not in UPLOAD_PRIORITIES:
         raise ConfigError(f"storage.upload_priority: {priority!r} must be one of {', '.join(UPLOAD_PRIORITIES)}",
@@ -281,45 +280,38 @@ def _tiers(value: Any) -> list[Tier]:
         shared = raw.get("shared", True)
         if not isinstance(shared, bool):
             raise ConfigError(f"{where}.shared: {shared!r} is not true or false", key=f"{where}.shared")
-        mounted = backend_for(path).mounted
-        if not shared and not mounted:
-            raise ConfigError(f"{where}.shared: an object store tier is seen by every node", key=f"{where}.shared")
         place = {k: raw.get(k, "") for k in ("endpoint", "region")}
         for key, value in place.items():
-            if value and mounted or not isinstance(value, str):
+            if not isinstance(value, str):
                 raise ConfigError(f"{where}.{key}: {value!r} must be a string, and only an s3:// tier has one",
                                   key=f"{where}.{key}")
-            why = (check_endpoint if key == "endpoint" else check_region)(value)
-            if why:
-                raise ConfigError(f"{where}.{key}: {why}", key=f"{where}.{key}")
         tier = Tier(name=name, path=path, shared=shared, **place,
                     keep_last=None if keep_last is None else _positive_int(keep_last, f"{where}.keep_last"))
+        checks = [backend_for(path).check_tier(tier)]
+        checks += [backend_for(tiers[-1].path).check_next(tiers[-1], tier)] if tiers else []
+        for key, why in checks:
+            if why:
+                raise ConfigError(f"{where}.{key}: {why}", key=f"{where}.{key}")
         for other in tiers:
             if other.name == tier.name:
                 raise ConfigError(f"{where}.name: {name!r} names two tiers", key=f"{where}.name")
             if within(tier.path, other.path) or within(other.path, tier.path):
                 raise ConfigError(f"{where}.path: {tier.path} and tier {other.name!r} ({other.path}) lie inside one "
                                   "another; each tier needs its own folder", key=f"{where}.path")
-        if tiers and not backend_for(tiers[-1].path).mounted and mounted:
-            raise ConfigError(f"{where}.path: {path!r} comes after the object store tier {tiers[-1].name!r}; object "
-                              "store tiers come last (each tier is written from the first)", key=f"{where}.path")
         tiers.append(tier)
     return tiers
 
 
 def _tier_path(path: Any, index: int, key: str) -> str:
     """A tier's path: an absolute folder, resolved; or, below the first tier, an object store address."""
-    if isinstance(path, str) and "://" in path:
-        if index == 0:
-            raise ConfigError(f"{key}: {path!r}: the first tier is where snapshots land, a folder; an object store "
-                              "can only be a later tier", key=key)
-        try:
-            return ObjectPath.parse(path).url
-        except ConfigError as exc:
-            raise ConfigError(f"{key}: {exc.message}", key=key) from None
-    if not isinstance(path, str) or not os.path.isabs(path):
+    if not isinstance(path, str):
         raise ConfigError(f"{key}: {path!r} must be an absolute path or s3://bucket/prefix", key=key)
-    return os.path.realpath(path)
+    try:
+        return backend_for(path).tier_path(path, first=index == 0)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc.message}", key=key) from None
+    except InvalidRequestError as exc:  # a scheme no backend serves
+        raise ConfigError(f"{key}: {path!r}: {exc.message}", key=key) from None
 
 
 def _curve(value: Any) -> CurveConfig:

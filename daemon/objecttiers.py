@@ -38,9 +38,8 @@ from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.format import done_name, is_marker_name, marker_name
 from datastates.protocol.paths import within
 from datastates.protocol.retention import prune
-from datastates.protocol.storage import backend_for
-from datastates.protocol.storage.s3 import S3Storage, list_etags, list_keys
-from datastates.protocol.tags import read_marker_object, safe_name
+from datastates.protocol.storage import UploadedStorage, backend_for
+from datastates.protocol.storage.s3 import S3Storage, list_etags, list_keys, safe_name
 
 from .commit import make_marker
 from .trackers import trackers
@@ -103,7 +102,7 @@ class ObjectTiers:
     """The object store tiers of the node config; owned by the tier transfers."""
 
     def __init__(self, tiers: list[Tier], owner: str, timeout: float, idle: bool = False) -> None:
-        self.tiers = [t for t in tiers if not backend_for(t.path).mounted]
+        self.tiers = [t for t in tiers if isinstance(backend_for(t.path), UploadedStorage)]
         self._owner = owner
         self._timeout = timeout
         """``commit_timeout``: how long node 0 waits for the other nodes' done markers, and they for its marker."""
@@ -155,7 +154,7 @@ class ObjectTiers:
         exchange of versions drops them (daemon/versions.py): none stays readable by its address, with old bytes."""
         folder = os.path.dirname(next(iter(lower.files)))
         own_marker = f"{folder}/{marker_name(lower.tag)}"
-        earlier = read_marker_object(own_marker)
+        earlier = self.writer.read_marker(own_marker)
         self.writer.delete(own_marker)
         if earlier is None:
             return
@@ -163,7 +162,7 @@ class ObjectTiers:
         for url, _ in list_keys(folder):
             name = url.rsplit("/", 1)[1]
             if is_marker_name(name) and name != marker_name(lower.tag):
-                marker = read_marker_object(url)
+                marker = self.writer.read_marker(url)
                 others |= {f"{folder}/{f.path}" for f in marker.files} if marker is not None else set()
         for url in {f"{folder}/{f.path}" for f in earlier.files} - set(lower.files) - others:
             self.writer.delete(url)
@@ -234,7 +233,7 @@ class ObjectTiers:
         files: dict[str, int] = {}
         snapshots: dict[str, str] = {}
         for name, k in names.items():
-            done = read_marker_object(f"{folder}/{name}")
+            done = self.writer.read_marker(f"{folder}/{name}")
             if done is None or done.tag != tag or done.node != k or done.sequence != lower.sequence:
                 raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: {folder}/{name} is not node {k}'s "
                                    "done marker of this commit", path=folder)
@@ -253,7 +252,7 @@ class ObjectTiers:
         floor = (nodes - 1) / LOOKS_PER_S
         deadline, pause = time.monotonic() + self._timeout, max(FIRST_LOOK_S, floor) * (0.5 + random.random())
         while True:
-            marker = read_marker_object(f"{folder}/{marker_name(tag)}")
+            marker = self.writer.read_marker(f"{folder}/{marker_name(tag)}")
             if marker is not None and marker.tag == tag and marker.sequence == lower.sequence:
                 return
             if time.monotonic() > deadline:

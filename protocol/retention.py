@@ -23,7 +23,7 @@ from .errors import DatastatesError
 from .fileio import RENAME_NOREPLACE, fsync_dir, open_folder, read_regular, remove, rename_within
 from .format import DELETING_RE, TRACKER, CommitMarker, deleting_name, is_marker_name, marker_name
 from .storage import backend_for
-from .tags import CommittedTag, committed_tags, marker_paths, read_marker_object, untrusted_folder
+from .tags import CommittedTag, committed_tags, marker_paths, untrusted_folder
 
 log = logging.getLogger(__name__)
 
@@ -164,70 +164,25 @@ def prune(root: str, keep_last: int, spare: Iterable[str] = (), accept: Callable
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}: the newest committed tag always stays")
     spare = set(spare)
-    if not backend_for(root).mounted:
-        return _prune_objects(root, keep_last, spare, accept, dry_run)
+    store = backend_for(root)
     if not dry_run:
-        _finish_deletes(root)
+        store.finish_deletes(root)
     gone = []
     for tag in committed_tags(root, own_folder=True, accept=accept)[keep_last:]:
         if tag.tag in spare:
             continue
         if dry_run:
-            why = kept(tag, tag.folder)
+            why = store.why_kept(tag)
             if why:
                 log.warning("would not delete checkpoint %s of %s: %s", tag.tag, tag.folder, why)
                 continue
-        elif not delete_tag(tag, root):
+        elif not store.delete_tag(tag, root):
             continue
         gone.append(tag.folder)
     return gone
 
 
-def _prune_objects(run: str, keep_last: int, spare: set[str], accept: Callable[[str], bool],
-                   dry_run: bool) -> list[str]:
-    """``prune`` of an object store folder: each tag's marker object first (the tag is then not committed), then its
-    objects. The guards of a folder's prune (``kept``) hold: a tag folder that also holds another tag's marker, a
-    tag committed again since it was listed, and the tag the ``latest`` tracker names all stay. An object store has
-    no rename: a delete cut short leaves objects without a marker (never a tag), which a lifecycle rule clears."""
-    gone = []
-    store = backend_for(run)
-    tracker = f"{run.rstrip('/')}/{TRACKER}"
-    for tag in committed_tags(run, own_folder=True, accept=accept)[keep_last:]:
-        if tag.tag in spare:
-            continue
-        try:
-            listed = [url for url, _ in store.list(tag.folder)]
-            why = _kept_object(tag, tracker, listed)
-            if why:
-                log.warning("%s checkpoint %s of %s: %s", "would not delete" if dry_run else "not deleting", tag.tag,
-                            tag.folder, why)
-                continue
-            if not dry_run:
-                store.delete(tag.marker_path)
-                for url in listed:  # as listed before the guards: an object put there since is not this tag's
-                    if url != tag.marker_path:
-                        store.delete(url)
-        except DatastatesError as exc:  # a refusal, or a key no address can name (``a//b``): left as it is
-            log.warning("cannot delete tag %s from %s: %s", tag.tag, run, exc.message)
-            continue
-        gone.append(tag.folder)
-    return gone
-
-
-def _kept_object(tag: CommittedTag, tracker: str, listed: list[str]) -> str:
-    """``kept`` of a tag on an object store whose folder holds ``listed``: why it must not be deleted now ("" if it
-    may)."""
-    strangers = [url for url in listed if is_marker_name(url.rsplit("/", 1)[1]) and url != tag.marker_path]
-    if strangers:
-        return f"it also holds another tag's marker ({strangers[0].rsplit('/', 1)[1]})"
-    if read_marker_object(tag.marker_path) != tag.marker:  # right before the delete: the window is a round trip
-        return "it was committed again since it was listed, or its marker is gone"
-    if (backend_for(tracker).read(tracker) or b"").decode(errors="replace").strip() == tag.tag:
-        return f"the {TRACKER!r} tracker beside it names it"
-    return ""
-
-
-def _finish_deletes(root: str) -> None:
+def finish_deletes(root: str) -> None:
     """``finish_delete`` every folder of ``root`` named as being deleted."""
     try:
         names = sorted(os.listdir(root))

@@ -12,21 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence
 
 from .errors import DatastatesError
 from .format import (INDEX_AT, PREAMBLE_SIZE, CommitMarker, MarkerFile, header_snapshot, index_at, is_marker_name,
                      marker_name, parse_preamble)
 from .storage import backend_for
-from .paths import within
 
 log = logging.getLogger(__name__)
 
-MARKER_READS = 16
-"""Marker objects read at once when a folder of an object store is scanned: half the client's connections."""
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -67,12 +62,8 @@ def tag_files(folder: str, marker: CommitMarker) -> list[str]:
 def read_marker(path: str) -> CommitMarker | None:
     """The marker at ``path`` if it is whole and every file it lists has the size it lists."""
     store = backend_for(path)
-    if not store.mounted:
-        return _object_marker(path, dict(store.list(os.path.dirname(path))))
-    marker = CommitMarker.read(path)
-    if marker is None or unlisted(os.path.dirname(path), marker):
-        return None
-    return marker
+    marker = store.read_marker(path)
+    return marker if marker is not None and store.whole(os.path.dirname(path), marker) else None
 
 
 def unlisted(folder: str, marker: CommitMarker, folder_fd: int | None = None, identity: bool = False) -> str:
@@ -140,10 +131,10 @@ def marker_paths(root: str, depth: int = 1) -> list[str]:
     """Every file named like a commit marker in ``root`` and ``depth`` folders down, whole or not."""
     if not os.path.isdir(root):
         return []
-    return [path for folder in _folders(root, depth) for path in _marker_names(folder)]
+    return [path for folder in _folders(root, depth) for path in marker_names(folder)]
 
 
-def _marker_names(folder: str) -> list[str]:
+def marker_names(folder: str) -> list[str]:
     """The entries of ``folder`` named like a commit marker, sorted: names only, none opened."""
     try:
         names = os.listdir(folder)
@@ -194,15 +185,10 @@ def trusted_marker(path: str, whole: bool = True) -> CommitMarker | None:
     ``whole`` False: the marker as it reads, whether or not its files are all there (what a
     reader checking one file against its tag needs).
     """
-    if not backend_for(path).mounted:  # who may write the bucket is its policy's to say
-        return read_marker(path) if whole else read_marker_object(path)
-    if not os.path.lexists(path):  # no tag committed here (a new node's fast tier, an interrupted save): no warning
+    store = backend_for(path)
+    if not store.trusts(path):
         return None
-    why = distrust(path)
-    if why:
-        log.warning("skipping the commit marker %s: %s", path, why)
-        return None
-    return read_marker(path) if whole else CommitMarker.read(path)
+    return read_marker(path) if whole else store.read_marker(path)
 
 
 def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
@@ -214,11 +200,8 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
     ``strict``: a marker object that cannot be read raises, rather than being skipped: the
     newest tag cannot be named without it (``newest``).
     """
-    if not backend_for(root).mounted:
-        return _committed_objects(root, depth, own_folder, accept, strict)
     found = []
-    for path in marker_paths(root, depth):
-        marker = trusted_marker(path)
+    for path, marker in backend_for(root).markers(root, depth, strict):
         if marker is None or os.path.basename(path) != marker_name(marker.tag) or not accept(marker.tag):
             continue
         tag = CommittedTag(marker.tag, os.path.dirname(path), marker)
@@ -226,95 +209,6 @@ def committed_tags(root: str, depth: int = 1, own_folder: bool = False,
             continue
         found.append(tag)
     return sorted(found, key=lambda c: c.marker.newness, reverse=True)
-
-
-def safe_name(path: str) -> bool:
-    """Whether a marker's file entry names an object inside the marker's folder: a relative key, no '.', '..' or
-    empty part (an object store resolves none of them: ``a/../b`` is a key of its own)."""
-    return bool(path) and not path.startswith("/") and all(p not in ("", ".", "..") for p in path.split("/"))
-
-
-def read_marker_object(path: str) -> CommitMarker | None:
-    """The marker (or done marker) object at ``path`` as it reads, or None: absent, not a marker, or listing a file
-    outside its folder."""
-    raw = backend_for(path).read(path)
-    try:
-        marker = CommitMarker.decode(raw) if raw is not None else None
-    except (ValueError, RecursionError, DatastatesError):
-        return None
-    return marker if marker is not None and all(safe_name(f.path) for f in marker.files) else None
-
-
-def _object_marker(path: str, sizes: dict[str, int]) -> CommitMarker | None:
-    """The marker object at ``path``, if whole and every object it lists is in ``sizes`` (one listing) at its size."""
-    marker = read_marker_object(path)
-    folder = os.path.dirname(path)
-    if marker is None or any(sizes.get(f"{folder}/{f.path}") != f.size for f in marker.files):
-        return None
-    return marker
-
-
-def _committed_objects(root: str, depth: int, own_folder: bool, accept: Callable[[str], bool],
-                       strict: bool) -> list[CommittedTag]:
-    """``committed_tags`` of an object store folder: one listing of it, and a GET of each marker object there, up to
-    MARKER_READS at once (a run without ``keep_last`` holds a marker per save, each a round trip)."""
-    root = root.rstrip("/")
-    sizes = dict(backend_for(root).list(root))
-    paths = [path for path in sizes if is_marker_name(path.rsplit("/", 1)[1])
-             and path.rsplit("/", 1)[0][len(root):].count("/") <= depth]
-
-    def read(path: str) -> CommitMarker | None:
-        try:
-            return _object_marker(path, sizes)
-        except DatastatesError as exc:  # one marker refused (its own ACL, a key): the run's other tags still count
-            if strict:
-                raise
-            log.warning("skipping the commit marker %s: %s", path, exc.message)
-            return None
-
-    markers = _on_daemon_threads(read, paths, MARKER_READS)
-    found = []
-    for path, marker in zip(paths, markers):
-        folder, name = path.rsplit("/", 1)
-        if marker is None or name != marker_name(marker.tag) or not accept(marker.tag):
-            continue
-        tag = CommittedTag(marker.tag, folder, marker)
-        if own_folder and (not tag.own_folder or folder == root):
-            continue
-        found.append(tag)
-    return sorted(found, key=lambda c: c.marker.newness, reverse=True)
-
-
-def _on_daemon_threads(fn: Callable[[str], T], items: list[str], at_once: int) -> list[T]:
-    """``fn`` of each of ``items``, ``at_once`` at a time, in order; the first error raised once the calls under way
-    end, and no new one started after it. On daemon threads: one waiting on a hung server never holds the process at
-    its exit, as a ThreadPoolExecutor's would (a restore goes on without that server, client/locate.py)."""
-    results: list[Any] = [None] * len(items)
-    errors: list[BaseException] = []
-    todo = iter(range(len(items)))
-    lock = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                i = None if errors else next(todo, None)
-            if i is None:
-                return
-            try:
-                results[i] = fn(items[i])
-            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-                with lock:
-                    errors.append(exc)
-
-    threads = [threading.Thread(target=work, name="datastates-markers", daemon=True)
-               for _ in range(min(at_once, len(items)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def file_commits(path: str, depth: int = 3, roots: Sequence[str] | None = None) -> list[tuple[str, CommitMarker, MarkerFile]]:
@@ -333,28 +227,7 @@ def file_commits(path: str, depth: int = 3, roots: Sequence[str] | None = None) 
     counts, whatever its folder's trust (a setgid 2775 run folder, one made under umask
     002); the climb still stops at a root, so a marker planted above one changes nothing.
     """
-    if not backend_for(path).mounted:  # a tag's objects lie in its own folder, its marker beside them
-        folder = os.path.dirname(path)
-        marker_path = f"{folder}/{marker_name(os.path.basename(folder))}"
-        marker = read_marker_object(marker_path)
-        entry = next((f for f in marker.files if f.path == os.path.basename(path)), None) if marker else None
-        return [(marker_path, marker, entry)] if marker is not None and entry is not None else []
-    out = []
-    folder = os.path.dirname(os.path.abspath(path))
-    for _ in range(depth):
-        beyond = not any(within(folder, r) for r in roots) if roots is not None else untrusted_folder(folder)
-        if beyond:
-            break
-        rel = os.path.relpath(path, folder)
-        for marker_path in _marker_names(folder):
-            marker = trusted_marker(marker_path, whole=False) if roots is None else CommitMarker.read(marker_path)
-            entry = next((f for f in marker.files if f.path == rel), None) if marker is not None else None
-            if entry is not None:
-                out.append((marker_path, marker, entry))
-        if os.path.dirname(folder) == folder:
-            break
-        folder = os.path.dirname(folder)
-    return out
+    return backend_for(path).commits_of(path, depth, roots)
 
 
 def next_sequence(run: str) -> int:

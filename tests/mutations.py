@@ -564,9 +564,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "markers-above-the-root-trusted",
         "file_commits() climbs past folders others may write and reads every marker there, /tmp above /tmp/ckpt included",
-        (Edit("protocol/tags.py", "if roots is not None else untrusted_folder(folder)",
+        (Edit("protocol/storage/posix.py", "if roots is not None else untrusted_folder(folder)",
               "if roots is not None else \"\"  # MUTATION: no trust check of the folders climbed"),
-         Edit("protocol/tags.py",
+         Edit("protocol/storage/posix.py",
               "marker = trusted_marker(marker_path, whole=False) if roots is None else CommitMarker.read(marker_path)",
               "marker = CommitMarker.read(marker_path)  # MUTATION: any marker")),
         ("tests/faults/test_hostile_user.py::test_a_marker_planted_above_the_root_changes_nothing[marker]",),
@@ -1005,7 +1005,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "in-place-load-keeps-page-cache",
         "an in-place load from disk leaves the whole file in the page cache: a second copy of the checkpoint in memory",
-        (Edit("client/reader/source.py", "            forget_cached(self._fd)\n", "            os.close(self._fd)  # MUTATION\n"),),
+        (Edit("protocol/storage/posix.py", "            forget_cached(self.fd)\n", "            os.close(self.fd)  # MUTATION\n"),),
         ("tests/test_load_into.py::test_an_in_place_load_from_disk_leaves_the_file_out_of_the_page_cache"
          "[not aligned as the file]",),
     ),
@@ -1136,8 +1136,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "missing-marker-warned",
         "a restore warns of every tier that holds no marker for the tag: each restore on a new node logs 'skipping "
         "the commit marker ...: No such file or directory'",
-        (Edit("protocol/tags.py", "    if not os.path.lexists(path):  # no tag committed here",
-              "    if False:  # MUTATION"),),
+        (Edit("protocol/storage/posix.py", "        if not os.path.lexists(path):  # no tag committed here",
+              "        if False:  # MUTATION"),),
         ("tests/faults/test_crafted_dcp_meta.py::test_a_restore_from_the_next_tier_on_a_node_whose_fast_tier_holds_nothing_warns_of_nothing",),
     ),
     Mutation(
@@ -1289,8 +1289,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-marker-ignores-missing-objects",
         "a marker object counts as committed whatever its objects: a tag with an object gone is restored",
-        (Edit("protocol/tags.py", "    if marker is None or any(sizes.get(f\"{folder}/{f.path}\") != f.size for f in marker.files):",
-              "    if marker is None:  # MUTATION"),),
+        (Edit("protocol/storage/s3.py", "        return not any(sizes.get(f\"{folder}/{f.path}\") != f.size for f in marker.files)",
+              "        return True  # MUTATION"),),
         ("tests/test_s3.py::test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored",),
     ),
     Mutation(
@@ -1309,7 +1309,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-prune-deletes-another-tags-marker",
         "keep_last on the bucket deletes a tag's folder whole, though another committed tag's marker is in it",
-        (Edit("protocol/retention.py", "    if strangers:\n", "    if False:  # MUTATION\n"),),
+        (Edit("protocol/storage/s3.py", "        if strangers:\n", "        if False:  # MUTATION\n"),),
         ("tests/test_s3.py::test_keep_last_on_the_bucket_never_deletes_another_tags_marker_with_a_folder",),
     ),
     Mutation(
@@ -1411,7 +1411,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "markers-read-one-by-one",
         "latest() on a bucket reads its marker objects one after another",
-        (Edit("protocol/tags.py", "MARKER_READS = 16\n", "MARKER_READS = 1  # MUTATION\n"),),
+        (Edit("protocol/storage/s3.py", "MARKER_READS = 16\n", "MARKER_READS = 1  # MUTATION\n"),),
         ("tests/test_s3.py::test_latest_on_a_bucket_of_many_tags_reads_their_markers_at_once_and_names_the_newest",),
     ),
     Mutation(
@@ -1423,13 +1423,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "newest-skips-an-unreadable-marker",
         "latest() and a restore's choice skip a marker object they cannot read, the newest one perhaps",
-        (Edit("protocol/tags.py", "            if strict:\n                raise\n", "            if False:  # MUTATION\n                raise\n"),),
+        (Edit("protocol/storage/s3.py", "                if strict:\n                    raise\n", "                if False:  # MUTATION\n                    raise\n"),),
         ("tests/test_s3.py::test_a_node_that_cannot_read_the_bucket_refuses_to_pick_the_step_on_its_own_in_a_job_of_several_nodes",),
     ),
     Mutation(
         "marker-reads-hold-the-exit",
         "the marker reads a restore left waiting on a hung server hold its process at exit",
-        (Edit("protocol/tags.py", 'threading.Thread(target=work, name="datastates-markers", daemon=True)',
+        (Edit("protocol/storage/s3.py", 'threading.Thread(target=work, name="datastates-markers", daemon=True)',
               'threading.Thread(target=work, name="datastates-markers", daemon=False)  # MUTATION'),),
         ("tests/test_s3.py::test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses_to_guess_with_nothing_else",),
     ),

@@ -13,12 +13,10 @@ from typing import Any
 from datastates.protocol import messages as m
 from datastates.protocol.descriptors import Tier
 from datastates.protocol.endpoint import resolve_endpoint
-from datastates.protocol.errors import CorruptCheckpointError, DaemonNotRunning, DatastatesError, InvalidRequestError
-from datastates.protocol.fileio import read_regular
+from datastates.protocol.errors import DaemonNotRunning, DatastatesError
 from datastates.protocol.storage import backend_for
-from datastates.protocol.format import CommitMarker, check_tag, marker_name
+from datastates.protocol.format import check_tag
 from datastates.protocol.retention import prune
-from datastates.protocol.tags import distrust, marker_paths, read_marker_object, tag_files
 
 from ..connection import Connection, daemon_status
 from ..locate import tier_roots
@@ -126,46 +124,14 @@ def _tag_files(target: str, root: str) -> list[str]:
     under ``root``. A listed file that is missing is still returned, so it is reported. A
     marker this user may not trust (``distrust``: another user's, a FIFO) is skipped, saying why.
     """
-    if not backend_for(root).mounted and backend_for(target).mounted and not os.path.exists(target):
-        return _object_files(f"{root.rstrip('/')}/{check_tag(target)}", named=True)
-    if not backend_for(target).mounted:
-        return _object_files(target, named=False)
-    if os.path.isfile(target):
-        return [target]
-    if os.path.isdir(target):
-        found = [p for p in marker_paths(target) if os.path.dirname(p) == os.path.abspath(target).rstrip("/")]
-    else:
-        found = [p for p in marker_paths(root) if os.path.basename(p) == marker_name(check_tag(target))]
-    untrusted = {path: why for path in found if (why := distrust(path))}
-    for path, why in untrusted.items():
-        print(f"skipped  {path}: not a commit marker of this user's: {why}", file=sys.stderr)
-    found = [path for path in found if path not in untrusted]
-    if not found:
-        raise CorruptCheckpointError(f"no commit marker for {target!r} (looked in {target if os.path.isdir(target) else root})")
-    files = []
-    for path in found:
-        try:
-            marker = CommitMarker.decode(read_regular(path))
-        except (OSError, ValueError, DatastatesError) as exc:
-            raise CorruptCheckpointError(f"{path}: unreadable commit marker: {exc}") from None
-        files += tag_files(os.path.dirname(path), marker)
-    return files
+    store = backend_for(target)
+    if not store.is_folder(target) and not store.exists(target):  # a tag's name, looked for under ``root``
+        return backend_for(root).tag_files_named(root, check_tag(target), _skipped)
+    return store.files_at(target, _skipped)
 
 
-def _object_files(target: str, named: bool) -> list[str]:
-    """``_tag_files`` of an object store address: the objects a tag's marker object lists, or the object itself
-    (``named``: the address is a tag's folder, named by the tag; never an object)."""
-    folder = target.rstrip("/")
-    name = os.path.basename(folder)
-    try:
-        marker = read_marker_object(f"{folder}/{marker_name(check_tag(name))}")
-    except InvalidRequestError:  # not a tag's name: an object's
-        marker = None
-    if marker is not None:
-        return tag_files(folder, marker)
-    if named or next(backend_for(folder).list(folder), None) is not None:
-        raise CorruptCheckpointError(f"no commit marker for {target!r} (no committed tag there)")
-    return [target]
+def _skipped(path: str, why: str) -> None:
+    print(f"skipped  {path}: not a commit marker of this user's: {why}", file=sys.stderr)
 
 
 def _verify(target: str, root: str) -> int:

@@ -1,89 +1,43 @@
 """Where the reader's bytes come from: a checkpoint file or object opened for positional reads, with no torch.
 
 The reader's one seam to storage: ``open_source`` gives a ``Source`` (``pread``, ``preadv``,
-``size``, ``close``) over a local file (protocol/fileio.py) or an object
-(protocol/storage/s3.py), and ``region_buffer`` the memory a data region is read into.
-Nothing else in the reader asks which one a path is.
+``size``, ``close``) of the path's storage backend (protocol/storage/), and ``region_buffer``
+the memory a data region is read into. Nothing in the reader asks which storage a path has.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import fcntl
 import mmap
 import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Iterator
 
 from datastates.protocol.errors import CorruptCheckpointError
-from datastates.protocol.fileio import MADV_POPULATE_READ, forget_cached, on_tmpfs, open_for_reading, open_sequential
-from datastates.protocol.storage.s3 import READ_STREAMS, ObjectFile, is_object
-
-Reads = Literal["small", "direct", "sequential"]
-"""How a source is read: a few small reads (a header, a tail); large reads that bypass the page cache where the file
-system allows (O_DIRECT); one pass through the page cache, its pages dropped on close (``open_sequential``)."""
-
-IOV_MAX = 1024
+from datastates.protocol.fileio import MADV_POPULATE_READ
+from datastates.protocol.storage import backend_for
+from datastates.protocol.storage.base import RangeReader, Reads
 
 MAP_THREADS = 4
 """Threads that map a tmpfs file's pages in (``populate``)."""
 
 
-class Source:
-    """A checkpoint file opened for positional reads: a local file's descriptor, or an object's ranged GETs.
-
-    ``streams``: reads in flight that serve an object best (None for a file: its reader picks its threads);
-    ``direct``: reads bypass the page cache (buffers and offsets on whole blocks); ``mapped``: its bytes are
-    memory already (tmpfs), to be mapped rather than read (``region_buffer``).
-    """
-
-    def __init__(self, path: str, reads: Reads) -> None:
-        self.path = path
-        self._reads = reads
-        self._object = ObjectFile.open(path) if is_object(path) else None
-        self.mapped = self._object is None and on_tmpfs(path)
-        self.streams = READ_STREAMS if self._object is not None else None
-        if self._object is not None:
-            self._fd, self.size, self.direct = -1, self._object.size, False
-            return
-        self._fd = open_for_reading(path) if reads == "direct" else open_sequential(path) if reads == "sequential" \
-            else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self.size = os.fstat(self._fd).st_size
-        self.direct = bool(fcntl.fcntl(self._fd, fcntl.F_GETFL) & os.O_DIRECT)
-
-    def pread(self, length: int, at: int) -> bytes:
-        """Up to ``length`` bytes at ``at`` (fewer only at the end)."""
-        return self._object.pread(length, at) if self._object is not None else os.pread(self._fd, length, at)
-
-    def preadv(self, buffers: list[memoryview], at: int, until: int = 0) -> int:
-        """Fill ``buffers`` (IOV_MAX of them at most) in order from byte ``at``; the bytes read. ``until``: where
-        this caller's reads go on to (an object's GET asks for that much at once)."""
-        if self._object is not None:
-            return self._object.preadv(buffers, at, until)
-        return os.preadv(self._fd, buffers[:IOV_MAX], at)
-
-    def close(self) -> None:
-        """Let go of the descriptor (a sequential pass's pages dropped from the cache on a thread of their own); an
-        object is let go by ``one_read``."""
-        if self._fd < 0:
-            return
-        if self._reads == "sequential" and not self.mapped:
-            forget_cached(self._fd)
-        else:
-            os.close(self._fd)
-        self._fd = -1
-
-    def __enter__(self) -> Source:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+Source = RangeReader
+"""A checkpoint file opened for positional reads; ``streams``: reads in flight that serve it best (None: the reader
+picks its threads); ``direct``: reads bypass the page cache (buffers and offsets on whole blocks); ``mapped``: its
+bytes are memory already (tmpfs), to be mapped rather than read (``region_buffer``)."""
 
 
-def open_source(path: str, reads: Reads = "small") -> Source:
-    """``path`` (a file or an object address) opened for positional reads of the kind ``reads``."""
-    return Source(path, reads)
+@contextlib.contextmanager
+def open_source(path: str, reads: Reads = "small") -> Iterator[Source]:
+    """``path`` (a file or an object address) opened for positional reads of the kind ``reads``, closed at the end."""
+    source = backend_for(path).open(path, reads)
+    try:
+        yield source
+    finally:
+        source.close()
 
 
 def region_buffer(source: Source, start: int, end: int) -> mmap.mmap:

@@ -16,8 +16,12 @@ Writing, every call from a daemon's flush thread (or a trainer saving on its own
    next daemon's recovery does: ``remove_leftovers``);
 4. ``publish(path, data)`` writes a small file (a commit marker) with the same guarantees.
 
-Reading, from either side: ``read(path)`` a small file whole, ``open(path)`` a file for positional reads (``pread``,
-``preadv``, ``size``, ``close``), ``list(folder)``, ``exists(path)``, ``delete(path)``.
+Reading, from either side: ``read(path)`` a small file whole, ``open(path, reads)`` a file for positional reads
+(``pread``, ``preadv``, ``size``, ``close``), ``list(folder)``, ``exists(path)``, ``delete(path)``.
+
+Commit markers (protocol/tags.py's one scanner asks these, never which backend a path has): ``read_marker``,
+``whole``, ``trusts``, ``markers`` (a root's scan), ``commits_of`` (the markers listing a file); retention's
+``why_kept`` and ``delete_tag``; ``unchanged`` (a file read is still the one its marker lists).
 
 A backend raises StorageError, whose message names the path and the cause (disk full, read-only, I/O error).
 """
@@ -29,18 +33,35 @@ import importlib
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any, Callable, ClassVar, Iterator, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Literal, Protocol, Sequence, TypeVar
 
-from datastates.protocol.errors import InvalidRequestError, StorageError
+from datastates.protocol.errors import DatastatesError, InvalidRequestError, StorageError
 
+# CommitMarker and MarkerFile (protocol/format.py), Tier (protocol/descriptors.py) and CommittedTag (protocol/tags.py)
+# are named in the hints below, not imported: those modules read through this one.
+
+T = TypeVar("T")
 Gone = Callable[[str, str | None], bool]
 """(owner tag, a path that writer left, or None) → whether that writer is dead: the daemon's ``Instance.gone``."""
 
 
-class RangeReader(Protocol):
-    """A file opened for positional reads (``Storage.open``)."""
+Reads = Literal["small", "direct", "sequential"]
+"""How a file is read (``Storage.open``): a few small reads (a header, a tail); large reads that bypass the page cache
+where the file system allows (O_DIRECT); one pass through the page cache, its pages dropped on close."""
 
+
+class RangeReader(Protocol):
+    """A file opened for positional reads (``Storage.open``).
+
+    ``direct``: reads bypass the page cache (buffers and offsets on whole blocks); ``mapped``: its bytes are memory
+    already (tmpfs), to be mapped rather than read; ``streams``: reads in flight that serve it best (None: the
+    reader picks its threads)."""
+
+    path: str
     size: int
+    direct: bool
+    mapped: bool
+    streams: int | None
 
     def pread(self, length: int, at: int) -> bytes: ...
 
@@ -67,9 +88,6 @@ class Storage(ABC):
     """One kind of storage, reading and writing files through the sequence above."""
 
     scheme: ClassVar[str]
-    mounted: ClassVar[bool]
-    """A file system of this node: folders, renames, locks and links, usable as a daemon's root. False: a server
-    every node reaches alike (an object store), read over the network, and written only from committed files."""
 
     def __init__(self, *, direct_io: bool = True, owner: str = "", **_options: Any) -> None:
         self.direct_io = direct_io
@@ -102,8 +120,8 @@ class Storage(ABC):
         """A small file whole (a marker, a tracker), or None if there is none."""
 
     @abstractmethod
-    def open(self, path: str) -> RangeReader:
-        """The file at ``path``, for positional reads."""
+    def open(self, path: str, reads: Reads = "small") -> RangeReader:
+        """The file at ``path``, for positional reads of the kind ``reads``."""
 
     @abstractmethod
     def list(self, folder: str) -> Iterator[tuple[str, int]]:
@@ -131,6 +149,89 @@ class Storage(ABC):
     def connect(self, url: str, endpoint: str = "", region: str = "") -> None:
         """Reach the files below ``url`` (a tier's path) through its ``endpoint`` and ``region``: nothing for a
         storage that needs no server."""
+
+    @abstractmethod
+    def read_marker(self, path: str) -> CommitMarker | None:
+        """The commit marker (or done marker) at ``path`` as it reads, whole or not; None: absent, or not one."""
+
+    @abstractmethod
+    def whole(self, folder: str, marker: CommitMarker) -> bool:
+        """Whether every file ``marker`` (in ``folder``) lists is there at the size it lists."""
+
+    @abstractmethod
+    def trusts(self, path: str) -> bool:
+        """Whether the marker at ``path`` may speak for this user (one that may not is logged); False if absent."""
+
+    @abstractmethod
+    def markers(self, root: str, depth: int, strict: bool) -> list[tuple[str, CommitMarker | None]]:
+        """(path, ``trusted_marker(path)``) of every file named like a commit marker in ``root`` and ``depth``
+        folders down. ``strict``: one that cannot be read raises, rather than being skipped."""
+
+    @abstractmethod
+    def commits_of(self, path: str, depth: int, roots: Sequence[str] | None) -> list[tuple[str, CommitMarker,
+                                                                                          MarkerFile]]:
+        """(marker path, marker, its entry) of every commit marker that lists the file ``path`` (``file_commits``)."""
+
+    @abstractmethod
+    def why_kept(self, tag: CommittedTag) -> str:
+        """Why the committed ``tag`` must not be deleted now ("" if it may): retention's guards."""
+
+    @abstractmethod
+    def delete_tag(self, tag: CommittedTag, root: str) -> bool:
+        """Delete ``tag`` of ``root``, its marker withdrawn first; whether it went (one kept is logged)."""
+
+    @abstractmethod
+    def folders(self, root: str) -> list[tuple[str, str, int, int, int, bool]]:
+        """(name, path, files, bytes, last change in ns or 0, whether a marker of its name is there) of each tag
+        folder directly under ``root`` (not hidden): what ``datastatesctl ls`` shows."""
+
+    @abstractmethod
+    def files_at(self, target: str, skipped: Callable[[str, str], None]) -> list[str]:
+        """What ``datastatesctl verify target`` checks: ``target`` itself, or the files the commit markers of the
+        folder ``target`` list (a listed file that is missing too, so it is reported); ``skipped(marker, why)`` is
+        told of a marker this user may not trust. CorruptCheckpointError if a folder holds no marker."""
+
+    @abstractmethod
+    def tag_files_named(self, root: str, tag: str, skipped: Callable[[str, str], None]) -> list[str]:
+        """``files_at`` of the tag named ``tag`` under ``root``."""
+
+    def finish_deletes(self, root: str) -> None:
+        """Finish the deletes of ``root`` a killed prune left: nothing where a delete leaves nothing to finish."""
+
+    def unchanged(self, folder: str, name: str, marker: CommitMarker) -> bool:
+        """Whether the file ``name`` of ``folder``, just read, is still what ``marker`` (its tag's) lists: always, where
+        a committed file's bytes never change (a tag saved again is renamed into place whole)."""
+        return True
+
+    def unreachable(self, exc: DatastatesError) -> bool:
+        """Whether ``exc``, met reading here, says this storage could not be reached (a server down, refusing), so
+        another tier's copy may serve instead; a file system's errors say something of its files: never."""
+        return False
+
+    def probe(self, fn: Callable[[str], T], place: str) -> Future:
+        """``fn(place)``, a read of this storage: here and now, its error raised, where an answer always comes."""
+        done: Future = Future()
+        done.set_result(fn(place))
+        return done
+
+    def root_folders(self, path: str) -> list[str]:
+        """The folders of this node a tier at ``path`` adds to a daemon's roots: the tier's own."""
+        return [path]
+
+    @abstractmethod
+    def tier_path(self, path: str, first: bool) -> str:
+        """A tier's ``path`` in the form it is kept in (``first``: the tier snapshots land on); ConfigError why not."""
+
+    def check_tier(self, tier: Tier) -> tuple[str, str]:
+        """(key, why) a tier here is configured wrongly, or ("", "")."""
+        if tier.endpoint or tier.region:
+            key = "endpoint" if tier.endpoint else "region"
+            return key, f"{getattr(tier, key)!r} must be a string, and only an s3:// tier has one"
+        return "", ""
+
+    def check_next(self, tier: Tier, after: Tier) -> tuple[str, str]:
+        """(key, why) ``after`` must not come right after ``tier``, a tier here, or ("", "")."""
+        return "", ""
 
 
 class WritableStorage(Storage):
@@ -170,7 +271,7 @@ def backend_class(path: str | os.PathLike) -> type[Storage]:
         importlib.import_module(_BUILT_IN[scheme])
     cls = _BACKENDS.get(scheme)
     if cls is None:
-        raise InvalidRequestError(f"no storage backend for scheme {scheme!r} (known: {sorted(_BUILT_IN)})")
+        raise InvalidRequestError(f"unknown scheme {scheme!r}: no storage backend for it (known: {sorted(_BUILT_IN)})")
     return cls
 
 

@@ -22,14 +22,17 @@ import re
 import stat
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
-from ..errors import PathNotAllowedError
-from ..fileio import PAGE, RENAME_EXCHANGE, RENAME_NOREPLACE, open_folder, remove, rename_within
-from ..format import DONE_PREFIX, TEMP_SUFFIX, TEMP_TOKEN_MAX, CommitMarker
-from ..paths import shallow_walk
-from ..tags import file_commits, file_snapshot
-from .base import Gone, WritableStorage, register_backend, storage_error
+from .. import retention
+from ..errors import ConfigError, CorruptCheckpointError, DatastatesError, PathNotAllowedError
+from ..fileio import (PAGE, RENAME_EXCHANGE, RENAME_NOREPLACE, forget_cached, on_tmpfs, open_folder, open_for_reading,
+                      open_sequential, read_regular, remove, rename_within)
+from ..format import DONE_PREFIX, TEMP_SUFFIX, TEMP_TOKEN_MAX, CommitMarker, MarkerFile, marker_name
+from ..paths import shallow_walk, within
+from ..tags import (CommittedTag, distrust, file_snapshot, marker_names, marker_paths, tag_files, trusted_marker,
+                    unlisted, untrusted_folder)
+from .base import Gone, Reads, WritableStorage, register_backend, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +130,7 @@ def _committed(folder: int, name: str, path: str) -> bool:
     """Whether the file ``name`` in ``folder`` is what a marker lists for ``path``: its snapshot, or (a marker
     listing none) its size."""
     held, size = file_snapshot(name, folder), os.stat(name, dir_fd=folder, follow_symlinks=False).st_size
-    return any(entry.holds(held, size) for _, _, entry in file_commits(path, roots=("/",)))
+    return any(entry.holds(held, size) for _, _, entry in PosixStorage.commits_of(path, roots=("/",)))
 
 
 @dataclass
@@ -173,7 +176,6 @@ class FileHandle:
 
 class PosixStorage(WritableStorage):
     scheme = "file"
-    mounted = True
     handle_type: type[FileHandle] = FileHandle
 
     def create(self, path: str, token: str, direct: bool | None = None) -> FileHandle:
@@ -286,8 +288,8 @@ class PosixStorage(WritableStorage):
         except FileNotFoundError:
             return None
 
-    def open(self, path: str) -> _File:
-        return _File(path)
+    def open(self, path: str, reads: Reads = "small") -> _File:
+        return _File(path, reads)
 
     def list(self, folder: str) -> Iterator[tuple[str, int]]:
         for below, _, names in os.walk(folder):
@@ -312,6 +314,80 @@ class PosixStorage(WritableStorage):
     def join(self, folder: str, relative: str) -> str:
         return os.path.normpath(os.path.join(folder, relative))
 
+    def tier_path(self, path: str, first: bool) -> str:
+        if not os.path.isabs(path):
+            raise ConfigError(f"{path!r} must be an absolute path or s3://bucket/prefix")
+        return os.path.realpath(path)
+
+    def read_marker(self, path: str) -> CommitMarker | None:
+        return CommitMarker.read(path)
+
+    def whole(self, folder: str, marker: CommitMarker) -> bool:
+        return not unlisted(folder, marker)
+
+    def trusts(self, path: str) -> bool:
+        if not os.path.lexists(path):  # no tag committed here (a new node's fast tier, an interrupted save): no warning
+            return False
+        why = distrust(path)
+        if why:
+            log.warning("skipping the commit marker %s: %s", path, why)
+        return not why
+
+    def markers(self, root: str, depth: int, strict: bool) -> list[tuple[str, CommitMarker | None]]:
+        return [(path, trusted_marker(path)) for path in marker_paths(root, depth)]
+
+    @staticmethod
+    def commits_of(path: str, depth: int = 3, roots: Sequence[str] | None = None) -> list[tuple[str, CommitMarker,
+                                                                                                MarkerFile]]:
+        """``file_commits``: the markers in the ``depth`` folders above ``path``, climbing no further than this user
+        may trust (or, with ``roots``, than a root)."""
+        out = []
+        folder = os.path.dirname(os.path.abspath(path))
+        for _ in range(depth):
+            beyond = not any(within(folder, r) for r in roots) if roots is not None else untrusted_folder(folder)
+            if beyond:
+                break
+            rel = os.path.relpath(path, folder)
+            for marker_path in marker_names(folder):
+                marker = trusted_marker(marker_path, whole=False) if roots is None else CommitMarker.read(marker_path)
+                entry = next((f for f in marker.files if f.path == rel), None) if marker is not None else None
+                if entry is not None:
+                    out.append((marker_path, marker, entry))
+            if os.path.dirname(folder) == folder:
+                break
+            folder = os.path.dirname(folder)
+        return out
+
+    def folders(self, root: str) -> list[tuple[str, str, int, int, int, bool]]:
+        out = []
+        for name in sorted(os.listdir(root)):
+            folder = os.path.join(root, name)
+            if not os.path.isdir(folder) or name.startswith("."):
+                continue
+            on_disk = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
+            size = sum(os.path.getsize(f) for f in on_disk if os.path.isfile(f))
+            marked = CommitMarker.read(os.path.join(folder, marker_name(name))) is not None
+            out.append((name, folder, len(on_disk), size, int(os.path.getmtime(folder) * 1e9), marked))
+        return out
+
+    def files_at(self, target: str, skipped: Callable[[str, str], None]) -> list[str]:
+        if os.path.isfile(target):
+            return [target]
+        found = [p for p in marker_paths(target) if os.path.dirname(p) == os.path.abspath(target).rstrip("/")]
+        return _listed(target, target, found, skipped)
+
+    def tag_files_named(self, root: str, tag: str, skipped: Callable[[str, str], None]) -> list[str]:
+        return _listed(tag, root, [p for p in marker_paths(root) if os.path.basename(p) == marker_name(tag)], skipped)
+
+    def why_kept(self, tag: CommittedTag) -> str:
+        return retention.kept(tag, tag.folder)
+
+    def delete_tag(self, tag: CommittedTag, root: str) -> bool:
+        return retention.delete_tag(tag, root)
+
+    def finish_deletes(self, root: str) -> None:
+        retention.finish_deletes(root)
+
 
 def _left_by(name: str, path: str, gone: Gone) -> bool:
     """Whether ``path`` is a temporary file or a done marker (daemon/gather.py) of a dead writer (``gone``)."""
@@ -324,21 +400,58 @@ def _left_by(name: str, path: str, gone: Gone) -> bool:
     return False
 
 
-class _File:
-    """A file opened for positional reads (``PosixStorage.open``), through the page cache."""
+def _listed(target: str, where: str, found: list[str], skipped: Callable[[str, str], None]) -> list[str]:
+    """The files the markers ``found`` (those this user may trust) list."""
+    untrusted = {path: why for path in found if (why := distrust(path))}
+    for path, why in untrusted.items():
+        skipped(path, why)
+    found = [path for path in found if path not in untrusted]
+    if not found:
+        raise CorruptCheckpointError(f"no commit marker for {target!r} (looked in {where})")
+    files = []
+    for path in found:
+        try:
+            marker = CommitMarker.decode(read_regular(path))
+        except (OSError, ValueError, DatastatesError) as exc:
+            raise CorruptCheckpointError(f"{path}: unreadable commit marker: {exc}") from None
+        files += tag_files(os.path.dirname(path), marker)
+    return files
 
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+IOV_MAX = 1024
+
+
+class _File:
+    """A file opened for positional reads (``PosixStorage.open``): through the page cache, or past it (``direct``)."""
+
+    streams = None
+
+    def __init__(self, path: str, reads: Reads = "small") -> None:
+        self.path = path
+        self._reads = reads
+        self.mapped = on_tmpfs(path)
+        self.fd = open_for_reading(path) if reads == "direct" else open_sequential(path) if reads == "sequential" \
+            else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self.size = os.fstat(self.fd).st_size
+        self.direct = bool(fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT)
 
     def pread(self, length: int, at: int) -> bytes:
+        """Up to ``length`` bytes at ``at`` (fewer only at the end)."""
         return os.pread(self.fd, length, at)
 
     def preadv(self, buffers: list[memoryview], at: int, until: int = 0) -> int:
-        return os.preadv(self.fd, buffers, at)
+        """Fill ``buffers`` (IOV_MAX of them at most) in order from byte ``at``; the bytes read."""
+        return os.preadv(self.fd, buffers[:IOV_MAX], at)
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Let go of the descriptor (a sequential pass's pages dropped from the cache on a thread of their own)."""
+        if self.fd < 0:
+            return
+        if self._reads == "sequential" and not self.mapped:
+            forget_cached(self.fd)
+        else:
+            os.close(self.fd)
+        self.fd = -1
 
 
 register_backend(PosixStorage)
