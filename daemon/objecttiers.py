@@ -1,7 +1,7 @@
 """Object store tiers: their check at start, the commit of a tag transferred there, and their retention.
 
 A tag's objects are uploaded by the tier transfers (daemon/tiers.py) through the object store backend
-(protocol/storage/s3.py), its parts by the upload process (daemon/uploader.py), so neither the
+(protocol/storage/s3/), its parts by the upload process (daemon/uploader.py), so neither the
 network nor the upload's CPU ever holds up the fast tier's flush threads or the daemon. Then ``commit``: one listing of the
 tag's folder proves every object complete at its size, and only then the marker object is
 PUT, then the trackers, then that tier's ``keep_last``. An object store has no rename: the
@@ -38,8 +38,7 @@ from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.format import done_name, is_marker_name, marker_name
 from datastates.protocol.paths import within
 from datastates.protocol.retention import prune
-from datastates.protocol.storage import UploadedStorage, backend_for
-from datastates.protocol.storage.s3 import S3Storage, list_etags, list_keys, safe_name
+from datastates.protocol.storage import UploadedStorage, backend_class, backend_for
 
 from .commit import make_marker
 from .trackers import trackers
@@ -57,9 +56,9 @@ PROBE = ".datastates-probe-"
 
 class _Calls:
     """The threads of the object store calls: daemon threads, so that one left in a call to a hung server (each
-    request tried TIMEOUT_TRIES times, READ_TIMEOUT_S each: protocol/storage/s3.py) never holds the daemon's exit,
+    request tried TIMEOUT_TRIES times, READ_TIMEOUT_S each: protocol/storage/s3/) never holds the daemon's exit,
     as a ThreadPoolExecutor's, joined at exit, would. What such a call leaves undone, the upload journal and the next
-    daemon's resume take up (protocol/storage/s3.py, daemon/tiers.py). Used from the event loop's thread alone."""
+    daemon's resume take up (protocol/storage/s3/, daemon/tiers.py). Used from the event loop's thread alone."""
 
     def __init__(self, threads: int) -> None:
         self._threads = threads
@@ -106,7 +105,10 @@ class ObjectTiers:
         self._owner = owner
         self._timeout = timeout
         """``commit_timeout``: how long node 0 waits for the other nodes' done markers, and they for its marker."""
-        self.writer = S3Storage(owner=owner, journals=daemons_folder(), uploader=Uploader(idle))
+        self.uploader = Uploader(idle)
+        self.writer: Any = backend_class(self.tiers[0].path)(owner=owner, journals=daemons_folder(),
+                                                               uploader=self.uploader) if self.tiers else None
+        """The tiers' storage, writing through the upload process (None: no such tier)."""
         self.problems: dict[str, str] = {}
         """Tier name → why its start-up check failed (shown in status); transfers there are still tried."""
         self.checked = not self.tiers
@@ -125,7 +127,7 @@ class ObjectTiers:
         """Once at start, on the event loop's thread (the process dies with the thread that started it): the upload
         process, with the tiers' clients made; one that cannot start is a problem of each tier, shown in status."""
         try:
-            self.writer.uploader.start([(t.endpoint, t.region) for t in self.tiers])
+            self.uploader.start([(t.endpoint, t.region) for t in self.tiers])
         except OSError as exc:
             for tier in self.tiers:
                 self.problems[tier.name] = f"cannot start the upload process: {exc}"
@@ -159,7 +161,7 @@ class ObjectTiers:
         if earlier is None:
             return
         others = set()  # listed by another tag's marker in the same folder (a "best" saved into step1/): theirs
-        for url, _ in list_keys(folder):
+        for url, _ in self.writer.list(folder):
             name = url.rsplit("/", 1)[1]
             if is_marker_name(name) and name != marker_name(lower.tag):
                 marker = self.writer.read_marker(url)
@@ -184,9 +186,10 @@ class ObjectTiers:
                 self._await_marker(folder, lower, tier)
                 return []
             files, snapshots = self._gather(folder, lower, tier)
-        _check_sizes(folder, files, tier, tag)
+        _check_sizes(self.writer, folder, files, tier, tag)
         if ranks.num_nodes > 1:
-            _check_sizes(folder, {f"{folder}/{done_name(tag, k)}": -1 for k in range(ranks.num_nodes)}, tier, tag)
+            done = {f"{folder}/{done_name(tag, k)}": -1 for k in range(ranks.num_nodes)}
+            _check_sizes(self.writer, folder, done, tier, tag)
         marker = make_marker(tag, files, folder, lower.requested_ns, lower.sequence, ranks.num_nodes,
                              snapshots=snapshots)
         self.writer.publish(f"{folder}/{marker_name(tag)}", marker.encode())
@@ -208,12 +211,10 @@ class ObjectTiers:
         """Each object this node uploaded for ``lower`` is still the one its upload made (by ETag): another writer of
         the same keys (a job saving the same path, another node's stale transfer) fails the commit, never
         has its bytes committed as this tag's."""
-        etags = list_etags(folder)
-        for path in lower.files:
-            made = self.writer.completed.pop(path, None)
-            if made is None or etags.get(path) != made:
-                raise StorageError(f"tier {tier.name}: tag {lower.tag!r} not committed: {path} is not the object this "
-                                   "daemon uploaded (another writer replaced it)", path=path)
+        path = self.writer.replaced(folder, lower.files)
+        if path:
+            raise StorageError(f"tier {tier.name}: tag {lower.tag!r} not committed: {path} is not the object this "
+                               "daemon uploaded (another writer replaced it)", path=path)
 
     def _gather(self, folder: str, lower: CommitEvent, tier: Tier) -> tuple[dict[str, int], dict[str, str]]:
         """Node 0: every node's files and snapshots, from their done markers, once all are there."""
@@ -221,7 +222,7 @@ class ObjectTiers:
         names = {done_name(tag, k): k for k in range(nodes)}
         deadline, pause = time.monotonic() + self._timeout, FIRST_LOOK_S
         while True:
-            there = {url.rsplit("/", 1)[1] for url, _ in list_keys(folder)}
+            there = {url.rsplit("/", 1)[1] for url, _ in self.writer.list(folder)}
             missing = sorted(k for name, k in names.items() if name not in there)
             if not missing:
                 break
@@ -237,10 +238,7 @@ class ObjectTiers:
             if done is None or done.tag != tag or done.node != k or done.sequence != lower.sequence:
                 raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: {folder}/{name} is not node {k}'s "
                                    "done marker of this commit", path=folder)
-            for f in done.files:
-                if not safe_name(f.path):
-                    raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: node {k} lists {f.path!r}, "
-                                       "not a file of the tag's folder", path=folder)
+            for f in done.files:  # each a file of the tag's folder (``read_marker``)
                 files[f"{folder}/{f.path}"] = f.size
                 snapshots[f"{folder}/{f.path}"] = f.snapshot
         return files, snapshots
@@ -269,12 +267,12 @@ class ObjectTiers:
     def close(self) -> None:
         if self._calls is not None:
             self._calls.close()
-        self.writer.uploader.close()
+        self.uploader.close()
 
 
-def _check_sizes(folder: str, files: dict[str, int], tier: Tier, tag: str) -> None:
+def _check_sizes(writer: UploadedStorage, folder: str, files: dict[str, int], tier: Tier, tag: str) -> None:
     """Every object of ``files`` is in ``folder`` (one listing) at its size (-1: any); else StorageError."""
-    sizes = dict(list_keys(folder))
+    sizes = dict(writer.list(folder))
     for path, size in files.items():
         if path not in sizes or size not in (-1, sizes[path]):
             raise StorageError(f"tier {tier.name}: tag {tag!r} not committed: {path} is "

@@ -38,7 +38,6 @@ from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.fileio import open_for_reading, read_range
 from datastates.protocol.format import marker_name
 from datastates.protocol.storage import UploadedStorage, backend_for
-from datastates.protocol.storage.s3 import MAX_PARTS, PART
 from datastates.protocol.tags import CommittedTag, committed_tags, read_marker, snapshot_in
 
 from .commit import CommitLedger
@@ -359,21 +358,21 @@ class TierTransfers:
 
     async def _upload_file(self, src_fd: int, src: str, dest: str, size: int, transfer: TierTransfer,
                            token: str) -> None:
-        if size > MAX_PARTS * PART:
-            raise StorageError(f"cannot upload {src}: {size} bytes is more than {MAX_PARTS} parts of {PART} bytes, "
-                               "the most an object store takes", path=dest)
         writer = self.objects.writer
+        if size > writer.max_parts * writer.part:
+            raise StorageError(f"cannot upload {src}: {size} bytes is more than {writer.max_parts} parts of "
+                               f"{writer.part} bytes, the most an object store takes", path=dest)
         handle = await asyncio.wrap_future(self.objects.call(writer.create, dest, token))
 
         async def part(offset: int) -> None:
-            length = min(PART, size - offset)
+            length = min(writer.part, size - offset)
             await asyncio.wrap_future(writer.upload(handle, src_fd, offset, length))
             transfer.bytes_done += length
             self._progress()
 
         pending: set[asyncio.Future] = set()
         try:
-            for offset in range(0, size, PART):
+            for offset in range(0, size, writer.part):
                 if len(pending) >= PARTS_AT_ONCE:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     for d in done:
@@ -394,7 +393,7 @@ class TierTransfers:
             "tiers": [dataclasses.asdict(t) for t in self.tiers],
             "problems": dict(self.objects.problems),
             "checked": self.objects.checked,
-            "uploader": {"pid": self.objects.writer.uploader.pid, "started": self.objects.writer.uploader.started},
+            "uploader": {"pid": self.objects.uploader.pid, "started": self.objects.uploader.started},
             "pending": self.pending(),
             "tags": [{"tag": e.commit.tag, "run": e.run, "tiers": [dataclasses.asdict(t) for t in e.tiers]}
                      for e in self.history],

@@ -43,7 +43,8 @@ from typing import Any
 
 from datastates.protocol.errors import DatastatesError, ShuttingDownError, StorageError
 from datastates.protocol.fileio import read_range
-from datastates.protocol.storage.s3 import PART, ObjectPath, client, is_client_error, object_error, place_for
+from datastates.protocol.storage.s3.address import ObjectPath, client, is_client_error, object_error, place_for
+from datastates.protocol.storage.s3.writes import PART
 
 try:
     from isal.isal_zlib import crc32  # ISA-L's: the same CRC32 as zlib's, about 10 times as fast (24 against 2 GB/s)

@@ -103,7 +103,7 @@ class Tier:
     """Every node sees this tier (a parallel file system); false for a node-local disk or /dev/shm.
     Only shared tiers decide which tag a multi-node job restores."""
     endpoint: str = ""
-    """An object store tier's server (``https://host:port``); '': the AWS environment's (protocol/storage/s3.py)."""
+    """An object store tier's server (``https://host:port``); '': the AWS environment's (protocol/storage/s3/)."""
     region: str = ""
     """An object store tier's region; '': the AWS environment's."""
 

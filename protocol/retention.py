@@ -19,9 +19,8 @@ import logging
 import os
 from typing import Callable, Iterable
 
-from .errors import DatastatesError
 from .fileio import RENAME_NOREPLACE, fsync_dir, open_folder, read_regular, remove, rename_within
-from .format import DELETING_RE, TRACKER, CommitMarker, deleting_name, is_marker_name, marker_name
+from .format import DELETING_RE, TRACKER, CommitMarker, deleting_name, marker_name
 from .storage import backend_for
 from .tags import CommittedTag, committed_tags, marker_paths, untrusted_folder
 

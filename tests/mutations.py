@@ -1289,7 +1289,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-marker-ignores-missing-objects",
         "a marker object counts as committed whatever its objects: a tag with an object gone is restored",
-        (Edit("protocol/storage/s3.py", "        return not any(sizes.get(f\"{folder}/{f.path}\") != f.size for f in marker.files)",
+        (Edit("protocol/storage/s3/markers.py", "        return not any(sizes.get(f\"{folder}/{f.path}\") != f.size for f in marker.files)",
               "        return True  # MUTATION"),),
         ("tests/test_s3.py::test_a_corrupted_object_is_refused_and_a_tag_without_marker_is_ignored",),
     ),
@@ -1302,14 +1302,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-aborts-every-journaled-upload",
         "the next daemon aborts the uploads every daemon of the node journaled, a live one's too",
-        (Edit("protocol/storage/s3.py", " or owner == self.owner or not gone(owner, None):",
+        (Edit("protocol/storage/s3/writes.py", " or owner == self.owner or not gone(owner, None):",
               " or owner == self.owner:  # MUTATION"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_are_aborted_by_the_next_and_no_other_daemons",),
     ),
     Mutation(
         "s3-prune-deletes-another-tags-marker",
         "keep_last on the bucket deletes a tag's folder whole, though another committed tag's marker is in it",
-        (Edit("protocol/storage/s3.py", "        if strangers:\n", "        if False:  # MUTATION\n"),),
+        (Edit("protocol/storage/s3/markers.py", "        if strangers:\n", "        if False:  # MUTATION\n"),),
         ("tests/test_s3.py::test_keep_last_on_the_bucket_never_deletes_another_tags_marker_with_a_folder",),
     ),
     Mutation(
@@ -1345,14 +1345,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "hung-server-tried-six-times",
         "a request the server leaves unanswered is tried botocore's six times: a read of a hung bucket waits minutes",
-        (Edit("protocol/storage/s3.py", "    return False if _unanswered(caught_exception) and attempts >= TIMEOUT_TRIES else None",
+        (Edit("protocol/storage/s3/address.py", "    return False if _unanswered(caught_exception) and attempts >= TIMEOUT_TRIES else None",
               "    return None  # MUTATION"),),
         ("tests/test_s3.py::test_a_read_of_a_hung_bucket_gives_up_with_an_error_naming_it",),
     ),
     Mutation(
         "s3-journal-taken-away",
         "a daemon that cannot list uploads removes the dead daemons' journals it read, another job's daemon's too",
-        (Edit("protocol/storage/s3.py", "            self.kept |= set(owners.values())\n",
+        (Edit("protocol/storage/s3/writes.py", "            self.kept |= set(owners.values())\n",
               "            for owner in set(owners.values()):  # MUTATION\n                os.unlink(journal_path(folder, owner))\n"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_"
          "them",),
@@ -1360,7 +1360,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-journal-forgotten-unaborted",
         "a daemon that cannot list its dead predecessor's uploads forgets that daemon's journal all the same",
-        (Edit("protocol/storage/s3.py", "            self.kept |= set(owners.values())\n", "            pass  # MUTATION\n"),),
+        (Edit("protocol/storage/s3/writes.py", "            self.kept |= set(owners.values())\n", "            pass  # MUTATION\n"),),
         ("tests/test_s3.py::test_a_killed_daemons_uploads_stay_journaled_once_until_a_daemon_that_can_list_them_aborts_"
          "them",),
     ),
@@ -1399,19 +1399,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "s3-journal-never-trimmed",
         "a daemon's upload journal keeps a line for every upload it ever made",
-        (Edit("protocol/storage/s3.py", "        self._journal.ended(handle.upload_id)\n        size =", "        pass  # MUTATION\n        size ="),),
+        (Edit("protocol/storage/s3/writes.py", "        self._journal.ended(handle.upload_id)\n        size =", "        pass  # MUTATION\n        size ="),),
         ("tests/test_s3.py::test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon",),
     ),
     Mutation(
         "s3-journal-trimmed-of-open-uploads",
         "a trimmed journal keeps no upload, the open ones neither",
-        (Edit("protocol/storage/s3.py", "for upload_id, bucket in self.open.items()))", "for upload_id, bucket in {}.items()))  # MUTATION"),),
+        (Edit("protocol/storage/s3/writes.py", "for upload_id, bucket in self.open.items()))", "for upload_id, bucket in {}.items()))  # MUTATION"),),
         ("tests/test_s3.py::test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_upload_for_the_next_daemon",),
     ),
     Mutation(
         "markers-read-one-by-one",
         "latest() on a bucket reads its marker objects one after another",
-        (Edit("protocol/storage/s3.py", "MARKER_READS = 16\n", "MARKER_READS = 1  # MUTATION\n"),),
+        (Edit("protocol/storage/s3/markers.py", "MARKER_READS = 16\n", "MARKER_READS = 1  # MUTATION\n"),),
         ("tests/test_s3.py::test_latest_on_a_bucket_of_many_tags_reads_their_markers_at_once_and_names_the_newest",),
     ),
     Mutation(
@@ -1423,13 +1423,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "newest-skips-an-unreadable-marker",
         "latest() and a restore's choice skip a marker object they cannot read, the newest one perhaps",
-        (Edit("protocol/storage/s3.py", "                if strict:\n                    raise\n", "                if False:  # MUTATION\n                    raise\n"),),
+        (Edit("protocol/storage/s3/markers.py", "                if strict:\n                    raise\n", "                if False:  # MUTATION\n                    raise\n"),),
         ("tests/test_s3.py::test_a_node_that_cannot_read_the_bucket_refuses_to_pick_the_step_on_its_own_in_a_job_of_several_nodes",),
     ),
     Mutation(
         "marker-reads-hold-the-exit",
         "the marker reads a restore left waiting on a hung server hold its process at exit",
-        (Edit("protocol/storage/s3.py", 'threading.Thread(target=work, name="datastates-markers", daemon=True)',
+        (Edit("protocol/storage/s3/markers.py", 'threading.Thread(target=work, name="datastates-markers", daemon=True)',
               'threading.Thread(target=work, name="datastates-markers", daemon=False)  # MUTATION'),),
         ("tests/test_s3.py::test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses_to_guess_with_nothing_else",),
     ),

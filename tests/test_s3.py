@@ -24,7 +24,7 @@ import torch
 
 import datastates
 from datastates.client import Client, daemon_status
-from datastates.protocol.storage import s3 as s3_backend
+from datastates.protocol.storage.s3 import address as s3_address
 from datastates.protocol.errors import CorruptCheckpointError, StorageError
 from datastates.protocol.format import marker_name
 
@@ -59,7 +59,7 @@ def use_endpoint(monkeypatch: pytest.MonkeyPatch, url: str, key: str = "testing"
     monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
     monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
-    s3_backend.client.cache_clear()
+    s3_address.client.cache_clear()
 
 
 def s3_client(url: str, key: str = "testing", secret: str = SECRET) -> Any:
@@ -676,8 +676,8 @@ def test_a_read_of_a_hung_bucket_gives_up_with_an_error_naming_it(proxy: FaultPr
         pool.shutdown()
     for exc in errors:
         assert isinstance(exc, StorageError), repr(exc)
-        assert f"s3://{bucket}/" in exc.message and f"{s3_backend.READ_TIMEOUT_S:.0f} s" in exc.message, exc.message
-    assert hung.seen >= 2 * s3_backend.TIMEOUT_TRIES
+        assert f"s3://{bucket}/" in exc.message and f"{s3_address.READ_TIMEOUT_S:.0f} s" in exc.message, exc.message
+    assert hung.seen >= 2 * s3_address.TIMEOUT_TRIES
 
 
 # -- a daemon killed mid-upload -----------------------------------------------------------------------------------------
@@ -795,7 +795,7 @@ def test_a_long_lived_daemons_journal_stays_short_and_still_names_its_open_uploa
     """Each upload a daemon starts is journaled until it completes or is aborted; a journal past TRIM_LINES is written
     again with the open uploads alone, so weeks of saves keep it a few KiB in /dev/shm. An upload the server would not
     let it abort stays in it through every trim, for the next daemon to abort."""
-    from datastates.protocol.storage.s3 import TRIM_LINES
+    from datastates.protocol.storage.s3.writes import TRIM_LINES
 
     url = f"s3://{bucket}/jobs"
     s3 = s3_client(proxy.url)

@@ -56,7 +56,7 @@ import torch
 
 from datastates.protocol.errors import StateMismatchError
 from datastates.protocol.format import FileHeader
-from datastates.protocol.storage.s3 import one_read
+from datastates.protocol.storage import backend_for
 from datastates.protocol.tags import file_commits
 
 from .checks import CheckpointFile, open_file
@@ -262,7 +262,7 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *, into: Any
     """
     path = os.fspath(path)
     device = torch.device(map_location) if map_location is not None else None
-    with one_read(whole=True):  # an object's reads share one ETag, one read of its head and tail
+    with backend_for(path).one_read(whole=True):  # an object's reads share one ETag, one read of its head and tail
         if into is not None:
             return load_into(path, into, device, new_key=lambda _: not strict, verify=verify,
                              weights_only=weights_only)
@@ -362,7 +362,7 @@ def load_slices(path: str, slices: list[Slice], *, verify: bool = True, weights_
     format around it). A slice that does not fit (a key the file lacks, out of bounds, another shape) raises
     StateMismatchError naming it before anything is written. A storage two slices share is read once.
     """
-    with one_read():  # an object's reads share one ETag and its head: its header and data are of one version
+    with backend_for(path).one_read():  # an object's reads share one ETag and its head: header and data of one version
         return _load_slices(path, slices, verify, weights_only)
 
 

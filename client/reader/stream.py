@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from datastates.protocol.cudart import host_register, host_unregister
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.format import DATA_ALIGN, align_up, checksummer
-from datastates.protocol.storage.s3 import one_read
+from datastates.protocol.storage import backend_for
 from datastates.protocol.tags import file_commits
 
 from .checks import CheckpointFile, check_bounds, check_local_headers, open_file, storage_error
@@ -421,7 +421,7 @@ def verify(path: str | os.PathLike) -> tuple[int, int]:
     Returns (entries, data bytes); raises CorruptCheckpointError or UnsupportedFormatError.
     """
     path = os.fspath(path)
-    with one_read(whole=True):
+    with backend_for(path).one_read(whole=True):
         file = open_file(path, file_commits(path), views=True, zip_records=True)
         Stream(file, None, verify=True).read_region()
     return len(file.header.entries), file.header.data_len

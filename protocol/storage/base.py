@@ -1,7 +1,7 @@
 """The storage interface: where and how checkpoint bytes become durable files, and are read back.
 
 A backend is chosen by a path's URL scheme (plain paths are ``file``: protocol/storage/posix.py; ``s3://``:
-protocol/storage/s3.py); the daemon's in-memory replicas have one of their own (daemon/replicastorage.py), which
+protocol/storage/s3/); the daemon's in-memory replicas have one of their own (daemon/replicastorage.py), which
 adds taking over a spare's pages and handing them out to be filled directly. ``backend_for(path)`` is the shared
 instance that reads, lists and answers what a path's storage can do; the daemon makes writing ones with its options
 (``backend_class(path)(direct_io=..., owner=...)``). Nothing outside the backends asks which one a path has.
@@ -28,12 +28,13 @@ A backend raises StorageError, whose message names the path and the cause (disk 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any, Callable, ClassVar, Iterator, Literal, Protocol, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, Iterator, Literal, Protocol, Sequence, TypeVar
 
 from datastates.protocol.errors import DatastatesError, InvalidRequestError, StorageError
 
@@ -198,6 +199,12 @@ class Storage(ABC):
     def finish_deletes(self, root: str) -> None:
         """Finish the deletes of ``root`` a killed prune left: nothing where a delete leaves nothing to finish."""
 
+    def one_read(self, whole: bool = False) -> ContextManager[None]:
+        """A context within which the reads of one load (``open`` of the same path, again and again) see one version
+        of each file; ``whole``: the load reads the data region too. Nothing to do where a committed file never
+        changes."""
+        return contextlib.nullcontext()
+
     def unchanged(self, folder: str, name: str, marker: CommitMarker) -> bool:
         """Whether the file ``name`` of ``folder``, just read, is still what ``marker`` (its tag's) lists: always, where
         a committed file's bytes never change (a tag saved again is renamed into place whole)."""
@@ -243,6 +250,16 @@ class WritableStorage(Storage):
 
 class UploadedStorage(Storage):
     """A storage whose files are uploaded in parts from a local file (step 2: ``upload``)."""
+
+    part: ClassVar[int]
+    """Bytes of one part (the last of a file may be shorter); an upload's offsets are multiples of it."""
+    max_parts: ClassVar[int]
+    """The most parts of one file."""
+
+    @abstractmethod
+    def replaced(self, folder: str, paths: Iterable[str]) -> str:
+        """The first of ``paths`` (in ``folder``), each uploaded by this writer, that is no longer what its upload
+        made (another writer's since), or "" if none is; each is forgotten by this writer."""
 
     @abstractmethod
     def upload(self, handle: Any, fd: int, offset: int, length: int) -> Future:

@@ -22,7 +22,7 @@ import re
 import stat
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .. import retention
 from ..errors import ConfigError, CorruptCheckpointError, DatastatesError, PathNotAllowedError
