@@ -102,6 +102,7 @@ class ObjectTiers:
 
     def __init__(self, tiers: list[Tier], owner: str, timeout: float, idle: bool = False) -> None:
         self.tiers = [t for t in tiers if isinstance(backend_for(t.path), UploadedStorage)]
+        """The tiers whose storage takes files by upload (step 2 of the write sequence: protocol/storage/base.py)."""
         self._owner = owner
         self._timeout = timeout
         """``commit_timeout``: how long node 0 waits for the other nodes' done markers, and they for its marker."""

@@ -37,7 +37,6 @@ from datastates.protocol.descriptors import Ranks, Tier
 from datastates.protocol.errors import DatastatesError, StorageError
 from datastates.protocol.fileio import open_for_reading, read_range
 from datastates.protocol.format import marker_name
-from datastates.protocol.storage import UploadedStorage, backend_for
 from datastates.protocol.tags import CommittedTag, committed_tags, read_marker, snapshot_in
 
 from .commit import CommitLedger
@@ -312,7 +311,7 @@ class TierTransfers:
         lower = commit.moved(lambda p: tier.place(p, home))
         transfer.state = TransferState.TRANSFERRING
         self._progress()
-        uploaded = isinstance(backend_for(tier.path), UploadedStorage)  # its tag is committed by ObjectTiers
+        uploaded = tier in self.objects.tiers  # written by upload: its tag is committed by ObjectTiers
         try:
             if uploaded:
                 await asyncio.wrap_future(self.objects.call(self.objects.begin, lower))

@@ -5,6 +5,8 @@
 question, "which tags under this root are committed, newest first", and all answer it here.
 A tag is committed when its marker is whole and every file it lists has the size it
 lists; anything else (a save in flight, a folder a crash left) is invisible to readers.
+How a marker is found, read and checked where the path's storage keeps it is that storage
+backend's to say (protocol/storage/: ``markers``, ``read_marker``, ``whole``, ``trusts``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from .format import (INDEX_AT, PREAMBLE_SIZE, CommitMarker, MarkerFile, header_s
 from .storage import backend_for
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
