@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import datastates
-import datastates.client.reader.source as source_module
+import datastates.protocol.storage.posix as posix_module
 import datastates.client.reader.stream as stream_module
 from datastates.client import Client
 from datastates.protocol import errors
@@ -405,7 +405,7 @@ def test_a_file_truncated_while_it_is_read_raises(trainer: Client, run: Path, mo
 
     # through the page cache, or with O_DIRECT where the targets lie as in the file (as the allocator placed them)
     for name in ("open_sequential", "open_for_reading"):
-        monkeypatch.setattr(source_module, name, cut_then(getattr(source_module, name)))
+        monkeypatch.setattr(posix_module, name, cut_then(getattr(posix_module, name)))
     with pytest.raises(CorruptCheckpointError, match="file ends"):
         trainer.restore(run, "rank0.pt", tag="step1", into=zeros_like(state))
     assert cut and path.stat().st_size == cut[0]  # the case under test: cut as it was opened to be read
