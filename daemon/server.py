@@ -249,7 +249,7 @@ class Daemon:
 
         plan, path, folder, regions, fences = await asyncio.get_running_loop().run_in_executor(None, admit)
         # again, now with no await before the registration below: another client's snapshot of the same file may
-        # have been admitted on another thread meanwhile, and one of the two would be lost (issue 27, item 2)
+        # have been admitted on another thread meanwhile, and one of the two would be lost
         self.ledger.check_owner(plan.path, client.id, body.tag,
                                 lambda other: self.clients.alive(other, self.cfg.client_timeout))
         self.ledger.check_tag_owner(body.tag, folder, client.id, client.ranks,

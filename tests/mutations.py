@@ -1,4 +1,4 @@
-"""Mutation check (issue 13, "the suite must be able to fail"): each deliberate bug must fail a test named for it.
+"""Mutation check: the suite must be able to fail, so each deliberate bug must fail a test named for it.
 
 Not part of the pytest run (its name does not match ``test_*.py``); run it on demand::
 
