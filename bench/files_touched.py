@@ -14,24 +14,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
-import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import BIN  # noqa: E402
+from common import BIN, daemon_process  # noqa: E402
 
 import datastates  # noqa: E402
-from datastates.client import Client, daemon_status  # noqa: E402
-from datastates.protocol.errors import DaemonUnavailable  # noqa: E402
+from datastates.client import Client  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("protocol", "client", "daemon", "integrations", "datastates")
@@ -86,37 +82,15 @@ def _recorded(fn: Callable[[], Any]) -> set[str]:
     return {m for f in seen if (m := _module(f))}
 
 
-@contextmanager
-def _daemon(root: str, folder: str) -> Iterator[tuple[subprocess.Popen, str, str]]:
-    endpoint = f"ipc://{folder}/d/datastatesd.sock"
-    config = os.path.join(folder, "node.yaml")
-    with open(config, "w") as f:
-        yaml.safe_dump({"endpoint": endpoint, "storage": {"roots": [root]}, "log_level": "warning"}, f)
-    touched = os.path.join(folder, "touched.txt")
-    proc = subprocess.Popen([os.path.join(BIN, "python"), "-c", _DAEMON, "--node-config", config],
-                            env={**os.environ, "DS_TOUCHED": touched})
-    try:
-        for _ in range(600):
-            try:
-                daemon_status(endpoint, timeout=0.5)
-                break
-            except DaemonUnavailable:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"datastatesd exited with {proc.returncode}") from None
-                time.sleep(0.5)
-        yield proc, endpoint, touched
-    finally:
-        proc.terminate()
-        proc.wait(120)
-
-
 def main() -> None:
     state = {"w": torch.arange(1 << 16, dtype=torch.float32), "step": 7}
     with tempfile.TemporaryDirectory(prefix="ds-touched-") as folder:
         root = os.path.join(folder, "ckpt")
         os.makedirs(root)
         path = os.path.join(root, "run", "step7", "model.pt")
-        with _daemon(root, folder) as (proc, endpoint, touched):
+        touched = os.path.join(folder, "touched.txt")
+        command = [os.path.join(BIN, "python"), "-c", _DAEMON]
+        with daemon_process(root, command, env={**os.environ, "DS_TOUCHED": touched}) as (proc, endpoint):
             client = Client(endpoint)
             client.snapshot({"w": torch.zeros(4), "step": 0}, os.path.join(root, "warm", "t", "m.pt"), tag="t")
             client.wait()
