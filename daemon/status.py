@@ -5,19 +5,39 @@ from __future__ import annotations
 import os
 import resource
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from datastates.protocol.version import PROTOCOL_VERSION
 
 from . import fsops
-from .connections import open_descriptors
+from .admissions import Admissions
+from .clients import ClientRegistry
+from .commit import CommitLedger
+from .config import NodeConfig
+from .connections import Connections, open_descriptors
 from .gpus import gpus
+from .memory import HostPool
+from .replicas import ReplicaStore
+from .tiers import TierTransfers
 
-if TYPE_CHECKING:
-    from .server import Daemon
+
+class Parts(Protocol):
+    """What the status shows of a daemon (``server.Daemon``, which imports this module)."""
+
+    cfg: NodeConfig
+    started: float
+    draining: bool
+    leftovers: list[str] | None
+    pool: HostPool
+    clients: ClientRegistry
+    connections: Connections
+    snapshots: Admissions
+    ledger: CommitLedger
+    transfers: TierTransfers
+    replicas: ReplicaStore
 
 
-def node_status(daemon: Daemon) -> dict[str, Any]:
+def node_status(daemon: Parts) -> dict[str, Any]:
     """The STATUS reply's body: the daemon, its clients and connections, snapshots, commits, transfers, replicas."""
     commits = daemon.ledger.commit_states()
     snapshots = [{**s, "commit": commits.get(s["id"], "")} for s in daemon.snapshots.status()]
