@@ -15,7 +15,7 @@ from datastates.protocol import outcome
 from .config import StorageConfig
 from .engine import Engine
 from .instances import Instance
-from .replicas import remove_gone
+from .replica.folder import remove_gone
 from .versions import Versions
 
 

@@ -5,7 +5,7 @@ hold up anyone else. Every handler runs inside one error boundary: a DatastatesE
 becomes an ERROR reply with its code, anything else is logged and reported as
 ``internal``, and the loop goes on serving. Handlers are thin: the snapshot table is
 ``admissions.py``, client liveness ``clients.py``, commits ``commit.py``, the tier transfers
-``tiers.py`` (a listener of the ledger) and the replicas ``replicas.py``.
+``tiers.py`` (a listener of the ledger) and the replicas ``replica/``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from .admissions import Admissions
 from .memory import HostPool
 from .instances import LIFE_SIGN_S, Instance
 from .recovery import clean_up_after_kill
-from .replicas import ReplicaStore
+from .replica.table import ReplicaStore
 from .tiers import TierTransfers
 from .versions import Versions
 from .gpus import gpus
