@@ -16,7 +16,7 @@ from .config import StorageConfig
 from .engine import Engine
 from .instances import Instance
 from .replica.folder import remove_gone
-from .versions import Versions
+from .resave import Versions
 
 
 async def clean_up_after_kill(engine: Engine, storage: StorageConfig, instance: Instance) -> list[str]:

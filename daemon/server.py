@@ -53,7 +53,7 @@ from .instances import LIFE_SIGN_S, Instance
 from .recovery import clean_up_after_kill
 from .replica.table import ReplicaStore
 from .tiers import TierTransfers
-from .versions import Versions
+from .resave import Versions
 from .gpus import gpus
 from .sources.cuda import Fences, check_fences, decode_handle, flush_releases
 from .sources.cuda import probe as cuda_probe

@@ -241,7 +241,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "staging-not-sealed",
         "a save admitted while a re-save's commit is in flight joins the staging folder being switched in",
-        (Edit("daemon/versions.py",
+        (Edit("daemon/resave.py",
               "                if any(within(p, staging.staging) for p in paths):\n"
               "                    self._sealed.append(self._open.pop(key))\n",
               "                if False:  # MUTATION: never sealed\n"
@@ -714,7 +714,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "guards-trust-filtered",
         "the daemon's guards (a save over a committed file, keeping a file a marker lists) skip the markers of "
         "folders a reader may not trust: a group-writable run folder's committed file is saved over",
-        (Edit("daemon/versions.py", "file_commits(path, roots=roots)", "file_commits(path, roots=None)"),),
+        (Edit("daemon/resave.py", "file_commits(path, roots=roots)", "file_commits(path, roots=None)"),),
         ("tests/faults/test_shared_run_folder.py::test_a_group_writable_run_folder_keeps_the_save_guard",),
     ),
     Mutation(
