@@ -5,7 +5,7 @@ hold up anyone else. Every handler runs inside one error boundary: a DatastatesE
 becomes an ERROR reply with its code, anything else is logged and reported as
 ``internal``, and the loop goes on serving. Handlers are thin: the snapshot table is
 ``admissions.py``, client liveness ``clients.py``, commits ``commit.py``, the tier transfers
-``tiers.py`` (a listener of the ledger) and the replicas ``replicas.py``.
+``tiers.py`` (a listener of the ledger) and the replicas ``replica/``.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from .admissions import Admissions
 from .memory import HostPool
 from .instances import Instance
 from .recovery import clean_up_after_kill
-from .replicas import ReplicaStore
+from .replica.table import ReplicaStore
 from .tiers import TierTransfers
-from .versions import Versions
+from .resave import Versions
 from .gpus import gpus
 from .sources.cuda import Fences, check_fences, flush_releases
 from .sources.cuda import probe as cuda_probe

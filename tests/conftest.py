@@ -228,7 +228,7 @@ DAEMON_LOCKS = SHM / f"datastates-{os.geteuid()}-daemons"
 """Where each running daemon holds its lock (daemon/instances.py)."""
 PROJECT_SHM = re.compile(rf"torch_.*|datastates-{os.geteuid()}-.*|ds-test-.*")
 """What the project and its tests name in /dev/shm: the clients' segments (torch names them, client/shm.py), the
-clients' decision folders (protocol/outcome.py), the daemons' replica folders and lock folder (daemon/replicas.py,
+clients' decision folders (protocol/outcome.py), the daemons' replica folders and lock folder (daemon/replica/folder.py,
 daemon/instances.py), and the tests' own folders."""
 _SHM_BEFORE: set[str] = set()
 """What /dev/shm held when the session started: another user's or job's, never removed."""
@@ -641,7 +641,7 @@ def mapped_files(d: DaemonProc, folder: str) -> list[str]:
 
 def removed_but_mapped(d: DaemonProc, folder: str, wait: float = 30) -> list[str]:
     """The removed files under ``folder`` the daemon still maps after up to ``wait`` seconds: it unlocks and unmaps
-    a replica's pages on a thread of its own (daemon/pins.py), moments after removing the file."""
+    a replica's pages on a thread of its own (daemon/replica/locks.py), moments after removing the file."""
     deadline = time.monotonic() + wait
     while True:
         removed = [m for m in mapped_files(d, folder) if m.endswith("(deleted)")]

@@ -26,7 +26,7 @@ come from and go:
   bounce buffer, and from there over the thread's stream to the GPU: no pageable copy on the
   way (a replica on tmpfs is its pages already). Reading a replica costs no page tables, and no
   fault per 4 KiB page where a global ``echo 3 > /proc/sys/vm/drop_caches`` turned fault-around
-  off for a replica the daemon could not lock (daemon/pins.py).
+  off for a replica the daemon could not lock (daemon/replica/locks.py).
 
 A checksum or zip header that does not match, or a file that ends early, raises
 CorruptCheckpointError naming the tensor: a load never returns what it could not check.
