@@ -17,7 +17,7 @@ from .config import NodeConfig
 from .connections import Connections, open_descriptors
 from .gpus import gpus
 from .memory import HostPool
-from .replicas import ReplicaStore
+from .replica.table import ReplicaStore
 from .tiers import TierTransfers
 
 
