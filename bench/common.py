@@ -135,13 +135,22 @@ def fsync_tree(folder: str) -> None:
 @contextmanager
 def datastatesd(root: str, **config: Any) -> Iterator[str]:
     """A datastatesd writing under ``root``; yields its endpoint and drains it on exit."""
+    with daemon_process(root, [os.path.join(BIN, "datastatesd")], **config) as (_proc, endpoint):
+        yield endpoint
+
+
+@contextmanager
+def daemon_process(root: str, command: list[str], env: dict[str, str] | None = None,
+                   **config: Any) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``command --node-config FILE`` (datastatesd, or a wrapper of its main) writing under ``root``, once it
+    answers; yields the process and its endpoint, and drains it on exit."""
     sockdir = tempfile.mkdtemp(prefix="ds-bench-")
     endpoint = f"ipc://{sockdir}/d/datastatesd.sock"
     cfg = {"endpoint": endpoint, "storage": {"roots": [root]}, "log_level": "warning", **config}
     path = os.path.join(sockdir, "node.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
-    proc = subprocess.Popen([os.path.join(BIN, "datastatesd"), "--node-config", path])
+    proc = subprocess.Popen([*command, "--node-config", path], env=env)
     try:
         for _ in range(600):
             try:
@@ -151,7 +160,7 @@ def datastatesd(root: str, **config: Any) -> Iterator[str]:
                 if proc.poll() is not None:
                     raise RuntimeError(f"datastatesd exited with {proc.returncode}") from None
                 time.sleep(0.5)  # not listening yet is said at once
-        yield endpoint
+        yield proc, endpoint
     finally:
         proc.terminate()
         proc.wait(120)

@@ -1,8 +1,8 @@
 """FSDP2 training checkpointed with DCP: datastates beneath ``dcp.async_save`` against DCP's own, in real ranks.
 
 Why: a job that shards with FSDP2 checkpoints with ``torch.distributed.checkpoint``; what it
-gains from datastates is measured in its own loop, with torchrun's ranks, not in one process
-(issue 29's "Measured"). Two ranks (torchrun, gloo, CPU, ``OMP_NUM_THREADS=1``) train a
+gains from datastates is measured in its own loop, with torchrun's ranks, not in one process.
+Two ranks (torchrun, gloo, CPU, ``OMP_NUM_THREADS=1``) train a
 GPT-shaped model (transformer blocks of Linear layers; by default 42 M parameters: about
 0.5 GB of model plus AdamW state) with ``fully_shard``, against one ``datastatesd``. Phases,
 each a torchrun launch that prints one JSON line per rank and result (rank side:
@@ -27,7 +27,7 @@ each a torchrun launch that prints one JSON line per rank and result (rank side:
    ``DatastatesStorageReader(client)`` (the newest tag's replica; the source it took is
    checked), and the 4-rank checkpoint cold (4 -> 2). Every load is checked against the state saved.
 
-It prints every run as it ends, then the medians and issue 29's ratios, each beside its target:
+It prints every run as it ends, then the medians and the ratios, each beside its target:
 training slowdown (mean step time with checkpoints / without) and datastates' overhead
 (slowdown - 1) over DCP's; the time the loop is blocked per checkpoint (the save call plus the
 fence, plus any wait for the previous checkpoint) over DCP's; durable throughput over the raw
@@ -37,7 +37,7 @@ Then the storage layer's part alone, with no targets: each idle save from the wr
 each load's ``read_data``, over the raw write and ``FileSystemReader``'s.
 JSON to ``bench/results/dcp_fsdp.json``; the ranks' stderr to ``dcp_fsdp.log`` beside it.
 
-    .venv/bin/python bench/dcp_fsdp.py                      # the issue's size, 3 runs: about 11 min here
+    .venv/bin/python bench/dcp_fsdp.py                      # the default size, 3 runs: about 11 min here
     .venv/bin/python bench/dcp_fsdp.py --dcp-config thread+shm  # without the pre-measurement: about 8 min
     .venv/bin/python bench/dcp_fsdp.py --layers 1 --dim 128 --vocab 1024 --steps 10 --runs 2  # a check, under 1 min
 
@@ -74,7 +74,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "memory load datastates / FileSystemReader": ("<=", 0.3),
     "reshard load 4->2 / 2->2": ("<=", 1.2),
 }
-"""Issue 29's targets, by the name each ratio is printed under."""
+"""The targets, by the name each ratio is printed under."""
 
 
 def params_of(layers: int, dim: int, vocab: int, ctx: int) -> int:
@@ -237,7 +237,7 @@ def print_summary(s: dict[str, Any], runs: int) -> None:
               + (f"   of which read_metadata {meta:.3f} s, read_data {read:.3f} s" if key.startswith("load_") else "")
               + (f"   of which DCP's planning {planned:.3f} s" if key.startswith("durable_") else ""))
     print(f"  checks: {', '.join(ld['checks'])}")
-    print("\nratios (issue 29's target beside each):")
+    print("\nratios (the target beside each):")
     for name, value in s["ratios"].items():
         target = TARGETS.get(name)
         verdict = ""

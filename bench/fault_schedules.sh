@@ -1,5 +1,5 @@
 #!/bin/bash
-# The long fault-schedule run of issue 13: CHUNKS chunks of SIZE schedules from FIRST_SEED on,
+# The long fault-schedule run: CHUNKS chunks of SIZE schedules from FIRST_SEED on,
 # each chunk one pytest run of tests/faults/test_schedules.py (root and a loop mount needed for
 # the disk faults). Run two at once on disjoint seeds to use two cores, e.g.:
 #   bash bench/fault_schedules.sh 10000 20 50 /tmp/a.sum & bash bench/fault_schedules.sh 20000 20 50 /tmp/b.sum

@@ -1,4 +1,4 @@
-"""The first checkpoints of a fresh daemon, against later ones, torch.save and a bare copy (issue 30).
+"""The first checkpoints of a fresh daemon, against later ones, torch.save and a bare copy.
 
 Why: a trainer usually starts seconds after its daemon, while the daemon still maps its
 host pool, and its first snapshot used to wait there (0.75 s at the fence for 1 GiB, a

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU device check (issues 15 and 30), as one script for one call of at most 7 minutes
+# The GPU device check, as one script for one call of at most 7 minutes
 # on one H100 or H200: run it on a machine with a CUDA device and a CUDA build of torch
 # already installed (it installs datastates itself, without deps). Each step runs under its
 # own time limit (its whole process group: daemons and trainers too); the limits add up to

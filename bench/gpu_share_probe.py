@@ -1,6 +1,6 @@
 """The 1,200-share probe: do 1,200 snapshots of one GPU training state cost the trainer what its first ones did?
 
-Why (issue 15): each ``storage._share_cuda_()`` holds one of torch's IPC ref-counter slots
+Why: each ``storage._share_cuda_()`` holds one of torch's IPC ref-counter slots
 and events until the storage is freed, and past 1,000 events torch synchronizes the stream
 on every share. A client that shared each storage at every snapshot reached that on the
 second snapshot of bench/gpu.py's 592-storage state, and from then on every ``snapshot()``

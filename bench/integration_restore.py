@@ -1,6 +1,6 @@
 """Lightning's restore of a model of a few hundred MB, in place: against ``datastates.load(path, into=...)`` alone.
 
-Why (issue 28): an integration whose framework calls ``load_state_dict`` itself reads the
+Why: an integration whose framework calls ``load_state_dict`` itself reads the
 file into the module's own tensors and hands the framework those very tensors, so the
 framework's copy is of each tensor onto itself, which torch skips. Its restore should then
 cost what the in-place load alone costs, not that plus a second copy of the model.

@@ -1,4 +1,4 @@
-"""Many daemons in one job, as the nodes of a multi-node job on one shared file system (issue 31, part 2).
+"""Many daemons in one job, as the nodes of a multi-node job on one shared file system.
 
 Why: in a job of N nodes each node's daemon writes a done marker beside the tag's files
 and node 0 gathers them before it writes the tag's marker, all through the shared file

@@ -1,4 +1,4 @@
-"""Many ranks on one daemon, and two daemons of eight ranks each, as the nodes of one job (issue 31, part 1).
+"""Many ranks on one daemon, and two daemons of eight ranks each, as the nodes of one job.
 
 Why: a node of a training cluster runs 8 ranks, each checkpointing at the same step, and
 one daemon serves them all from one host pool. This runs that for real: ``--ranks`` rank

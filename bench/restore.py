@@ -23,7 +23,7 @@ AdamW state of the same size against ``datastates.load(path, into=...)`` alone.
 Every restore touches each page of what it loaded. Two reference lines are measured in
 the same runs: a raw O_DIRECT read of the datastates file with the reader's own threads
 and piece size, into a fresh buffer and into one reused across runs. It prints medians
-over ``--runs`` (contenders interleaved), the ratios the issue names, and where a storage
+over ``--runs`` (contenders interleaved), the ratios against their targets, and where a storage
 and a memory restore's time goes (``phases``: header, data read or mapped with its checksums,
 rebuilding the state, touching it). ``--device cuda`` restores onto a GPU (bench/gpu_check.sh).
 """
@@ -267,7 +267,7 @@ def main() -> int:
 
 
 def report(times: dict[str, list[float]], med: dict[str, float], profile: dict[str, list[dict[str, float]]]) -> None:
-    """The issue's ratios, and whether ours won every run."""
+    """The ratios against their targets, and whether ours won every run."""
     reused, fresh = med["raw O_DIRECT, reused buffer"], med["raw O_DIRECT, fresh buffer"]
     print(f"storage restore speed / raw O_DIRECT read into a fresh buffer: {fresh / med['storage']:.3f}")
     for peer in ("torch.load", "torch.load of datastates' file"):

@@ -1,4 +1,4 @@
-"""The S3 tier (issue 32): the daemon's upload and datastates' reads against boto3's best, and what the
+"""The S3 tier: the daemon's upload and datastates' reads against boto3's best, and what the
 background upload costs a training loop. Against a local moto_server, started (and stopped) here.
 
 Why: with ``storage.tiers`` ending in an ``s3://`` tier, a tag committed on the fast tier is

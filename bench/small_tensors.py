@@ -1,4 +1,4 @@
-"""A state of many tiny tensors: what each part of a checkpoint costs per tensor (issue 30).
+"""A state of many tiny tensors: what each part of a checkpoint costs per tensor.
 
 Why: a checkpoint's cost should follow its bytes, but a state of 100,000 tensors of 4
 elements (a model's many small biases and norms, an optimizer's per-parameter steps, a

@@ -156,7 +156,7 @@ class Watched:
 
 
 def locks_settled(status: Callable[[], dict[str, Any]], timeout: float = 30) -> None:
-    """Wait until the daemon (its ``status()``) has no replica lock, unlock or hand-over queued (daemon/pins.py
+    """Wait until the daemon (its ``status()``) has no replica lock, unlock or hand-over queued (daemon/replica/locks.py
     does them on a thread of its own, moments after each commit): its resident memory counts a locked replica's
     pages once more, and its descriptors one per lock, so a sample taken while one is still queued would move by
     a replica. TimeoutError if they never settle."""

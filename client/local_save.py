@@ -5,7 +5,7 @@ it is off unless ``Client(fallback="local")`` asks for it; the client imports th
 only then, and it is the one client module that imports the daemon (bench/layering.py). It runs the daemon's own plan, copy and sink steps one piece at a time through
 one buffer, so its files and markers are the same format, loaded by ``datastates.load``
 and found by ``datastates.latest``. It keeps the daemon's promises too: a committed tag
-saved again gets a new version switched in whole (daemon/versions.py, I2), and it tags
+saved again gets a new version switched in whole (daemon/resave.py, I2), and it tags
 its temporary files and staging folders with an owner of its own (daemon/instances.py),
 so the next daemon removes what a killed trainer left (I5).
 """
@@ -37,7 +37,7 @@ from datastates.daemon.memory import Chunk
 from datastates.daemon.sink import FileSink
 from datastates.daemon.sources import Owner, Region, open_region
 from datastates.daemon.trackers import trackers
-from datastates.daemon.versions import Versions
+from datastates.daemon.resave import Versions
 
 log = logging.getLogger(__name__)
 

@@ -224,6 +224,17 @@ class ClientRecord:
             return process_start(self.pid) != self.started
         return time.monotonic() - self.seen > timeout
 
+    def probed_gpu(self, handle: str, refused: str) -> None:
+        """What the CUDA probe of one of its GPUs found (``refused``: why IPC does not serve it), for ``status``."""
+        try:
+            uuid = decode_handle(handle)["uuid"][:64]
+        except InvalidRequestError:
+            uuid = "?"
+        if uuid in self.gpu_capture or len(self.gpu_capture) < MAX_GPUS:
+            self.gpu_capture[uuid] = f"refused: {refused}" if refused else "ipc"
+        if refused:
+            log.warning("client %s's GPU %s goes through host memory: %s", self.id, uuid, refused)
+
     def status(self) -> dict[str, Any]:
         return {
             "id": self.id,

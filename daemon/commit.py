@@ -49,7 +49,7 @@ from .rounds import RankRound, RankRounds
 from .run_order import RunOrder
 from .snapshot import AdmittedSnapshot
 from .trackers import Trackers
-from .versions import NewVersion, Versions
+from .resave import NewVersion, Versions
 
 
 def tag_folder(tag: str, files: dict[str, int], roots: list[str] | None) -> str:
@@ -362,7 +362,7 @@ class CommitLedger:
         """The tag's marker, then the trackers: a tracker never names a tag before its marker exists.
 
         With ``staging``, the marker goes beside the new version's files, and the version is
-        switched in place of the committed one in one step (daemon/versions.py).
+        switched in place of the committed one in one step (daemon/resave.py).
         """
         path = os.path.join(folder, marker_name(tag))
         if staging is None:

@@ -31,7 +31,7 @@ from .snapshot import AdmittedSnapshot
 from .memory import Chunk, HostPool, Window
 from datastates.protocol.layout import FilePlan, Piece
 
-from .replicastorage import ReplicaStorage
+from .replica.backend import MemoryStorage
 from .sink import FileSink
 from .turns import Slots
 
@@ -60,7 +60,7 @@ class Engine:
         self._direct_io = direct_io
         self._owner = owner
         self._writers: dict[type, Storage] = {}
-        self.replica_storage = ReplicaStorage(direct_io=direct_io, owner=owner)
+        self.replica_storage = MemoryStorage(direct_io=direct_io, owner=owner)
         """The backend of the snapshots' in-memory replicas."""
 
     def writer(self, path: str) -> WritableStorage:

@@ -12,6 +12,8 @@ never touched, and another node's files never match this node's host digits.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -19,7 +21,7 @@ import re
 import secrets
 import socket
 import time
-from typing import Container
+from typing import Any, Awaitable, Callable, Container
 
 from datastates.protocol.paths import SHM_DIR
 
@@ -109,6 +111,15 @@ class Instance:
         """A sign of life: the lock file's time renewed, so FORGET_AFTER_S counts from this daemon's last one, not
         from its start (a daemon killed after a week's run would otherwise be forgotten at once)."""
         os.utime(self._fd)
+
+    async def signs_of_life(self, stopped: asyncio.Event, run: Callable[..., Awaitable[Any]]) -> None:
+        """``touch`` every LIFE_SIGN_S until ``stopped``, through ``run`` (the daemon's file-system threads)."""
+        while not stopped.is_set():
+            try:
+                await asyncio.wait_for(stopped.wait(), LIFE_SIGN_S)
+            except TimeoutError:
+                with contextlib.suppress(OSError):
+                    await run(self.touch)
 
     def forget_gone(self, dead: Container[str], kept: Container[str] = ()) -> None:
         """Remove the locks (and journals) of the ``dead`` writers whose leftovers this daemon has removed: all their

@@ -92,7 +92,7 @@ def _raise_fd_limit() -> None:
 
 
 def _raise_memlock_limit() -> None:
-    """Take all the locked memory allowed: committed replicas are locked in memory where it suffices (daemon/pins.py)."""
+    """Take all the locked memory allowed: committed replicas are locked in memory where it suffices (daemon/replica/locks.py)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))

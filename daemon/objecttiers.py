@@ -154,7 +154,7 @@ class ObjectTiers:
         """Before any byte of ``lower`` is uploaded: the marker of an earlier version of the tag deleted, so that no
         reader takes the tag as committed while its objects are replaced one by one (a tag saved again): it is
         uncommitted there until its new marker. That version's objects the new one lacks go too, as the fast tier's
-        exchange of versions drops them (daemon/versions.py): none stays readable by its address, with old bytes."""
+        exchange of versions drops them (daemon/resave.py): none stays readable by its address, with old bytes."""
         folder = os.path.dirname(next(iter(lower.files)))
         own_marker = f"{folder}/{marker_name(lower.tag)}"
         earlier = self.writer.read_marker(own_marker)

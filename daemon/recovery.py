@@ -15,8 +15,8 @@ from datastates.protocol import outcome
 from .config import StorageConfig
 from .engine import Engine
 from .instances import Instance
-from .replicas import remove_gone
-from .versions import Versions
+from .replica.folder import remove_gone
+from .resave import Versions
 
 
 async def clean_up_after_kill(engine: Engine, storage: StorageConfig, instance: Instance) -> list[str]:

@@ -20,7 +20,7 @@ from datastates.protocol.errors import CommitError, DatastatesError
 
 from .config import HISTORY
 from .snapshot import AdmittedSnapshot
-from .versions import Versions
+from .resave import Versions
 
 RoundKey = tuple[str, int, str]
 """(training job, world size, tag): one round of one tag on this node."""

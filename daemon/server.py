@@ -5,17 +5,14 @@ hold up anyone else. Every handler runs inside one error boundary: a DatastatesE
 becomes an ERROR reply with its code, anything else is logged and reported as
 ``internal``, and the loop goes on serving. Handlers are thin: the snapshot table is
 ``admissions.py``, client liveness ``clients.py``, commits ``commit.py``, the tier transfers
-``tiers.py`` (a listener of the ledger) and the replicas ``replicas.py``.
+``tiers.py`` (a listener of the ledger) and the replicas ``replica/``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import resource
-import shutil
 import time
 from typing import Any, Awaitable, Callable
 
@@ -38,25 +35,25 @@ from datastates.protocol.errors import (
 from datastates.protocol.format import check_tag
 from datastates.protocol.layout import plan_snapshot
 from datastates.protocol.paths import check_derived, check_path
-from datastates.protocol.version import PROTOCOL_VERSION
 
-from . import fsops
-from .clients import HEARTBEATS_PER_TIMEOUT, MAX_GPUS, ClientRecord, ClientRegistry
-from .connections import Connections, open_descriptors
+from .clients import HEARTBEATS_PER_TIMEOUT, ClientRecord, ClientRegistry
+from .connections import Connections
 from .commit import CommitLedger, tag_folder
 from .config import NodeConfig
+from .departures import Departures
 from .engine import Engine
 from .snapshot import AdmittedSnapshot
 from .admissions import Admissions
 from .memory import HostPool
-from .instances import LIFE_SIGN_S, Instance
+from .instances import Instance
 from .recovery import clean_up_after_kill
-from .replicas import ReplicaStore
+from .replica.table import ReplicaStore
 from .tiers import TierTransfers
-from .versions import Versions
+from .resave import Versions
 from .gpus import gpus
-from .sources.cuda import Fences, check_fences, decode_handle, flush_releases
+from .sources.cuda import Fences, check_fences, flush_releases
 from .sources.cuda import probe as cuda_probe
+from .status import node_status
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +73,7 @@ class Daemon:
         self.leftovers: list[str] | None = None
         self._recovered = asyncio.Event()
         self.clients = ClientRegistry()
-        self.jobs = Admissions()
+        self.snapshots = Admissions()
         self.versions = Versions(self.instance.owner)
         self.ledger = CommitLedger(self.engine, cfg.storage, cfg.commit_timeout, self.versions, owner)
         self.transfers = TierTransfers(self.engine, cfg.storage, self.ledger, owner, cfg.commit_timeout)
@@ -86,9 +83,8 @@ class Daemon:
                                      alive=lambda client: self.clients.alive(client, cfg.client_timeout))
         self.ledger.subscribe(self.replicas)
         self._tasks: set[asyncio.Task] = set()
-        self._left: dict[str, str] = {}
-        """Decision folders of clients that left, removed once none of their snapshots is pending."""
-        self._started = time.monotonic()
+        self.departures = Departures(self.ledger, self.clients, self.snapshots)
+        self.started = time.monotonic()
         self.draining = False
         self._refuse_after = float("inf")
         self.stopped = asyncio.Event()
@@ -112,9 +108,9 @@ class Daemon:
         self.connections = Connections(sock)
         self._spawn(self._recover())
         self._spawn(asyncio.get_running_loop().run_in_executor(None, gpus.hold))  # before the trainers fill the GPUs
-        self._spawn(self.clients.watch(self.cfg.client_timeout, self.stopped, self._gone))
+        self._spawn(self.clients.watch(self.cfg.client_timeout, self.stopped, self.departures.gone))
         self._spawn(self.connections.watch(self.stopped))
-        self._spawn(self._signs_of_life())
+        self._spawn(self.instance.signs_of_life(self.stopped, self.engine.flush))
         if self.cfg.prefault:
             self._spawn(self.engine.prefill())
         stop = asyncio.ensure_future(self.stopped.wait())
@@ -133,15 +129,6 @@ class Daemon:
         # the trainers outlive this daemon: release every CUDA block it holds, or they stay parked in them
         self.clients.release_all()
         await asyncio.get_running_loop().run_in_executor(None, flush_releases, 30)
-
-    async def _signs_of_life(self) -> None:
-        """``Instance.touch`` every LIFE_SIGN_S while serving."""
-        while not self.stopped.is_set():
-            try:
-                await asyncio.wait_for(self.stopped.wait(), LIFE_SIGN_S)
-            except TimeoutError:
-                with contextlib.suppress(OSError):
-                    await self.engine.flush(self.instance.touch)
 
     async def _ready_ahead(self, path: str, size: int, done: Callable[[BaseException | None], None]) -> None:
         """A spare's pages readied on a flush thread (``ready_pages``), then ``done`` here with what it raised."""
@@ -207,7 +194,7 @@ class Daemon:
             raise
         if body.retired:
             client.retire(body.retired)
-        async with self.jobs.admitting(client.id):
+        async with self.snapshots.admitting(client.id):
             try:
                 ack = await self._admit(client, body)
             except Exception as exc:  # any refusal, an internal one too: committing the tag's other files would
@@ -226,13 +213,13 @@ class Daemon:
             raise ShuttingDownError("datastatesd is shutting down and takes no new snapshots")
         check_tag(body.tag)
         if client.on_busy == "skip":
-            reason = self.ledger.skipped(client.id, body.tag) or self.jobs.busy(client.id, body.tag)
+            reason = self.ledger.skipped(client.id, body.tag) or self.snapshots.busy(client.id, body.tag)
             if reason:
                 self.ledger.skip(client.id, body.tag, reason)
                 log.warning("skipped a snapshot of %s for %s (on_busy: skip): %s", body.tag, client.id, reason)
                 return m.SnapshotAck(snapshot_id=0, total_bytes=0, skipped=reason)
 
-        job_id = self.jobs.next_id()
+        job_id = self.snapshots.next_id()
 
         def admit() -> tuple[Any, str, str, Any, Any]:
             roots = self.cfg.storage.roots
@@ -249,17 +236,17 @@ class Daemon:
 
         plan, path, folder, regions, fences = await asyncio.get_running_loop().run_in_executor(None, admit)
         # again, now with no await before the registration below: another client's snapshot of the same file may
-        # have been admitted on another thread meanwhile, and one of the two would be lost (issue 27, item 2)
+        # have been admitted on another thread meanwhile, and one of the two would be lost
         self.ledger.check_owner(plan.path, client.id, body.tag,
                                 lambda other: self.clients.alive(other, self.cfg.client_timeout))
         self.ledger.check_tag_owner(body.tag, folder, client.id, client.ranks,
                                     lambda other: self.clients.alive(other, self.cfg.client_timeout))
-        earlier = self.jobs.pending_at(plan.path)
+        earlier = self.snapshots.pending_at(plan.path)
         decision = (client.decisions, outcome.check_ticket(body.ticket)) if client.decisions and body.ticket else None
         job = AdmittedSnapshot(job_id, client.id, body.tag, plan, regions, decision, fences=fences, folder=folder,
                           owner_alive=lambda: self.clients.alive(client.id, self.cfg.client_timeout))
         job.replica = self.replicas.reserve(job.id, path, job.tag, job.file_size, client.ranks, job.snapshot, client.id)
-        self.jobs.add(job)
+        self.snapshots.add(job)
         self.ledger.add(job, client.ranks)
         self._spawn(self._run(job, earlier))
         return m.SnapshotAck(snapshot_id=job.id, total_bytes=job.total_bytes)
@@ -280,31 +267,24 @@ class Daemon:
         await self.engine.run(job, after=[j.durable for j in earlier])
         if job.replica is None or job.error is not None:  # its replica failed, or the snapshot did
             self.replicas.discard(job.id)
-        self.jobs.finished(job)
-        self._tidy(job.client_id)
+        self.snapshots.finished(job)
+        self.departures.tidy(job.client_id)
 
     async def _cuda_probe(self, identity: bytes, body: m.CudaProbe) -> m.CudaProbeReply:
         """Open the client's probe handle and read it back, off the event loop: which path its GPU takes."""
         client = self.clients.get(identity)
         refused = await asyncio.get_running_loop().run_in_executor(None, cuda_probe, body.handle, body.expect,
                                                                    client.pid)
-        try:
-            uuid = decode_handle(body.handle)["uuid"][:64]
-        except InvalidRequestError:
-            uuid = "?"
-        if uuid in client.gpu_capture or len(client.gpu_capture) < MAX_GPUS:
-            client.gpu_capture[uuid] = f"refused: {refused}" if refused else "ipc"
-        if refused:
-            log.warning("client %s's GPU %s goes through host memory: %s", client.id, uuid, refused)
+        client.probed_gpu(body.handle, refused)
         return m.CudaProbeReply(refused=refused)
 
     async def _wait(self, identity: bytes, body: m.Wait) -> m.WaitDone:
         client = self.clients.get(identity)
-        await self.jobs.admitted(client.id)
-        ids = body.snapshot_ids or [j.id for j in self.jobs.of_client(client.id)]
+        await self.snapshots.admitted(client.id)
+        ids = body.snapshot_ids or [j.id for j in self.snapshots.of_client(client.id)]
         jobs = []
         for i in ids:
-            job = self.jobs.get(i)
+            job = self.snapshots.get(i)
             if job is not None and job.client_id != client.id:
                 raise InvalidRequestError(f"snapshot {i} belongs to another client")
             if job is not None:
@@ -317,7 +297,7 @@ class Daemon:
 
     async def _commit(self, identity: bytes, body: m.Commit) -> m.Committed:
         client = self.clients.get(identity)
-        await self.jobs.admitted(client.id)
+        await self.snapshots.admitted(client.id)
         if body.lost:  # part of the tag went with a daemon the client lost: the rest alone would be a partial tag
             self.ledger.refuse(client.id, check_tag(body.tag), body.lost, client.ranks)
         committed = await self.ledger.commit(client.id, check_tag(body.tag), client.ranks, client.began_ns)
@@ -331,7 +311,7 @@ class Daemon:
         return m.RestoreReply(replica=replica.file if replica else "", why_not=why_not)
 
     async def _status(self, identity: bytes, body: m.Status) -> m.StatusReply:
-        return m.StatusReply(status=self.status())
+        return m.StatusReply(status=node_status(self))
 
     async def _shutdown(self, identity: bytes, body: m.Shutdown) -> m.ShutdownAck:
         await self.drain()
@@ -340,44 +320,12 @@ class Daemon:
     async def _bye(self, identity: bytes, body: m.Bye) -> m.ByeAck:
         record = self.clients.remove(identity)  # its region cache goes; jobs in flight keep their own maps
         if record is not None:
-            self._depart(record, said_bye=True)
+            self.departures.depart(record, said_bye=True)
         return m.ByeAck()
 
     async def _heartbeat(self, identity: bytes, body: m.Heartbeat) -> m.HeartbeatAck:
         self.clients.get(identity)  # a client from before a restart must hear it is unknown, not that all is well
         return m.HeartbeatAck()
-
-    def _depart(self, record: ClientRecord, said_bye: bool) -> None:
-        """A client gone, with BYE or without: its open tags go, and the rounds its rank still owed a commit fail now
-        for the ranks waiting in them (a rank that left never commits them), not at commit_timeout. Unless it said
-        BYE while another client of that rank is still here (a process may hold several), which may yet commit them;
-        a killed rank's restart saves anew, in the next round."""
-        opened = self.ledger.forget(record.id)
-        if not said_bye:
-            self.ledger.died(record.id)
-        self._left_behind(record)
-        if record.ranks.world_size > 1 and not (said_bye and self.clients.has_rank(record.ranks)):
-            self.ledger.rank_lost(record.ranks, opened, self.clients.of_job(record.ranks))
-
-    def _left_behind(self, record: ClientRecord) -> None:
-        if record.decisions:
-            self._left[record.id] = record.decisions
-            self._tidy(record.id)
-
-    def _tidy(self, client_id: str) -> None:
-        """Remove a departed client's decision folder once no snapshot of it can still claim an outcome there."""
-        if client_id in self._left and not any(j.pending for j in self.jobs.of_client(client_id)):
-            shutil.rmtree(self._left.pop(client_id), ignore_errors=True)
-
-    def _gone(self, record: ClientRecord, how: str) -> dict[str, Any]:
-        """A client gone without BYE: its open tags go, its snapshots of its own memory not yet copied fail, the rest
-        finish."""
-        self._depart(record, said_bye=False)
-        mine = self.jobs.of_client(record.id)
-        why = ("its trainer abandoned it (it gave this daemon up: stalled past liveness, or gone)" if how == "left"
-               else f"its trainer {how}")
-        abandoned = sum(j.abandon_trainer_copy(why) for j in mine)
-        return {"pending_snapshots": sum(1 for j in mine if j.pending) - abandoned, "abandoned_snapshots": abandoned}
 
     # -- lifecycle and status ---------------------------------------------------------
 
@@ -394,53 +342,15 @@ class Daemon:
         if not self.draining:
             self.draining = True
             self._refuse_after = time.monotonic() + DRAIN_GRACE
-            log.info("draining: %d snapshot(s) pending", len(self.jobs.pending()))
+            log.info("draining: %d snapshot(s) pending", len(self.snapshots.pending()))
             if self.clients.connected():  # with no client, no snapshot can be on its way
                 await asyncio.sleep(DRAIN_GRACE)
         while True:
-            pending = [j.durable for j in self.jobs.pending()]
+            pending = [j.durable for j in self.snapshots.pending()]
             if pending:
                 await asyncio.wait(pending, timeout=0.5)
-            elif self.ledger.pending or self.jobs.any_admitting() or not self.transfers.drained():
+            elif self.ledger.pending or self.snapshots.any_admitting() or not self.transfers.drained():
                 await asyncio.sleep(0.05)
             else:
                 break
         asyncio.get_running_loop().call_later(0.2, self.stopped.set)
-
-    def status(self) -> dict[str, Any]:
-        commits = self.ledger.commit_states()
-        jobs = [{**job, "commit": commits.get(job["id"], "")} for job in self.jobs.status()]
-        return {
-            "daemon": {
-                "pid": os.getpid(),
-                "endpoint": self.cfg.endpoint,
-                "protocol_version": PROTOCOL_VERSION,
-                "uptime_s": round(time.monotonic() - self._started, 1),
-                "draining": self.draining,
-                "roots": self.cfg.storage.roots,
-                "host_memory": self.pool.status(),
-                "copy_threads": self.cfg.copy_threads,
-                "gpus": gpus.status(),
-                "flush_threads": self.cfg.flush_threads,
-                "descriptors": descriptors(),
-                "metadata_ops": fsops.counts(),
-                "leftovers_removed": None if self.leftovers is None else {
-                    "count": len(self.leftovers), "paths": self.leftovers[:20]},
-            },
-            "clients": self.clients.status(),
-            "connections": self.connections.status(),
-            "clients_lost": list(self.clients.lost),
-            "snapshots": jobs,
-            "pending": len(self.jobs.pending()),
-            "commits_pending": self.ledger.pending,
-            "tags_gathering": self.ledger.groups(),
-            "tier_transfers": self.transfers.status(),
-            "replicas": self.replicas.status(),
-            "committed": list(self.ledger.committed),
-        }
-
-
-def descriptors() -> dict[str, int]:
-    """Open file descriptors and the limits on them: ZeroMQ aborts the daemon when an accept meets the soft one."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return {"open": open_descriptors(), "soft_limit": soft, "hard_limit": hard}

@@ -25,13 +25,13 @@ from datastates.protocol.errors import DatastatesError
 from datastates.protocol.fileio import aligned_block
 from datastates.protocol.storage import WritableStorage
 
-from .replicastorage import ReplicaHandle, ReplicaStorage
+from .replica.backend import MemoryStorage, ReplicaHandle
 
 log = logging.getLogger(__name__)
 
 
 class _Replica:
-    def __init__(self, writer: ReplicaStorage, path: str, reuse: str = "") -> None:
+    def __init__(self, writer: MemoryStorage, path: str, reuse: str = "") -> None:
         self.writer = writer
         self.path = path
         self.reuse = reuse
@@ -44,7 +44,7 @@ class _Replica:
 
 class FileSink:
     def __init__(self, writer: WritableStorage, path: str, token: str,
-                 replicas: list[tuple[ReplicaStorage, str, str]] | None = None) -> None:
+                 replicas: list[tuple[MemoryStorage, str, str]] | None = None) -> None:
         self._writer = writer
         self.path = path
         self._token = token

@@ -19,7 +19,7 @@ from datastates.protocol.errors import SnapshotFailedError
 from datastates.protocol.layout import FilePlan
 
 from .rate import RecentRate, average
-from .replicas import Replica
+from .replica.table import Replica
 from .sources import Region
 from .sources.cuda import Fences
 
@@ -77,7 +77,7 @@ class AdmittedSnapshot:
         self._copy_rate = RecentRate(self.started)
         self._flush_rate = RecentRate(self.started)
         self.replica: Replica | None = None
-        """Where the engine also writes the file, for restores from memory (daemon/replicas.py)."""
+        """Where the engine also writes the file, for restores from memory (daemon/replica/table.py)."""
         self.abandoned: SnapshotFailedError | None = None
         """Set when the trainer went before the copy finished and its memory went with it."""
         self.fences = fences

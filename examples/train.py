@@ -196,7 +196,7 @@ def main() -> None:
     finally:
         client.close()
     print("the daemon also keeps each tag's copy in /dev/shm (a replica, for restores after a crash): the first snapshots\n"
-          "move into fresh /dev/shm pages once; later ones write over the replica they supersede (daemon/replicas.py)")
+          "move into fresh /dev/shm pages once; later ones write over the replica they supersede (daemon/replica/table.py)")
 
     fresh = TinyGPT()  # as a restarted trainer would: its model built, then the newest committed tag read into it
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=3e-4)

@@ -10,7 +10,7 @@ file is a tag of its own, named after the file (``tag_of``); its marker
 ``datastates-commit.<file name>.json`` sits beside it, and ``datastatesctl verify <folder>``
 checks them all. Saving a path again (``last.ckpt``) first withdraws that file's marker:
 the daemon switches a new version in atomically only for a tag with a folder of its own
-(daemon/versions.py), and refuses to write over a file a marker lists. Until the new file
+(daemon/resave.py), and refuses to write over a file a marker lists. Until the new file
 is committed, the path holds the previous file, whole, but not committed; at no moment does
 a marker name bytes other than the file's. ``ModelCheckpoint(save_last="link")`` makes
 ``last.ckpt`` a link to the newest top-k file instead, which is never saved again.

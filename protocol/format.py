@@ -64,7 +64,7 @@ FILE_NAME_MAX = NAME_MAX - TEMP_RESERVE
 """The longest name of a file datastates writes (checkpoint files, markers, trackers): its temporary name must fit."""
 STAGING_SUFFIX = ".dsgen"
 STAGING_RE = re.compile(r"\.([0-9a-f]{16})-\d+" + re.escape(STAGING_SUFFIX))
-"""A re-saved tag's staging folder beside its folder, ``.<owner>-<n>.dsgen`` (daemon/versions.py); the group is
+"""A re-saved tag's staging folder beside its folder, ``.<owner>-<n>.dsgen`` (daemon/resave.py); the group is
 the owner tag of the daemon that made it."""
 
 

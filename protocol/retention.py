@@ -10,7 +10,7 @@ Deleting a tag's folder takes as long as it holds files (thousands, for a sharde
 whoever deletes it may be killed meanwhile. So the folder is first renamed, in one step, to
 a hidden name that says it is being deleted (``deleting_name``): from then on no reader
 sees it, and whatever a killed delete leaves under that name, the next ``prune`` of its
-folder, or the next daemon start (daemon/versions.py), deletes (``finish_delete``).
+folder, or the next daemon start (daemon/resave.py), deletes (``finish_delete``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,25 @@
-"""A tensor entry's meta, checked without torch: the dtypes the format holds and the view a tensor is.
+"""The tensor provider's torch-free half: the dtypes the format holds, the view a tensor is, and its data.pkl opcodes.
 
-The daemon checks a SNAPSHOT's tensor entries with ``check_view`` at admission, ``datastates.load``
-checks a file's again before rebuilding them, and ``verify`` (no torch) checks them the same way,
-so a view ``datastates.load`` refuses is never one ``verify`` passes.
+A tensor entry is one leaf kind (protocol/providers/tensor.py captures and restores it with torch); what needs no
+torch lives here, outside that package (whose import registers the built-in providers, and so imports torch), for
+``verify`` and the daemon to use without it. The daemon checks a SNAPSHOT's tensor entries with ``check_view`` at
+admission, ``datastates.load`` checks a file's again before rebuilding them, and ``verify`` (no torch) checks them the
+same way, so a view ``datastates.load`` refuses is never one ``verify`` passes. ``pickled_tensor`` is what
+``torch.save`` writes into ``data.pkl`` for one tensor entry: the zip writer (protocol/torchzip.py) splices it in
+place of the entry's persistent id, and ``verify`` rebuilds it to compare.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
 from typing import Any, Sequence
 
 from .errors import InvalidRequestError
 
+NAME = "tensor"
+"""The tensor provider's type string, stored in each tensor entry of a file."""
 DTYPE_SIZES: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16,
@@ -66,3 +74,82 @@ def check_view(name: str, meta: dict[str, Any], storage_sizes: Sequence[int]) ->
                                       f"{storage_sizes[storage]}")
     flags = {k: bool(meta.get(k, False)) for k in ("requires_grad", "parameter")}
     return {"storage": storage, "dtype": dtype, "shape": shape, "stride": stride, "storage_offset": offset, **flags}
+
+
+def _int(n: int) -> bytes:
+    if 0 <= n < 256:
+        return b"K" + bytes([n])
+    if 0 <= n < 65536:
+        return b"M" + struct.pack("<H", n)
+    if -(2**31) <= n < 2**31:
+        return b"J" + struct.pack("<i", n)
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _str(s: str) -> bytes:
+    raw = s.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _tuple(items: list[bytes]) -> bytes:
+    return b"(" + b"".join(items) + b"t" if items else b")"
+
+
+_NO_HOOKS = b"ccollections\nOrderedDict\n)R"
+TYPED_STORAGES: dict[str, str] = {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "int64": "LongStorage",
+    "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
+    "bool": "BoolStorage", "bfloat16": "BFloat16Storage", "complex128": "ComplexDoubleStorage",
+    "complex64": "ComplexFloatStorage",
+}
+"""The dense dtypes ``torch.save`` names a typed storage for (torch's legacy ``_dtype_to_storage_type_map``, which no
+longer grows). Part of the format, not asked of torch: ``verify`` rebuilds ``data.pkl`` without torch, and a file's
+bytes do not depend on the torch that wrote it. tests/test_dtypes.py pins it to torch's."""
+
+
+def _tensor(meta: dict, nbytes: int, requires_grad: bool, typed: bool) -> bytes:
+    """torch.save's pickle of one tensor (of a storage of ``nbytes``): ``_rebuild_tensor_v2`` of a typed storage
+    record where its storage is viewed as that one dtype (torch.load caches a storage by record, typed as it first
+    meets it), else ``_rebuild_tensor_v3`` of an untyped one, which takes any dtype, as torch.save does for the
+    newer ones."""
+    opening, kind, itemsize, closing = _tensor_parts(meta["dtype"], typed)
+    storage = kind + _str(str(meta["storage"])) + _CPU + _int(nbytes // itemsize) + b"tQ"
+    return (opening + storage + _int(meta["storage_offset"]) + _tuple([_int(n) for n in meta["shape"]])
+            + _tuple([_int(n) for n in meta["stride"]]) + (b"\x88" if requires_grad else b"\x89") + _NO_HOOKS
+            + closing)
+
+
+_CPU = _str("cpu")
+
+
+@functools.cache
+def _tensor_parts(dtype: str, typed: bool) -> tuple[bytes, bytes, int, bytes]:
+    """The bytes of ``_tensor`` that depend on the dtype alone: before the storage tuple's key (the rebuild call,
+    the tuple's mark, "storage" and the storage type), the item size it counts in, and after the view."""
+    if typed:
+        kind, itemsize = f"ctorch\n{TYPED_STORAGES[dtype]}\n", DTYPE_SIZES[dtype]
+        return (b"ctorch._utils\n_rebuild_tensor_v2\n(", b"(" + _str("storage") + kind.encode(), itemsize, b"tR")
+    return (b"ctorch._utils\n_rebuild_tensor_v3\n(", b"(" + _str("storage") + b"ctorch.storage\nUntypedStorage\n", 1,
+            f"ctorch\n{dtype}\n".encode() + b"tR")
+
+
+def typed_storages(tensors: dict[int, dict], storage_sizes: Sequence[int]) -> set[int]:
+    """The storages every tensor (``tensors``: each tensor entry's meta, by index) views as one dtype that has a
+    typed storage, of a whole number of items: those ``pickled_tensor`` names as typed."""
+    dtypes: dict[int, str] = {}
+    mixed: set[int] = set()
+    for meta in tensors.values():
+        if dtypes.setdefault(meta["storage"], meta["dtype"]) != meta["dtype"]:
+            mixed.add(meta["storage"])
+    return {k for k, dt in dtypes.items()
+            if k not in mixed and dt in TYPED_STORAGES and storage_sizes[k] % DTYPE_SIZES[dt] == 0}
+
+
+def pickled_tensor(meta: dict, nbytes: int, typed: bool) -> bytes:
+    """torch.save's pickle of the tensor (or Parameter) whose checked meta is ``meta``, of a storage of ``nbytes``
+    bytes, ``typed`` if its storage is among ``typed_storages``."""
+    if meta["parameter"]:
+        return (b"ctorch._utils\n_rebuild_parameter\n(" + _tensor(meta, nbytes, False, typed)
+                + (b"\x88" if meta["requires_grad"] else b"\x89") + _NO_HOOKS + b"tR")
+    return _tensor(meta, nbytes, meta["requires_grad"], typed)

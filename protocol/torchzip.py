@@ -11,20 +11,20 @@ boundary for O_DIRECT, and the central directory goes last. Sizes of 4 GiB or mo
 zip64 fields, which torch's reader (miniz) and Python's ``zipfile`` both read.
 
 ``plan_zip`` places the records; ``local_header`` and ``central_directory`` are the bytes
-to write around them.
+to write around them. ``data_pkl`` makes ``data.pkl`` from the skeleton, each tensor entry's
+persistent id replaced by the opcodes its provider's torch-free half writes (protocol/tensormeta.py).
 """
 
 from __future__ import annotations
 
-import functools
 import pickletools
 import struct
 from dataclasses import dataclass
 from typing import Sequence
 
+from . import tensormeta
 from .descriptors import EntryDesc
 from .errors import InvalidRequestError
-from .tensormeta import DTYPE_SIZES
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -124,27 +124,6 @@ def central_directory(records: list[Record], at: int, crcs: dict[str, int] | Non
     return bytes(body)
 
 
-def _int(n: int) -> bytes:
-    if 0 <= n < 256:
-        return b"K" + bytes([n])
-    if 0 <= n < 65536:
-        return b"M" + struct.pack("<H", n)
-    if -(2**31) <= n < 2**31:
-        return b"J" + struct.pack("<i", n)
-    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
-    return b"\x8a" + bytes([len(raw)]) + raw
-
-
-def _str(s: str) -> bytes:
-    raw = s.encode()
-    return b"X" + struct.pack("<I", len(raw)) + raw
-
-
-def _tuple(items: list[bytes]) -> bytes:
-    return b"(" + b"".join(items) + b"t" if items else b")"
-
-
-_NO_HOOKS = b"ccollections\nOrderedDict\n)R"
 _INT_PUSH = {"BININT1", "BININT2", "BININT", "LONG1"}
 PICKLE_PROTOCOL = 2
 """The pickle protocol of every skeleton, as torch.save's: ``data.pkl`` is the skeleton with its persistent ids
@@ -152,52 +131,6 @@ replaced by longer opcodes, which holds only where no opcode counts the bytes or
 _UNSPLICEABLE = {"FRAME": "frames count their bytes", "MEMOIZE": "it numbers memo slots implicitly",
                  "PERSID": "its persistent ids are text"}
 """The opcodes (of protocols 0 and 4+) that splicing would break, with why: torch.load would misread data.pkl."""
-TYPED_STORAGES: dict[str, str] = {
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "int64": "LongStorage",
-    "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
-    "bool": "BoolStorage", "bfloat16": "BFloat16Storage", "complex128": "ComplexDoubleStorage",
-    "complex64": "ComplexFloatStorage",
-}
-"""The dense dtypes ``torch.save`` names a typed storage for (torch's legacy ``_dtype_to_storage_type_map``, which no
-longer grows). Part of the format, not asked of torch: ``verify`` rebuilds ``data.pkl`` without torch, and a file's
-bytes do not depend on the torch that wrote it. tests/test_dtypes.py pins it to torch's."""
-
-
-def _tensor(meta: dict, nbytes: int, requires_grad: bool, typed: bool) -> bytes:
-    """torch.save's pickle of one tensor (of a storage of ``nbytes``): ``_rebuild_tensor_v2`` of a typed storage
-    record where its storage is viewed as that one dtype (torch.load caches a storage by record, typed as it first
-    meets it), else ``_rebuild_tensor_v3`` of an untyped one, which takes any dtype, as torch.save does for the
-    newer ones."""
-    opening, kind, itemsize, closing = _tensor_parts(meta["dtype"], typed)
-    storage = kind + _str(str(meta["storage"])) + _CPU + _int(nbytes // itemsize) + b"tQ"
-    return (opening + storage + _int(meta["storage_offset"]) + _tuple([_int(n) for n in meta["shape"]])
-            + _tuple([_int(n) for n in meta["stride"]]) + (b"\x88" if requires_grad else b"\x89") + _NO_HOOKS
-            + closing)
-
-
-_CPU = _str("cpu")
-
-
-@functools.cache
-def _tensor_parts(dtype: str, typed: bool) -> tuple[bytes, bytes, int, bytes]:
-    """The bytes of ``_tensor`` that depend on the dtype alone: before the storage tuple's key (the rebuild call,
-    the tuple's mark, "storage" and the storage type), the item size it counts in, and after the view."""
-    if typed:
-        kind, itemsize = f"ctorch\n{TYPED_STORAGES[dtype]}\n", DTYPE_SIZES[dtype]
-        return (b"ctorch._utils\n_rebuild_tensor_v2\n(", b"(" + _str("storage") + kind.encode(), itemsize, b"tR")
-    return (b"ctorch._utils\n_rebuild_tensor_v3\n(", b"(" + _str("storage") + b"ctorch.storage\nUntypedStorage\n", 1,
-            f"ctorch\n{dtype}\n".encode() + b"tR")
-
-
-def _typed_storages(tensors: dict[int, dict], storage_sizes: Sequence[int]) -> set[int]:
-    """The storages every tensor views as one dtype that has a typed storage, of a whole number of items."""
-    dtypes: dict[int, str] = {}
-    mixed: set[int] = set()
-    for meta in tensors.values():
-        if dtypes.setdefault(meta["storage"], meta["dtype"]) != meta["dtype"]:
-            mixed.add(meta["storage"])
-    return {k for k, dt in dtypes.items()
-            if k not in mixed and dt in TYPED_STORAGES and storage_sizes[k] % DTYPE_SIZES[dt] == 0}
 
 
 def data_pkl(entries: Sequence[EntryDesc], root: int, storage_sizes: Sequence[int]) -> bytes:
@@ -209,7 +142,7 @@ def data_pkl(entries: Sequence[EntryDesc], root: int, storage_sizes: Sequence[in
     skeleton = entries[root]
     if skeleton.provider != "pickle" or not isinstance(skeleton.meta.get("data"), bytes):
         return b""
-    tensors = {i: e.meta for i, e in enumerate(entries) if e.provider == "tensor"}
+    tensors = {i: e.meta for i, e in enumerate(entries) if e.provider == tensormeta.NAME}
     try:
         return torch_data_pkl(skeleton.meta["data"], tensors, storage_sizes) or b""
     except InvalidRequestError as exc:
@@ -231,7 +164,7 @@ def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict], storage_sizes: Seq
     if next_memo + len(persids) > 0xFFFFFFFF:
         raise InvalidRequestError(f"uses memo slots up to {next_memo}, beyond what LONG_BINPUT can name")
     seen: dict[int, int] = {}
-    typed = _typed_storages(tensors, storage_sizes)
+    typed = tensormeta.typed_storages(tensors, storage_sizes)
     out, copied = bytearray(), 0
     for start, end, index in persids:
         out += skeleton[copied:start]
@@ -242,12 +175,7 @@ def torch_data_pkl(skeleton: bytes, tensors: dict[int, dict], storage_sizes: Seq
         meta = tensors.get(index)
         if meta is None:
             return None
-        nbytes = storage_sizes[meta["storage"]]
-        if meta["parameter"]:
-            out += (b"ctorch._utils\n_rebuild_parameter\n(" + _tensor(meta, nbytes, False, meta["storage"] in typed)
-                    + (b"\x88" if meta["requires_grad"] else b"\x89") + _NO_HOOKS + b"tR")
-        else:
-            out += _tensor(meta, nbytes, meta["requires_grad"], meta["storage"] in typed)
+        out += tensormeta.pickled_tensor(meta, storage_sizes[meta["storage"]], meta["storage"] in typed)
         seen[index] = next_memo
         out += b"r" + struct.pack("<I", next_memo)
         next_memo += 1

@@ -5,9 +5,9 @@ PROTOCOL_VERSION = 5
 older client cannot read back); a daemon refuses every other version."""
 
 FORMAT_VERSION = 3
-"""Bumped on any incompatible change to the checkpoint file layout. 2: a zip ``torch.load`` reads (issue 17).
+"""Bumped on any incompatible change to the checkpoint file layout. 2: a zip ``torch.load`` reads.
 3: large storages start where torch's large CPU tensors start in memory, 64 bytes past a page (format.DIRECT_PHASE),
-for in-place loads with O_DIRECT (issue 28)."""
+for in-place loads with O_DIRECT."""
 READABLE_FORMATS = (1, 2, 3)
 """The versions ``datastates.load`` reads; it refuses any other."""
 

@@ -228,7 +228,7 @@ DAEMON_LOCKS = SHM / f"datastates-{os.geteuid()}-daemons"
 """Where each running daemon holds its lock (daemon/instances.py)."""
 PROJECT_SHM = re.compile(rf"torch_.*|datastates-{os.geteuid()}-.*|ds-test-.*")
 """What the project and its tests name in /dev/shm: the clients' segments (torch names them, client/shm.py), the
-clients' decision folders (protocol/outcome.py), the daemons' replica folders and lock folder (daemon/replicas.py,
+clients' decision folders (protocol/outcome.py), the daemons' replica folders and lock folder (daemon/replica/folder.py,
 daemon/instances.py), and the tests' own folders."""
 _SHM_BEFORE: set[str] = set()
 """What /dev/shm held when the session started: another user's or job's, never removed."""
@@ -318,12 +318,12 @@ def _socket_alive(path: Path) -> bool:
 
 
 def _lock_of_this_session(lock: Path, basetemp: Path) -> bool:
-    """Whether the daemon lock file ``lock`` names only roots under this session's ``basetemp``: its daemon was one of
-    this session's. Another session's killed daemon's lock must stay, for its next daemon to prove it dead (I5):
-    removed, that daemon could never clean up after it (the fault schedules of two sessions side by side did). A
-    trainer's local saver (client/local_save.py) names the run folders it saved into, so its lock is told apart the same
-    way (seed 230180: another session took a killed trainer's lock, and no daemon could remove its staging folder);
-    one naming none saved nothing, and is taken as this session's, as it started after."""
+    """Whether the daemon lock file ``lock`` names only roots under this pytest session's ``basetemp``: its daemon
+    was one of this pytest session's. Another session's killed daemon's lock must stay, for its next daemon to prove
+    it dead (I5): removed, that daemon could never clean up after it (the fault schedules of two sessions side by
+    side did). A trainer's local saver (client/local_save.py) names the run folders it saved into, so its lock is told
+    apart the same way (seed 230180: another session took a killed trainer's lock, and no daemon could remove its
+    staging folder); one naming none saved nothing, and is taken as this pytest session's, as it started after."""
     try:
         roots = [r for r in lock.read_text().split("\n") if r]
     except OSError:
@@ -332,9 +332,9 @@ def _lock_of_this_session(lock: Path, basetemp: Path) -> bool:
 
 
 def _leftovers(basetemp: Path) -> list[Path]:
-    """What this session's tests left behind that no running process uses: in /dev/shm (segments, decision
-    folders, replica folders, this session's daemon locks) and in the temporary folder (dead torch_shm_managers'
-    socket folders)."""
+    """What this pytest session's tests left behind that no running process uses: in /dev/shm (segments, decision
+    folders, replica folders, this pytest session's daemon locks) and in the temporary folder (dead
+    torch_shm_managers' socket folders)."""
     left: list[Path] = []
     if SHM.is_dir():
         in_use = _shm_in_use()
@@ -349,7 +349,7 @@ def _leftovers(basetemp: Path) -> list[Path]:
 
 
 def _owned(path: Path) -> bool:
-    """Whether ``path`` is this user's (another user's files are never this session's to judge)."""
+    """Whether ``path`` is this user's (another user's files are never this pytest session's to judge)."""
     try:
         return path.lstat().st_uid == os.geteuid()
     except OSError:
@@ -389,7 +389,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     report = [f"  {len(names):4d} x {pattern}  (e.g. {names[0]})" for pattern, names in sorted(kinds.items())]
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
     say = tr.write_line if tr is not None else print
-    say(f"\nleft behind by this session's tests (or by another of this user's beside it), used by no process, "
+    say(f"\nleft behind by this pytest session's tests (or by another of this user's beside it), used by no process, "
         f"removed now ({len(left)}; kill -9 tests leave some):")
     for line in report:
         say(line)
@@ -641,7 +641,7 @@ def mapped_files(d: DaemonProc, folder: str) -> list[str]:
 
 def removed_but_mapped(d: DaemonProc, folder: str, wait: float = 30) -> list[str]:
     """The removed files under ``folder`` the daemon still maps after up to ``wait`` seconds: it unlocks and unmaps
-    a replica's pages on a thread of its own (daemon/pins.py), moments after removing the file."""
+    a replica's pages on a thread of its own (daemon/replica/locks.py), moments after removing the file."""
     deadline = time.monotonic() + wait
     while True:
         removed = [m for m in mapped_files(d, folder) if m.endswith("(deleted)")]
@@ -771,7 +771,7 @@ class RawPeer:
         self._ctx.term()
 
 
-# -- a second local user (issue 14) ----------------------------------------------------------
+# -- a second local user --------------------------------------------------------------------
 
 
 MALLORY = "dsmallory"

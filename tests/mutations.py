@@ -1,4 +1,4 @@
-"""Mutation check (issue 13, "the suite must be able to fail"): each deliberate bug must fail a test named for it.
+"""Mutation check: the suite must be able to fail, so each deliberate bug must fail a test named for it.
 
 Not part of the pytest run (its name does not match ``test_*.py``); run it on demand::
 
@@ -129,10 +129,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "restore-by-path",
         "restore looks a replica up by path, ignoring the tag and the committed state",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "        match = [r for r in found if r.tag == tag and r.snapshot == snapshot and r.committed and r.size == size\n",
               "        match = [r for r in found[::-1] if r.size == size  # MUTATION: by path, the newest first\n"),
-         Edit("daemon/replicas.py",
+         Edit("daemon/replica/table.py",
               "        if not snapshot or not match:\n",
               "        if not match:  # MUTATION: by path\n"),),
         ("tests/test_restore.py::test_restore_by_tag_returns_its_committed_version_never_a_newer_uncommitted_one",),
@@ -241,7 +241,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "staging-not-sealed",
         "a save admitted while a re-save's commit is in flight joins the staging folder being switched in",
-        (Edit("daemon/versions.py",
+        (Edit("daemon/resave.py",
               "                if any(within(p, staging.staging) for p in paths):\n"
               "                    self._sealed.append(self._open.pop(key))\n",
               "                if False:  # MUTATION: never sealed\n"
@@ -287,7 +287,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "served-replica-reused",
         "a replica handed to a restore is written over by a later one while the trainer maps it",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "        match[0].served = True\n",
               "        match[0].served = False  # MUTATION: never marked\n"),),
         ("tests/test_restore.py::test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages",),
@@ -295,7 +295,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "removed-replica-kept-mapped",
         "the writer keeps its mapping of a replica file after the file is removed, so its pages are never freed",
-        (Edit("daemon/replicastorage.py",
+        (Edit("daemon/replica/backend.py",
               "            for key in [k for k, m in self._kept.items() if m.removed()]:\n",
               "            for key in []:  # MUTATION: never swept\n"),),
         ("tests/test_restore.py::test_a_restored_tensor_never_changes_when_later_replicas_reuse_pages",),
@@ -448,16 +448,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "replica-identity-unchecked",
         "a restore from memory takes any committed replica of the tag and file, not the snapshot its marker lists",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "r.tag == tag and r.snapshot == snapshot and r.committed",
               "r.tag == tag and r.committed  # MUTATION: identity unchecked"),
-         Edit("daemon/replicas.py", "        if not snapshot or not match:\n", "        if not match:\n")),
+         Edit("daemon/replica/table.py", "        if not snapshot or not match:\n", "        if not match:\n")),
         ("tests/test_restore.py::test_a_tag_saved_again_without_the_daemon_never_restores_the_daemons_older_replica",),
     ),
     Mutation(
         "replica-own-tag-kept",
         "a commit retires the replicas of other tags only: a re-saved tag's old versions pile up in the budget",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "            for old in [r for r in self._held.values() if r.rank_file == rank_file(path)\n",
               "            for old in [r for r in self._held.values() if r.rank_file == rank_file(path) and r.tag != commit.tag  # MUTATION\n"),),
         ("tests/test_restore.py::test_a_re_saved_tag_restores_its_committed_version_and_keeps_no_older_replica[8MiB]",),
@@ -465,13 +465,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "replica-budget-never-freed",
         "a new file's replica finds no room while finished runs' replicas and spares fill the budget",
-        (Edit("daemon/replicas.py", "        self._release_stale(size)\n", "        pass  # MUTATION: nothing released\n"),),
+        (Edit("daemon/replica/table.py", "        self._release_stale(size)\n", "        pass  # MUTATION: nothing released\n"),),
         ("tests/test_replica_budget.py::test_a_finished_runs_replicas_make_room_for_the_next_runs_files",),
     ),
     Mutation(
         "replica-budget-replicas-before-spares",
         "room is made from a gone job's replicas before its spares, so its restart reads storage",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "        for key in sorted((k for k in self._spares if self._stale(k)), key=self._last_use):\n",
               "        for key in []:  # MUTATION: spares kept\n"),),
         ("tests/test_replica_budget.py::test_a_restarted_job_finds_its_newest_replicas_after_another_run_took_room",),
@@ -479,7 +479,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "replica-budget-most-recent-first",
         "room is made from the most recently saved rank files first: a just-ended job's newest replicas go",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "key=lambda r: self._last_use(r.rank_file)):\n",
               "key=lambda r: -self._last_use(r.rank_file)):  # MUTATION: newest first\n"),),
         ("tests/test_replica_budget.py::test_a_restarted_job_finds_its_newest_replicas_after_another_run_took_room",),
@@ -487,7 +487,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "replica-budget-reader-ignored",
         "a replica a connected client's restore is reading is released for another file's room",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "                               and not any(self._alive(c) for c in r.readers)\n",
               "                               # MUTATION: readers ignored\n"),),
         ("tests/test_replica_budget.py::test_a_replica_being_read_by_a_restore_is_never_released",),
@@ -495,7 +495,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "replica-budget-live-job-released",
         "a live job's newest replicas are released for another rank's file as soon as it saves",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "        return self._rounds.get(use.saver, (\"\", 0))[1] >= use.round + use.every + 1\n",
               "        return True  # MUTATION: saved or not\n"),),
         ("tests/test_restore.py::test_ranks_agree_on_the_tag_when_only_one_fits_in_memory",),
@@ -504,7 +504,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "replica-budget-every-tag-expected",
         "a rank file its live client saves once every few tags (run folders saved in turn, a tag each) counts as no "
         "longer saved two tags after its save: its spare and replica are released for another file, every round",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "            every = before.every if now == before.round else now - before.round\n",
               "            every = 1  # MUTATION\n"),),
         ("tests/test_replica_budget.py::test_a_client_saving_run_folders_in_turn_keeps_their_replicas",),
@@ -660,7 +660,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "replica-retires-its-sibling",
         "a commit retires the replica of another file it lists that shares its rank file (step/model/rank0.pt, "
         "step/optim/rank0.pt): that file restores from storage",
-        (Edit("daemon/replicas.py",
+        (Edit("daemon/replica/table.py",
               "                        and commit.snapshots.get(r.path) != r.snapshot and r.job_id < newest\n",
               "                        and r.job_id < newest  # MUTATION: a file of this same commit retires too\n"),),
         ("tests/test_restore.py::test_files_of_one_tag_in_sibling_folders_with_one_name_all_restore_from_memory",),
@@ -714,7 +714,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "guards-trust-filtered",
         "the daemon's guards (a save over a committed file, keeping a file a marker lists) skip the markers of "
         "folders a reader may not trust: a group-writable run folder's committed file is saved over",
-        (Edit("daemon/versions.py", "file_commits(path, roots=roots)", "file_commits(path, roots=None)"),),
+        (Edit("daemon/resave.py", "file_commits(path, roots=roots)", "file_commits(path, roots=None)"),),
         ("tests/faults/test_shared_run_folder.py::test_a_group_writable_run_folder_keeps_the_save_guard",),
     ),
     Mutation(
@@ -985,20 +985,20 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "replica-not-locked",
         "a committed replica's pages are not locked: a global drop of caches leaves its restores one fault per page",
-        (Edit("daemon/replicas.py", "                self._pins.pin(current.job_id, current.file, current.size)\n",
+        (Edit("daemon/replica/table.py", "                self._locks.pin(current.job_id, current.file, current.size)\n",
               "                pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault",),
     ),
     Mutation(
         "superseded-replica-stays-locked",
         "a superseded replica stays locked: locked memory grows with every rank file's old replicas",
-        (Edit("daemon/replicas.py", "        self._pins.unpin(replica.job_id)\n", "        pass  # MUTATION\n"),),
+        (Edit("daemon/replica/table.py", "        self._locks.unpin(replica.job_id)\n", "        pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault",),
     ),
     Mutation(
         "removed-replica-stays-locked",
         "a replica whose file was removed under the daemon (RemoveIPC) stays locked and mapped until the daemon exits",
-        (Edit("daemon/replicas.py", "        self._pins.release_removed()  # replicas removed under the daemon: their locked pages go\n",
+        (Edit("daemon/replica/table.py", "        self._locks.release_removed()  # replicas removed under the daemon: their locked pages go\n",
               "        pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_a_replica_removed_under_the_daemon_is_unlocked_and_unmapped_by_the_next_snapshot",),
     ),
@@ -1189,14 +1189,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "replica-no-spare-ahead",
         "a rank file's first replica gets no spare allocated ahead: its second replica's fresh pages are allocated "
         "while its copies run, as the first's were",
-        (Edit("daemon/replicas.py", "                self.prepare(current)\n", "                pass  # MUTATION\n"),),
+        (Edit("daemon/replica/table.py", "                self.prepare(current)\n", "                pass  # MUTATION\n"),),
         ("tests/test_restore.py::test_a_first_replica_gets_a_spare_ahead_so_the_second_fills_existing_pages",),
     ),
     Mutation(
         "replica-spare-ahead-takes-the-next-replicas-room",
         "a spare is allocated ahead where the budget has room for it but not also for the next replica, which is "
         "then not kept",
-        (Edit("daemon/replicas.py", "        if self.used + 2 * replica.size > self.budget:",
+        (Edit("daemon/replica/table.py", "        if self.used + 2 * replica.size > self.budget:",
               "        if self.used + replica.size > self.budget:  # MUTATION"),),
         ("tests/test_restore.py::test_a_first_replica_gets_a_spare_ahead_so_the_second_fills_existing_pages",),
     ),
@@ -1249,9 +1249,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "superseded-replica-unlocked",
         "a superseded replica kept as a spare is unlocked (and its pages locked again when the next replica is "
         "written over them): every checkpoint walks every page twice",
-        (Edit("daemon/replicas.py",
-              "        self._pins.move(replica.job_id, key)  # its pages stay locked for the next replica written over them\n",
-              "        self._pins.unpin(replica.job_id)  # MUTATION\n"),),
+        (Edit("daemon/replica/table.py",
+              "        self._locks.move(replica.job_id, key)  # its pages stay locked for the next replica written over them\n",
+              "        self._locks.unpin(replica.job_id)  # MUTATION\n"),),
         ("tests/test_restore.py::test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault",),
     ),
     Mutation(

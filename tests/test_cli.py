@@ -135,7 +135,7 @@ def test_second_daemon_on_the_same_endpoint_refuses(daemon: DaemonProc) -> None:
                                   ["--interval", "1e300"], ["--interval", "soon"], ["--count", "0"], ["--count", "-3"]],
                          ids=" ".join)
 def test_status_watch_refuses_bad_arguments_without_a_traceback(shared_daemon: DaemonProc, args: list[str]) -> None:
-    """Issue 27, item 12: ``status --watch --interval -1`` (or nan) printed a traceback from ``time.sleep`` once the
+    """``status --watch --interval -1`` (or nan) printed a traceback from ``time.sleep`` once the
     daemon had answered; each bad value is now a usage error naming the option, exit 2, before anything is asked."""
     out = subprocess.run([DATASTATESCTL, "--endpoint", shared_daemon.endpoint, "status", "--watch", "--count", "2",
                           *args], capture_output=True, text=True, timeout=60)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,16 @@ def test_no_page_points_at_the_tracker() -> None:
     mention = re.compile(r"\bissue\s*#?\s*\d+", re.I)
     found = [f"{page.relative_to(REPO)}: {m.group(0)!r}" for page in PAGES for m in mention.finditer(page.read_text())]
     assert not found, "pages name tracker items: " + "; ".join(found)
+
+
+def test_no_code_comment_or_test_points_at_the_tracker() -> None:
+    """What the code, its comments and its tests say stands on its own: the reason, not the ticket it came from."""
+    mention = re.compile(r"issues? #?[0-9]", re.I)
+    tracked = subprocess.run(["git", "ls-files", "-z", "--", "*.py", "*.sh", ".ci/run", "Makefile"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split("\0")
+    found = [f"{name}:{n}: {line.strip()[:80]!r}" for name in tracked if name
+             for n, line in enumerate((REPO / name).read_text().splitlines(), 1) if mention.search(line)]
+    assert not found, "tracked files name tracker items: " + "; ".join(found)
 
 
 def test_the_docs_stay_under_their_word_budget() -> None:

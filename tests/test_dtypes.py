@@ -14,8 +14,7 @@ import torch
 
 from datastates.client import Client
 from datastates.protocol.providers.tensor import DTYPES
-from datastates.protocol.tensormeta import DTYPE_SIZES
-from datastates.protocol.torchzip import TYPED_STORAGES
+from datastates.protocol.tensormeta import DTYPE_SIZES, TYPED_STORAGES
 
 from conftest import DaemonProc, assert_state_equal, load_both, same_storage, save
 

@@ -1,5 +1,5 @@
 """Restoring into the tensors a job already has: ``datastates.load(path, into=state)`` and
-``Client.restore(root, name, into=state)`` (client/reader/restore.py, issue 28 item 1).
+``Client.restore(root, name, into=state)`` (client/reader/restore.py).
 
 What a user relies on, each shown with a real daemon, real files and (for the kills) a real
 trainer process:

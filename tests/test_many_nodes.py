@@ -1,4 +1,4 @@
-"""Many ranks on a daemon and many daemons in a job, at a small size (issue 31): a rank killed mid-snapshot, and
+"""Many ranks on a daemon and many daemons in a job, at a small size: a rank killed mid-snapshot, and
 what a late node costs the shared file system's metadata server.
 
 The figures at full size (8 ranks per daemon, 64 daemons) are bench/many_ranks.py's and

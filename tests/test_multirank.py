@@ -435,8 +435,8 @@ def save_rank(c: Client, path: Path, step: int) -> None:
 
 
 def refused_round(d: DaemonProc, r0: Client, r1: Client) -> None:
-    """Round 1 of ``last``: rank 0's snapshot is refused (it names rank 1's uncommitted file), so rank 1's commit
-    fails at once; rank 0's trainer carries on without committing the round."""
+    """The first round of ``last``: rank 0's snapshot is refused (it names rank 1's uncommitted file), so rank 1's
+    commit fails at once; rank 0's trainer carries on without committing the round."""
     save_rank(r1, d.root / "last" / "r1.pt", 1)
     told = r1.commit("last")
     r0.snapshot(step_state(1), d.root / "last" / "r1.pt", tag="last")
@@ -478,8 +478,9 @@ def test_a_round_that_timed_out_is_never_joined_by_a_later_commit(start_daemon: 
 
 def test_a_refused_ranks_later_commit_fails_the_round_another_rank_waits_in(
         start_daemon: Callable[..., DaemonProc]) -> None:
-    """Rank 1 waits in round 2 when rank 0, refused in round 1, commits: rank 1 is told at once, not at
-    commit_timeout (600 s: a pass within the 120 s the test waits shows it was not waited for); round 3 commits."""
+    """Rank 1 waits in the second round when rank 0, refused in the first, commits: rank 1 is told at once, not at
+    commit_timeout (600 s: a pass within the 120 s the test waits shows it was not waited for); the third round
+    commits."""
     d = start_daemon(commit_timeout=600)
     with rank_client(d, 0, 2, 2, 1) as r0, rank_client(d, 1, 2, 2, 1) as r1:
         refused_round(d, r0, r1)

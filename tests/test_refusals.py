@@ -127,7 +127,7 @@ def test_dotdot_path_refused_by_the_daemon_itself(peer: RawPeer, shared_daemon: 
 
 
 def test_a_view_of_more_elements_than_any_tensor_is_refused_at_admission(shared_daemon: DaemonProc) -> None:
-    """Issue 27, item 12: a stride-0 view of 2^62 elements (``expand`` of one element) was admitted and loaded back
+    """A stride-0 view of 2^62 elements (``expand`` of one element) was admitted and loaded back
     as such a view; no real tensor has that many elements, so the daemon refuses it naming the key."""
     path = shared_daemon.root / "huge-view" / "m.pt"
     with Client(shared_daemon.endpoint, timeout=60) as c:
@@ -141,7 +141,7 @@ def test_a_view_of_more_elements_than_any_tensor_is_refused_at_admission(shared_
 @pytest.mark.parametrize("protocol", [4, 5])
 def test_a_skeleton_of_pickle_protocol_4_or_5_is_refused_at_admission(
         shared_daemon: DaemonProc, protocol: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 27, item 4: a client that pickles its skeleton with protocol 4 or 5 (frames, implicit memo slots) is
+    """A client that pickles its skeleton with protocol 4 or 5 (frames, implicit memo slots) is
     refused at admission saying so; data.pkl made from it would be one torch.load cannot read ("pickle data was
     truncated"), though datastates.load and verify would pass the file."""
     path = shared_daemon.root / f"proto{protocol}" / "m.pt"

@@ -1,4 +1,4 @@
-"""The replica budget goes to the files that will be asked for (daemon/replicas.py).
+"""The replica budget goes to the files that will be asked for (daemon/replica/table.py).
 
 Real daemons with a small ``memory_restore_budget``; each rank file is 7 MiB, so a run of
 three rank files saved twice holds 42 of 48 MiB (each file's replica and its spare). A run

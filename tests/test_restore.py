@@ -177,9 +177,9 @@ def test_restore_refusals_are_clear(start_daemon: Callable[..., DaemonProc], tmp
 
 def test_a_restore_racing_another_jobs_prune_reads_the_newest_committed_tag(
         start_daemon: Callable[..., DaemonProc]) -> None:
-    """Issue 27 item 11, for ``Client.restore``: between its choice of step 3 and its open of step 3's file, another
-    job commits step 4 and ``datastatesctl prune --keep-last 1`` deletes steps 1 to 3 (real processes, run by an
-    audit hook on that open). The restore reads step 4 bitwise, never a raw FileNotFoundError."""
+    """A restore racing a prune, through ``Client.restore``: between its choice of step 3 and its open of step 3's
+    file, another job commits step 4 and ``datastatesctl prune --keep-last 1`` deletes steps 1 to 3 (real processes,
+    run by an audit hook on that open). The restore reads step 4 bitwise, never a raw FileNotFoundError."""
     d = start_daemon(memory_restore="none")  # from storage: the open the prune races
     run = d.root / "run"
     with Client(d.endpoint, timeout=60) as c:
@@ -438,7 +438,7 @@ def _settled_replicas(c: Client) -> dict:
 @pytest.mark.parametrize("budget", ["8MiB", "2600KiB"], ids=["room-for-a-spare", "room-for-two-replicas-only"])
 def test_a_first_replica_gets_a_spare_ahead_so_the_second_fills_existing_pages(
         start_daemon: Callable[..., DaemonProc], budget: str) -> None:
-    """Issue 30: a rank file's first two replicas had no spare to be written over, so their fresh /dev/shm pages
+    """A rank file's first two replicas had no spare to be written over, so their fresh /dev/shm pages
     were allocated while their copies ran. Once the first is committed, a spare is allocated in the background:
     the second snapshot's copies fill its pages. Never where the budget lacks room for the spare and the next
     replica: that one must still be kept (2.6 MiB holds two 1 MB replicas, not three)."""

@@ -15,6 +15,7 @@ from datastates.protocol.descriptors import EMPTY, EntryDesc, SourceDesc
 from datastates.protocol.errors import CorruptCheckpointError, InvalidRequestError, UnsupportedFormatError
 from datastates.protocol.providers import get_provider
 from datastates.protocol.providers.base import StateProvider
+from datastates.protocol.tensormeta import NAME as TENSOR
 
 from .checks import CheckpointFile, check_bounds, malformed
 
@@ -64,7 +65,7 @@ class Rebuild:
             try:
                 entry = self._planned(index)
                 obj = self._entries[index] = _provider(self.path, entry).restore(entry, self)
-                if entry.provider == "tensor":
+                if entry.provider == TENSOR:
                     self.tensor_entries[id(obj)] = index
             finally:
                 self._restoring.discard(index)

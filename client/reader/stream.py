@@ -26,7 +26,7 @@ come from and go:
   bounce buffer, and from there over the thread's stream to the GPU: no pageable copy on the
   way (a replica on tmpfs is its pages already). Reading a replica costs no page tables, and no
   fault per 4 KiB page where a global ``echo 3 > /proc/sys/vm/drop_caches`` turned fault-around
-  off for a replica the daemon could not lock (daemon/pins.py).
+  off for a replica the daemon could not lock (daemon/replica/locks.py).
 
 A checksum or zip header that does not match, or a file that ends early, raises
 CorruptCheckpointError naming the tensor: a load never returns what it could not check.
@@ -44,7 +44,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from datastates.protocol.cudart import host_register, host_unregister
 from datastates.protocol.errors import CorruptCheckpointError
 from datastates.protocol.format import DATA_ALIGN, align_up, checksummer
 from datastates.protocol.storage import backend_for
@@ -93,8 +92,10 @@ class _Bounce:
         self.tensor: torch.Tensor | None = None
         """The buffer as a tensor, where a GPU copy reads it."""
         self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
-        if ready:
+        if ready:  # a GPU load: torch and the CUDA runtime are loaded already; verify imports neither
             import torch
+
+            from datastates.protocol.cudart import host_register
 
             self.tensor = torch.frombuffer(self.buf, dtype=torch.uint8)
             err = host_register(self.address, STEP)
@@ -113,6 +114,8 @@ class _Bounce:
     def close(self) -> None:
         self.settle()
         if self.streams:
+            from datastates.protocol.cudart import host_unregister
+
             host_unregister(self.address)
         self.view.release()
         self.tensor = None

@@ -1,7 +1,8 @@
 """The tensor provider: a tensor is a view (dtype, shape, stride, offset) of a raw storage, captured and restored.
 
 Storage bytes go to disk exactly as they are in memory, with no re-packing, and views of
-one storage share it again after a load, as ``torch.save`` keeps them.
+one storage share it again after a load, as ``torch.save`` keeps them. Its torch-free half
+(the view check, and the opcodes of ``data.pkl``) is protocol/tensormeta.py, for ``verify``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from datastates.protocol.descriptors import EntryDesc, SourceDesc
 from datastates.protocol.errors import InvalidRequestError
-from datastates.protocol.tensormeta import DTYPE_SIZES, check_view
+from datastates.protocol.tensormeta import DTYPE_SIZES, NAME, check_view
 
 from .base import CaptureContext, RestoreContext, StateProvider
 from .registry import register_provider
@@ -43,7 +44,7 @@ _FLAGS = ("requires_grad", "parameter")
 class TensorProvider(StateProvider):
     """Dense CPU and CUDA tensors and Parameters: shared storage plus dtype, shape, stride and offset."""
 
-    name = "tensor"
+    name = NAME
     types = (torch.Tensor,)
 
     def capture(self, obj: torch.Tensor, name: str, ctx: CaptureContext) -> EntryDesc | None:

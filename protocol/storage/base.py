@@ -1,7 +1,7 @@
 """The storage interface: where and how checkpoint bytes become durable files, and are read back.
 
 A backend is chosen by a path's URL scheme (plain paths are ``file``: protocol/storage/posix.py; ``s3://``:
-protocol/storage/s3/); the daemon's in-memory replicas have one of their own (daemon/replicastorage.py), which
+protocol/storage/s3/); the daemon's in-memory replicas have one of their own (daemon/replica/backend.py), which
 adds taking over a spare's pages and handing them out to be filled directly. ``backend_for(path)`` is the shared
 instance that reads, lists and answers what a path's storage can do; the daemon makes writing ones with its options
 (``backend_class(path)(direct_io=..., owner=...)``). Nothing outside the backends asks which one a path has.

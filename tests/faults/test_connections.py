@@ -1,4 +1,4 @@
-"""Connections and descriptors: no client can make the daemon run out of them (issue 14, item 3).
+"""Connections and descriptors: no client can make the daemon run out of them.
 
 ZeroMQ aborts the whole daemon when an accept meets the open-files limit, and keeps a peer
 that connected and never speaks forever. These start real daemons under a given

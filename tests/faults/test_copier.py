@@ -1,4 +1,4 @@
-"""A piece that fails halfway never lets an asynchronous copy land in a chunk the pool has taken back (issue 15, 1).
+"""A piece that fails halfway never lets an asynchronous copy land in a chunk the pool has taken back.
 
 A GPU region queues its copy on the daemon's stream and returns; the bytes land later. If a
 later segment of the same piece fails and the copy thread returns at once, the engine gives

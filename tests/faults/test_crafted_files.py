@@ -1,4 +1,4 @@
-"""Crafted checkpoint files (issue 14, item 6): a header whose author also computed its checksum.
+"""Crafted checkpoint files: a header whose author also computed its checksum.
 
 The header's xxh64 proves nothing against a file made to harm its reader, so every size,
 offset and count is checked against the others before anything is allocated from them:
@@ -102,7 +102,7 @@ def _shift_w(tensors: dict[int, dict], w: int, b: int) -> None:
 @pytest.mark.parametrize("lie", [_point_b_at_w, _shift_w], ids=["another storage", "another offset"])
 def test_a_data_pkl_that_disagrees_with_the_index_is_refused(good: Path, tmp_path: Path,
                                                             lie: Callable[[dict[int, dict], int, int], None]) -> None:
-    """Issue 27, item 3: the file's author rewrites ``data.pkl`` so that ``torch.load`` rebuilds a key from another
+    """The file's author rewrites ``data.pkl`` so that ``torch.load`` rebuilds a key from another
     storage or offset, and recomputes every checksum (data.pkl's in the index, the index's own; torch checks no
     zip CRC). ``verify``, ``datastatesctl verify`` and ``datastates.load`` refuse it: ``data.pkl`` is not the one
     the index's skeleton and tensor entries make, so ``torch.load`` would return other tensors."""
@@ -146,7 +146,7 @@ VIEWS: dict[str, tuple[Callable[[FileHeader], FileHeader], str]] = {
 
 @pytest.mark.parametrize("case", sorted(VIEWS))
 def test_a_crafted_tensor_entry_is_refused_naming_the_key_and_the_fault(good: Path, tmp_path: Path, case: str) -> None:
-    """Issue 27, item 12: a tensor entry no real tensor matches (a stride-0 shape of 2^62 elements loaded as such a
+    """A tensor entry no real tensor matches (a stride-0 shape of 2^62 elements loaded as such a
     view; a size past int64 was reported as "the skeleton is not a valid pickle") is refused by ``datastates.load``
     (either unpickler, checked or not) and ``verify``, naming the key and what is wrong."""
     change, says = VIEWS[case]
@@ -160,7 +160,7 @@ def test_a_crafted_tensor_entry_is_refused_naming_the_key_and_the_fault(good: Pa
 
 def test_a_file_whose_skeleton_is_pickle_protocol_4_is_refused_by_verify_and_load(
         good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 27, item 4, for a file an older daemon admitted: its skeleton of pickle protocol 4 made a data.pkl that
+    """A file an older daemon admitted: its skeleton of pickle protocol 4 made a data.pkl that
     torch.load cannot read ("pickle data was truncated"), yet verify passed it. Now verify and datastates.load name
     the skeleton's protocol."""
     monkeypatch.setattr("datastates.client.capture.PICKLE_PROTOCOL", 4)

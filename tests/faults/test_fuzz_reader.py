@@ -1,6 +1,6 @@
 """The reader against crafted files: thousands of headers and bodies, each refused with the format's own error.
 
-Issue 14, item 6. A checkpoint file is as untrusted as a client: its author computes the
+A checkpoint file is as untrusted as a client: its author computes the
 header's checksum too. Hypothesis crafts headers (every field of the index, the entries'
 metadata, the skeleton's bytes) and bodies (bytes flipped, cut or appended) from a real
 file the daemon wrote; ``load`` and ``verify`` must either return the state or raise a

@@ -1,4 +1,4 @@
-"""A buggy or hostile client names something other than its own segment (issue 14, item 5).
+"""A buggy or hostile client names something other than its own segment.
 
 A FIFO named as a shared-memory segment used to block the daemon's admission in ``open``
 until some writer came: a well-behaved client's ``wait()`` then timed out while ``status``
@@ -50,7 +50,7 @@ def test_a_fifo_named_as_a_segment_is_refused_at_once_and_the_daemon_serves_and_
 
 
 def test_a_segment_truncated_after_admission_fails_that_snapshot_alone(start_daemon: Callable[..., DaemonProc]) -> None:
-    """Item 4: the daemon mapped segments, and a client that shrank its own after admission killed it with SIGBUS.
+    """The daemon used to map segments, and a client that shrank its own after admission killed it with SIGBUS.
 
     Now it reads them through a descriptor: the short read fails that one snapshot, and the daemon serves on.
     """

@@ -1,4 +1,4 @@
-"""Another local user plants a tag where this user's trainer restores from (issue 14, item 1; issue 27, item 6).
+"""Another local user plants a tag where this user's trainer restores from.
 
 Under a root other users can write to (``/tmp`` in the shipped examples), a second user
 creates ``run/step2/`` with a marker that sorts last. ``latest()``, ``Client.restore`` and
@@ -94,8 +94,8 @@ def test_a_marker_planted_above_the_root_changes_nothing(plant: str, mallory: st
                                                          start_daemon: Callable[..., DaemonProc]) -> None:
     """The root is ``<like_tmp>/ckpt``, as ``/tmp/ckpt``; another user plants, in ``<like_tmp>``, a whole marker
     listing this user's files (one committed, one about to be saved) under another snapshot, or a FIFO named like
-    a marker. Before issue 27, the first made load and verify refuse the good file and the daemon refuse the save;
-    the second hung all three, and the daemon's SIGTERM behind its stuck admission."""
+    a marker. Formerly, the first made load and verify refuse the good file and the daemon refuse the save; the
+    second hung all three, and the daemon's SIGTERM behind its stuck admission."""
     root = like_tmp / "ckpt"
     root.mkdir(mode=0o755)
     d = start_daemon(storage={"roots": [str(root)]})

@@ -1,6 +1,6 @@
 """The daemon reading a trainer's CPU memory in place: who it reads, and what a bad address does.
 
-Issue 14, items 3 to 5, for the default CPU capture path (daemon/sources/vm.py). A raw
+For the default CPU capture path (daemon/sources/vm.py), a raw
 client (``RawPeer``) plays the buggy or hostile trainer of the same user:
 
 - a client that claims another process's pid, or the daemon's own, is never read in place,

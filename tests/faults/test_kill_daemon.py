@@ -190,7 +190,7 @@ def restarted_under(c: Client, d: DaemonProc, start_daemon: Callable[..., Daemon
 @pytest.mark.parametrize("whole", [False, True], ids=["part-saved-again", "all-saved-again"])
 def test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_with_the_rest_alone(
         start_daemon: Callable[..., DaemonProc], whole: bool) -> None:
-    """Issue 27 review, finding A: a.pt of step 1 was copied (wait() returned), then the daemon was killed and a new
+    """a.pt of step 1 was copied (wait() returned), then the daemon was killed and a new
     one started on its endpoint. The next snapshot() says step 1 was lost (once, DaemonUnavailable), and connects
     again at the call after. Saving only b.pt again, the commit of step 1 fails (CommitError naming a.pt), instead of
     a marker listing b.pt alone beside an uncommitted a.pt; a save after that failure starts clean and commits both.
@@ -225,9 +225,9 @@ def test_a_tag_part_of_which_went_with_a_restarted_daemon_is_never_committed_wit
 
 def test_the_datastates_llm_engine_never_commits_a_checkpoint_part_of_which_went_with_a_restarted_daemon(
         start_daemon: Callable[..., DaemonProc], caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 27 review, finding A, through ``datastates.CheckpointEngine``: global_step1's a.pt was copied, the
-    daemon restarted, then DeepSpeed saves b.pt and d.pt of the same checkpoint. The job is told once (a warning
-    naming global_step1 lost, no exception), global_step1 is never committed without a.pt, and global_step2 commits."""
+    """Through ``datastates.CheckpointEngine``: global_step1's a.pt was copied, the daemon restarted, then DeepSpeed
+    saves b.pt and d.pt of the same checkpoint. The job is told once (a warning naming global_step1 lost, no
+    exception), global_step1 is never committed without a.pt, and global_step2 commits."""
     d = start_daemon(client_timeout=3)
     engine = Checkpointing(runtime_config={"endpoint": d.endpoint, "liveness": 30.0}, rank=0)
     try:

@@ -1,4 +1,4 @@
-"""A delete of a committed tag killed half way (issue 27, item 10): nothing stays half-deleted for good.
+"""A delete of a committed tag killed half way: nothing stays half-deleted for good.
 
 Retention deletes a whole tag folder, which for a sharded job holds thousands of files: a
 ``kill -9`` of ``datastatesctl prune`` (or of the daemon applying ``keep_last``) lands in

@@ -67,10 +67,10 @@ def test_a_path_whose_marker_would_pass_path_max_is_refused_at_snapshot_and_the_
     and the daemon refuses it from a raw client too; the longest path that fits commits and is found."""
     root = shared_daemon.root / "near-path-max"
     over = deep_path(root, "step", PATH_MAX)
-    issue = str(over.parent)  # the issue's case: a file path of 4,090 bytes
-    while len(issue) + len("/m.pt") < 4090:
-        issue += "/" + "d" * min(100, 4090 - len("/m.pt") - len(issue) - 1)
-    for path in (over, Path(issue) / "m.pt"):  # one byte over, and far over
+    far = str(over.parent)  # a file path of 4,090 bytes
+    while len(far) + len("/m.pt") < 4090:
+        far += "/" + "d" * min(100, 4090 - len("/m.pt") - len(far) - 1)
+    for path in (over, Path(far) / "m.pt"):  # one byte over, and far over
         with pytest.raises(PathNotAllowedError, match="PATH_MAX"):
             shared_client.snapshot({"t": torch.ones(4)}, path, tag="step")
     assert not root.exists(), "the client sent the refused snapshot"

@@ -1,4 +1,4 @@
-"""The replica backend's kept mappings of replica files (daemon/replicastorage.py): never a SIGBUS, never a leak.
+"""The replica backend's kept mappings of replica files (daemon/replica/backend.py): never a SIGBUS, never a leak.
 
 A replica's pages are filled in place through a shared mapping, which the writer keeps after
 the file is finalized, for the next replica that takes the file over. A replica written
@@ -15,8 +15,8 @@ import sys
 
 SCRIPT = r"""
 import os, sys, tempfile
-from datastates.daemon.replicastorage import ReplicaStorage
-w = ReplicaStorage(direct_io=False, owner="0123456789abcdef")
+from datastates.daemon.replica.backend import MemoryStorage
+w = MemoryStorage(direct_io=False, owner="0123456789abcdef")
 folder = tempfile.mkdtemp(dir="/dev/shm", prefix="ds-test-pages-")
 big, small = 8 << 20, 1 << 20
 try:

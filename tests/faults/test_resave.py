@@ -34,7 +34,7 @@ TRIALS = 20
 """With ``--long``; the default run (and ``make test``) does SHORT_TRIALS."""
 SHORT_TRIALS = 4
 SAME_FILE_ROUNDS = 20
-"""Rounds of two clients saving one file at once; the race was lost in 3 of 5 runs (issue 27, item 2)."""
+"""Rounds of two clients saving one file at once; the race was lost in 3 of 5 runs."""
 SLOW = {"host_memory": "4MiB", "chunk_size": "1MiB", "flush_threads": 1, "direct_io": False}
 
 

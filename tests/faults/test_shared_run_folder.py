@@ -1,4 +1,4 @@
-"""Retention and the daemon's guards in run folders others share, and against a prune's stale listing (issue 27).
+"""Retention and the daemon's guards in run folders others share, and against a prune's stale listing.
 
 A run folder of mode 2775 (setgid, a project's group) or one made under umask 002 is one
 readers may not trust (``untrusted_folder``), but the daemon's own guards must still see the

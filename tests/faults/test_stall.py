@@ -101,7 +101,7 @@ def test_what_wait_said_is_what_the_stalled_daemon_does(stallable: DaemonProc, s
 
 
 def test_mid_copy_the_trainer_is_told_unavailable_and_nothing_is_committed(stallable: DaemonProc) -> None:
-    """The issue's case: SIGSTOP 0.15 s into a copy of 512 MiB through 8 MiB; liveness passes; step 2; SIGCONT."""
+    """A stall mid-copy: SIGSTOP 0.15 s into a copy of 512 MiB through 8 MiB; liveness passes; step 2; SIGCONT."""
     d = stallable
     path = d.root / "run" / "step1" / "m.pt"
     c, _, copied, _ = stalled_save(d, path, 0.15)
@@ -170,7 +170,7 @@ def test_a_daemon_stalled_before_its_rename_never_writes_over_a_trainer_that_wen
 
 
 def test_after_a_stall_the_client_connects_again_as_a_new_client(stallable: DaemonProc) -> None:
-    """Issue 27 item 9: ``wait()`` said once that step 1 was lost (DaemonUnavailable); once the daemon is back, the
+    """``wait()`` said once that step 1 was lost (DaemonUnavailable); once the daemon is back, the
     next snapshot connects again as a new client (the old one released, step 1 never written), and commits."""
     d = stallable
     c, t, copied, committed = stalled_save(d, d.root / "run" / "step1" / "m.pt", 0.15)

@@ -1,4 +1,4 @@
-"""A second user swaps a tag folder for a link, over and over, while the daemon saves (issue 14, item 2).
+"""A second user swaps a tag folder for a link, over and over, while the daemon saves.
 
 The daemon checks a path when it admits a snapshot, resolving every link; it used to
 create, write and rename files by path afterwards, following any folder link that appeared

@@ -1,6 +1,6 @@
 """What a snapshot may do to the trainer: nothing it can notice, and no memory kept past need.
 
-Issue 14, items 7 to 9. Each trainer is a real process talking to a real daemon:
+Each trainer is a real process talking to a real daemon:
 
 - a snapshot changes no tensor, read in place (the default) or copied through /dev/shm:
   resizing one afterwards, a numpy view taken before, a tensor made ``from_numpy`` all

@@ -1,4 +1,4 @@
-"""The GPU path's second round (issue 30): many storages, expandable segments, a killed copy, a full GPU.
+"""The GPU path at its limits: many storages, expandable segments, a killed copy, a full GPU.
 
 Each test is built to fail on the behaviour it guards: the 1,500-storage snapshot must
 return while the trainer's stream still runs a kernel queued before it (torch synchronizes

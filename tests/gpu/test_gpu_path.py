@@ -274,7 +274,7 @@ def trainer_of_long_lived_parameters(endpoint: str, root: str) -> dict[str, Any]
 @pytest.mark.timeout(240)
 def test_a_long_run_keeps_trainer_memory_shares_and_snapshot_time_flat(
         start_daemon: Callable[..., DaemonProc], tmp_path: Path, run_child: Callable[..., Any]) -> None:
-    """400 snapshots of the same 64 parameters (issue 15: each used to share every storage again, and past
+    """400 snapshots of the same 64 parameters (each used to share every storage again, and past
     torch's 1,000 IPC events, reached by the 16th snapshot, every share synchronized the trainer's stream).
     Each ``snapshot()`` must return with the step queued before it still running."""
     d = start_daemon(storage={"roots": [str(tmp_path / "ckpt")], "keep_last": 2}, memory_restore="none")
@@ -285,8 +285,8 @@ def test_a_long_run_keeps_trainer_memory_shares_and_snapshot_time_flat(
     assert run["idle"] <= IDLE_SHARE * SNAPSHOTS, \
         f"{run['idle']} of {SNAPSHOTS} snapshot() calls returned with the trainer's stream idle: they waited for it"
     first, last = statistics.median(run["times"][:100]), statistics.median(run["times"][-100:])
-    # The one timing bound of these tests: a snapshot() that slows down over a run is the very symptom the issue
-    # names, and a ratio of two medians of one run does not depend on how fast the machine is.
+    # The one timing bound of these tests: a snapshot() that slows down over a run is the very symptom guarded
+    # against, and a ratio of two medians of one run does not depend on how fast the machine is.
     assert last <= 3 * first + 0.002, f"snapshot() median {first * 1e3:.2f} ms over the first 100, " \
                                       f"{last * 1e3:.2f} ms over the last 100"
     assert {k: sha(v) for k, v in checkpoint(run["last"])["model"].items()} == run["sha"]
@@ -379,7 +379,7 @@ def test_a_trainer_killed_before_its_gpu_copy_never_commits_bytes_from_before_it
 
 def test_tensors_made_for_each_snapshot_go_back_to_the_allocator_without_ipc_collect(
         client: Any, daemon: DaemonProc) -> None:
-    """Issue 30, defect 1: a tensor made for one state dict (a clone, a cast) and freed after ``wait()`` must not
+    """A tensor made for one state dict (a clone, a cast) and freed after ``wait()`` must not
     stay held by the daemon until the next snapshot. The trainer's allocator is capped so that a second such
     tensor fits only if the first one's block came back: with its slot still at 1 the allocator can neither
     reuse it nor free it in its out-of-memory path (``CudaIPCCollect``), and the next allocation fails. No

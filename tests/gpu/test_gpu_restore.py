@@ -1,4 +1,4 @@
-"""Restoring into CUDA tensors in place (issue 28 item 1, client/reader/restore.py), through a real daemon.
+"""Restoring into CUDA tensors in place (client/reader/restore.py), through a real daemon.
 
 The bytes of a storage that one contiguous CUDA tensor of ``into`` covers go from the read
 (the daemon's replica, mapped, or storage, read with O_DIRECT) through the read thread's

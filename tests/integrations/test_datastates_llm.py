@@ -202,7 +202,7 @@ def new_version_durable(c: Client, path: Path) -> dict[str, Any]:
 
 def test_load_returns_the_committed_version_while_a_resave_whose_commit_failed_waits_for_a_retry(
         start_daemon: Callable[..., DaemonProc]) -> None:
-    """Issue 27 review, finding B: a re-save of global_step1 is durable in its staging folder, and its commit fails
+    """A re-save of global_step1 is durable in its staging folder, and its commit fails
     (the root read-only when the marker is written); the daemon keeps it for a retry, staging folder and all. ``load``
     returns the committed version, instead of polling the daemon's status for ever."""
     d = start_daemon()

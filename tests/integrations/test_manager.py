@@ -264,7 +264,7 @@ def test_a_tag_without_this_ranks_file_is_refused_by_name(shared_client: Client,
 def test_restore_racing_another_jobs_prune_restores_the_newest_committed_tag(shared_client: Client, root: Path,
                                                                            shared_daemon: DaemonProc,
                                                                            tmp_path: Path) -> None:
-    """Issue 27 item 11: restore has listed step 3, the newest committed tag, and is opening its file, when another
+    """Restore has listed step 3, the newest committed tag, and is opening its file, when another
     job runs to its end: resume_job.py resumes from step 3, commits step 4, and its keep_last=1 deletes steps 1 to 3.
     An audit hook on the open starts that job (a real process) at that very moment. restore then reads the newest
     committed tag, step 4, bitwise, instead of raising a raw FileNotFoundError (4 times in 1,578 racing restores)."""

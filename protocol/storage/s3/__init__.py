@@ -1,7 +1,7 @@
-"""The object store backend (S3 and its API's other servers): ``S3Storage``, over the modules beside it.
+"""The object store backend: ``S3Storage``.
 
-Its addresses and client are address.py's, its reads reads.py's, its writes writes.py's and its commit markers
-markers.py's.
+S3, and the other servers of its API. Its addresses and client are address.py's, its reads reads.py's, its writes
+writes.py's and its commit markers markers.py's.
 
 A tier or a checkpoint path may be ``s3://bucket/prefix``: a tag lies at
 ``<prefix>/<run>/<tag>/<file>``, the layout of a file tier, with its commit marker object

@@ -1,4 +1,4 @@
-"""Object store addresses and the client that reaches them: ``s3://bucket/key`` and botocore's client.
+"""Object store addresses (``s3://bucket/key``) and their client.
 
 One client per endpoint and region, its retries and time limits, a failure in words, and the small calls (a GET of a
 marker, a listing, a delete).

@@ -1,7 +1,7 @@
-"""Commit markers on an object store: a folder's scan, a tag's files, retention, and the check after a read.
+"""Commit markers on an object store: their scan, a tag's files, retention.
 
-The scan is one listing of the folder; the check after a read is there because an object store has no rename: a tag
-saved again is replaced object by object.
+The scan is one listing of the folder. A reader checks the marker again once it has read a file (``unchanged``): an
+object store has no rename, so a tag saved again is replaced object by object.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reading an object by ranges, as a file by ``os.preadv``: ``ObjectFile``, and ``one_read``.
+"""Reading an object by ranges: ``ObjectFile`` and ``one_read``.
 
 ``one_read`` shares one ETag and one read of the object's head among the reads of one load.
 """

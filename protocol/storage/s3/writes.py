@@ -1,4 +1,4 @@
-"""Writing objects: one multipart upload per file, journaled for the next daemon; ``publish`` is one PUT.
+"""Writing objects: a journaled multipart upload per file; ``publish`` is one PUT.
 
 The parts are uploaded by the upload process (daemon/uploader.py); the journal lets the next daemon of this node abort
 what a killed one left open.

@@ -6,8 +6,8 @@ temporary name) so its pages are written over rather than allocated and zeroed a
 hands the file's own pages out, mapped shared, for the snapshot's copies to fill directly (``fills_directly``
 says when), so the primary file is written from them and the replica costs no copy of its own. The mapping is
 kept after ``finalize`` for the next replica that takes the file over; ``release_removed`` lets go of those whose
-files were removed meanwhile (their pages are freed only then). The pages' mlock is daemon/pins.py's, the table of
-replicas and spares daemon/replicas.py's.
+files were removed meanwhile (their pages are freed only then). The pages' mlock is locks.py's, the replica and spare
+files' names and room folder.py's, the table of replicas and spares table.py's.
 
 Call order: ``create`` (with ``reuse``), then ``pages`` at most once, then the posix sequence (``write`` any
 number of times, ``finalize`` or ``abort``). ``ready_pages(path, size)``, between snapshots, maps a spare ahead.
@@ -56,7 +56,7 @@ class _Mapped:
 @dataclass
 class ReplicaHandle(FileHandle):
     mapped: _Mapped | None = None
-    """The file's pages (``ReplicaStorage.pages``)."""
+    """The file's pages (``MemoryStorage.pages``)."""
     kept: _Mapped | None = None
     """The backend's kept mapping of the file this one took over (``reuse``), for ``pages`` to use; closed
     at finalize if it did not: a file rewritten through ``write`` may be cut shorter than it maps."""
@@ -69,7 +69,7 @@ class ReplicaHandle(FileHandle):
         super().close()
 
 
-class ReplicaStorage(PosixStorage):
+class MemoryStorage(PosixStorage):
     handle_type = ReplicaHandle
 
     def __init__(self, **options: Any) -> None:

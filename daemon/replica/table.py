@@ -1,4 +1,4 @@
-"""Replicas: the daemon's own files of committed snapshots in /dev/shm, for restores that read no storage.
+"""The table of replicas: which of the daemon's committed snapshots it keeps in /dev/shm, within its budget.
 
 Most training faults are a dead trainer on a healthy node; its restart is fastest from
 what the daemon still holds. With ``memory_restore: latest`` the engine's sink writes each
@@ -15,7 +15,7 @@ rank3.pt under /ckpt), not by job id: a restarted job, with a new run id, still 
 the replicas of the run it restarts.
 
 A superseded replica that no restore was handed is not deleted but kept as its rank file's *spare*: the next replica of
-that file is written over the spare's pages (renamed to its temporary name by daemon/replicastorage.py),
+that file is written over the spare's pages (renamed to its temporary name by the backend, backend.py),
 not into freshly allocated ones. Allocating, zeroing and later freeing /dev/shm pages was
 most of the daemon's CPU per checkpoint (0.40 of 0.64 CPU-s for a 0.76 GB state, measured);
 writing over kept pages costs half. The spare counts in ``used``: the budget already held
@@ -48,21 +48,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from datastates.protocol.descriptors import Ranks
-from datastates.protocol.paths import SHM_DIR
 
-from .events import CommitEvent
-from datastates.protocol.storage import Gone
-from .pins import Pins
+from ..events import CommitEvent
+from .folder import ReplicaFolder
+from .locks import PageLocks
 
 log = logging.getLogger(__name__)
-
-SHM_HEADROOM = 256 << 20
-"""/dev/shm left free beyond a replica: trainers' shared tensors live there too."""
 
 
 @dataclass
@@ -123,40 +118,18 @@ class _Spare:
 
 
 def _spare_key(rank: tuple[str, str]) -> tuple[str, str, str]:
-    """The key a spare's locked pages are held under in ``Pins`` (a replica's is its job id)."""
+    """The key a spare's locked pages are held under in ``PageLocks`` (a replica's is its job id)."""
     return ("spare", *rank)
 
 
-def _folder_prefix() -> str:
-    return os.path.join(SHM_DIR, f"datastates-{os.geteuid()}-")
-
-
-def _unlink(path: str) -> None:
-    if path:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-def remove_gone(gone: Gone) -> list[str]:
-    """The replica folders of killed daemons of this node (``gone`` owners), deleted: no one can restore from them."""
-    removed = []
-    prefix = _folder_prefix()
-    for name in os.listdir(SHM_DIR):
-        folder = os.path.join(SHM_DIR, name)
-        if folder.startswith(prefix) and gone(folder[len(prefix):], folder) and not os.path.islink(folder):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
-
-
 ReadyAhead = Callable[[str, int, Callable[[BaseException | None], None]], None]
-"""Makes the first bytes of a spare file ready (allocated and mapped: ``ReplicaStorage.ready_pages``) off the event loop,
+"""Makes the first bytes of a spare file ready (allocated and mapped: ``MemoryStorage.ready_pages``) off the event loop,
 then calls its last argument on the loop with what that raised (or None)."""
 
 
 class ReplicaStore:
+    """The replicas held and the spares kept, per rank file, within the budget: which to write, serve and release."""
+
     def __init__(self, policy: str, budget: int, owner: str, alive: Callable[[str], bool],
                  on_removed: Callable[[], None] = lambda: None, ready_ahead: ReadyAhead | None = None) -> None:
         self.policy = policy
@@ -170,24 +143,22 @@ class ReplicaStore:
         self.released = 0
         """Replicas and spares released for another file's room (``_release_stale``), and their bytes."""
         self.released_bytes = 0
-        self._on_removed = on_removed
-        """Called once files were removed: the replica backend may still map them (their pages are freed then)."""
         self._ready_ahead = ready_ahead
         """Readies a spare's pages off the fence's path, a spare allocated ahead (``prepare``) and a superseded
         replica's alike; None: neither."""
         self._making: dict[tuple[str, str], int] = {}
         """Rank files whose spare is being allocated, and its size (counted in ``used``)."""
         self.budget = budget
-        self.folder = _folder_prefix() + owner
+        self._folder = ReplicaFolder(owner, on_removed)
         self._held: dict[int, Replica] = {}
         self._spares: dict[tuple[str, str], _Spare] = {}
         """Per rank file, the file of its last superseded replica, for the next one to write over."""
         self.used = 0
         """Bytes of every replica held or being written, and of the spares."""
-        self._pins = Pins()
-        """The committed replicas' pages, locked in memory (daemon/pins.py)."""
+        self._locks = PageLocks()
+        """The committed replicas' pages, locked in memory (locks.py)."""
         if policy != "none":
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
+            self._folder.make()
 
     def reserve(self, job_id: int, path: str, tag: str, size: int, ranks: Ranks, snapshot: str,
                 client: str) -> Replica | None:
@@ -195,7 +166,7 @@ class ReplicaStore:
         /dev/shm has no room."""
         if self.policy == "none":
             return None
-        self._pins.release_removed()  # replicas removed under the daemon: their locked pages go
+        self._locks.release_removed()  # replicas removed under the daemon: their locked pages go
         self._saved(rank_file(path), tag, client)
         spare = self._spares.pop(rank_file(path), None)
         spare_key = _spare_key(rank_file(path))
@@ -206,35 +177,33 @@ class ReplicaStore:
                 break
             dropped = self._spares.pop(key)  # another rank file's, allocated ahead: a replica needs the room more
             self.used -= dropped.size
-            self._remove(dropped.file)
+            self._folder.remove(dropped.file)
         self._release_stale(size)
         if self.used + size > self.budget:
-            self._pins.unpin(spare_key)
-            self._remove(spare.file if spare else "")
+            self._locks.unpin(spare_key)
+            self._folder.remove(spare.file if spare else "")
             log.info("no replica of %s: %d bytes over memory_restore_budget (%d of %d used)",
                      path, size, self.used, self.budget)
             return None
-        if not os.path.isdir(self.folder):  # removed under the daemon (a /dev/shm clean-up, systemd's RemoveIPC)
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
-        st = os.statvfs(self.folder)
-        if st.f_bavail * st.f_frsize + (spare.size if spare else 0) < size + SHM_HEADROOM:
+        self._folder.make()
+        if not self._folder.has_room(size, spare.size if spare else 0):
             log.info("no replica of %s: /dev/shm has too little room", path)
-            self._pins.unpin(spare_key)
-            self._remove(spare.file if spare else "")
+            self._locks.unpin(spare_key)
+            self._folder.remove(spare.file if spare else "")
             return None
-        replica = Replica(job_id, path, os.path.join(self.folder, f"{job_id}-{os.path.basename(path)}"), size,
-                          tag, (ranks.job, ranks.rank), snapshot, spare=spare.file if spare else "")
+        replica = Replica(job_id, path, self._folder.replica_file(job_id, path), size, tag, (ranks.job, ranks.rank),
+                          snapshot, spare=spare.file if spare else "")
         self._held[job_id] = replica
-        self._pins.move(spare_key, job_id)  # its pages, locked as a spare, are this replica's (the writer renames it)
+        self._locks.move(spare_key, job_id)  # its pages, locked as a spare, are this replica's (the writer renames it)
         self.used += size
         return replica
 
     def discard(self, job_id: int) -> None:
         replica = self._held.pop(job_id, None)
         if replica is not None:
-            self._pins.unpin(job_id)
+            self._locks.unpin(job_id)
             self.used -= replica.size
-            self._remove(replica.file, replica.spare)  # the spare is still there if its write never started
+            self._folder.remove(replica.file, replica.spare)  # the spare is still there if its write never started
 
     def _supersede(self, replica: Replica) -> None:
         """A newer replica of its rank file is committed: keep its file as that rank file's spare, unless a
@@ -245,20 +214,18 @@ class ReplicaStore:
         self._held.pop(replica.job_id, None)
         key = _spare_key(replica.rank_file)
         old = self._spares.pop(replica.rank_file, None)
-        self._pins.unpin(key)
+        self._locks.unpin(key)
         if old is not None:
             self.used -= old.size
-            self._remove(old.file)
-        spare = os.path.join(self.folder, f"spare-{replica.job_id}")
-        try:
-            os.rename(replica.file, spare)
-        except OSError:  # never written (a failed snapshot), or removed under the daemon
-            self._pins.unpin(replica.job_id)
+            self._folder.remove(old.file)
+        spare = self._folder.keep_as_spare(replica.file, replica.job_id)
+        if not spare:
+            self._locks.unpin(replica.job_id)
             self.used -= replica.size
-            self._remove(replica.spare)
+            self._folder.remove(replica.spare)
             return
-        self._pins.move(replica.job_id, key)  # its pages stay locked for the next replica written over them
-        self._remove(replica.spare)
+        self._locks.move(replica.job_id, key)  # its pages stay locked for the next replica written over them
+        self._folder.remove(replica.spare)
         self._spares[replica.rank_file] = _Spare(spare, replica.size)
         if self._ready_ahead is not None:  # a replica written, not filled in place: its pages are not mapped
 
@@ -304,9 +271,9 @@ class ReplicaStore:
             if self.used + size <= self.budget:
                 return
             spare = self._spares.pop(key)
-            self._pins.unpin(_spare_key(key))
+            self._locks.unpin(_spare_key(key))
             self.used -= spare.size
-            self._remove(spare.file)
+            self._folder.remove(spare.file)
             self._count_released(spare.size)
         for replica in sorted((r for r in self._held.values() if self._stale(r.rank_file)
                                and not any(self._alive(c) for c in r.readers)
@@ -324,12 +291,6 @@ class ReplicaStore:
         self.released += 1
         self.released_bytes += size
 
-    def _remove(self, *paths: str) -> None:
-        for path in paths:
-            _unlink(path)
-        if any(paths):
-            self._on_removed()
-
     def committed(self, commit: CommitEvent) -> None:
         """``commit``'s files are committed (at the paths readers see): the replicas of the snapshots it lists serve
         restores, and every older replica of the same rank files goes, of its own tag too: the committed ones, and
@@ -341,7 +302,7 @@ class ReplicaStore:
             current = next((r for r in self._held.values() if r.path == path and r.snapshot == snapshot), None)
             if current is not None:
                 current.committed = True
-                self._pins.pin(current.job_id, current.file, current.size)
+                self._locks.pin(current.job_id, current.file, current.size)
             newest = current.job_id if current is not None else commit.order
             for old in [r for r in self._held.values() if r.rank_file == rank_file(path)
                         and commit.snapshots.get(r.path) != r.snapshot and r.job_id < newest
@@ -359,12 +320,10 @@ class ReplicaStore:
             return
         if self.used + 2 * replica.size > self.budget:  # the spare, and the next replica while it is allocated
             return
-        st = os.statvfs(self.folder)
-        if st.f_bavail * st.f_frsize < 2 * replica.size + SHM_HEADROOM:
+        if not self._folder.has_room(2 * replica.size):
             return
-        file = os.path.join(self.folder, f"spare-ahead-{replica.job_id}")
         try:
-            os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
+            file = self._folder.new_spare(replica.job_id)
         except OSError as exc:
             log.info("no spare allocated ahead for %s: %s", replica.path, exc)
             return
@@ -377,7 +336,7 @@ class ReplicaStore:
                 self._spares[key] = _Spare(file, replica.size, ahead=True)
                 return
             self.used -= replica.size  # failed, or a superseded replica became the spare meanwhile
-            self._remove(file)
+            self._folder.remove(file)
             if error is not None:
                 log.info("no spare allocated ahead for %s: %s", replica.path, error)
 
@@ -403,7 +362,7 @@ class ReplicaStore:
         match = [r for r in found if r.tag == tag and r.snapshot == snapshot and r.committed and r.size == size
                  and os.path.exists(r.file)]
         if not all(os.path.exists(r.file) for r in found):
-            self._pins.release_removed()
+            self._locks.release_removed()
         if not snapshot or not match:
             return None, (f"the daemon holds no replica of the version of tag {tag!r} its marker lists "
                           f"(snapshot {snapshot or 'not named'}), only of another version")
@@ -417,9 +376,9 @@ class ReplicaStore:
 
     def close(self) -> None:
         """A stopped daemon's replicas serve no one: the next daemon knows nothing of them."""
-        self._pins.close()
+        self._locks.close()
         if self.policy != "none":
-            shutil.rmtree(self.folder, ignore_errors=True)
+            self._folder.close()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -428,10 +387,10 @@ class ReplicaStore:
             "used_bytes": self.used,
             "spare_bytes": sum(sp.size for sp in self._spares.values()) + sum(self._making.values()),
             "spares_allocating": len(self._making),
-            "locked_bytes": self._pins.locked_bytes,
-            "locks_pending": self._pins.pending,
-            "lock_refused": self._pins.refused,
-            "folder": self.folder,
+            "locked_bytes": self._locks.locked_bytes,
+            "locks_pending": self._locks.pending,
+            "lock_refused": self._locks.refused,
+            "folder": self._folder.path,
             "released": self.released,
             "released_bytes": self.released_bytes,
             "replicas": [{"tag": r.tag, "path": r.path, "file": r.file, "size": r.size, "rank": r.rank[1], "job": r.rank[0],

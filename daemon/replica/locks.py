@@ -42,7 +42,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
-class Pins:
+class PageLocks:
     """Each committed replica's file mapped and locked, by its snapshot (job id), or by a spare's key once it is
     a spare, until ``unpin``."""
 
