@@ -45,8 +45,8 @@ from typing import ContextManager, Iterator
 from ...descriptors import Tier
 from ...errors import ConfigError
 from ..base import Reads, UploadedStorage, backend_for, register_backend
-from .address import (ObjectPath, check_endpoint, check_region, client_for, delete_object, is_client_error,
-                      list_keys, missing, object_error, read_object, register)
+from .address import (ObjectPath, check_endpoint, check_region, delete_object, list_keys, on_object, read_object,
+                      register)
 from .markers import ObjectMarkers
 from .reads import ObjectFile, one_read
 from .writes import MAX_PARTS, PART, ObjectWrites
@@ -73,16 +73,7 @@ class S3Storage(ObjectWrites, ObjectMarkers, UploadedStorage):
         return list_keys(folder)
 
     def exists(self, path: str) -> bool:
-        where = ObjectPath.parse(path)
-        try:
-            client_for(path).head_object(Bucket=where.bucket, Key=where.key)
-        except Exception as exc:
-            if missing(exc):
-                return False
-            if is_client_error(exc):
-                raise object_error("cannot read", path, exc) from None
-            raise
-        return True
+        return on_object(path, lambda client, where: client.head_object(Bucket=where.bucket, Key=where.key)) is not None
 
     def is_folder(self, path: str) -> bool:
         return True

@@ -10,9 +10,11 @@ import functools
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 from ...errors import ConfigError, StorageError
+
+T = TypeVar("T")
 
 SCHEME = "s3://"
 ATTEMPTS = 6
@@ -195,17 +197,23 @@ def is_client_error(exc: BaseException) -> bool:
     return type(exc).__module__.startswith(("botocore", "urllib3", "boto3"))
 
 
-def read_object(url: str) -> bytes | None:
-    """A small object whole (a marker, a tracker), or None if there is none."""
+def on_object(url: str, request: Callable[[Any, ObjectPath], T]) -> T | None:
+    """``request(client, address)`` of the object at ``url``; None where there is none, and a refusal as a
+    StorageError that names the object."""
     where = ObjectPath.parse(url)
     try:
-        return client_for(url).get_object(Bucket=where.bucket, Key=where.key)["Body"].read()
+        return request(client_for(url), where)
     except Exception as exc:
         if missing(exc):
             return None
         if is_client_error(exc):
             raise object_error("cannot read", url, exc) from None
         raise
+
+
+def read_object(url: str) -> bytes | None:
+    """A small object whole (a marker, a tracker), or None if there is none."""
+    return on_object(url, lambda client, where: client.get_object(Bucket=where.bucket, Key=where.key)["Body"].read())
 
 
 def delete_object(url: str) -> None:
