@@ -1,12 +1,15 @@
 """The product modules one tensor passes through: from ``Client.snapshot()`` to bytes on disk, and back through
 ``datastates.load(path, into=state)``.
 
-A newcomer following a tensor reads every module whose code runs for it. This runs one small save (a CPU
-tensor and a step count) through a real ``datastatesd`` and restores it in place, recording which product modules
-run a function meanwhile: in the trainer (the client) and in the daemon (every thread, from SNAPSHOT until the
-tag is committed). Imports done before the save are not counted; start-up and the daemon's status are not either.
+This runs one small save (a CPU tensor and a step count) through a real ``datastatesd`` and restores it in place,
+recording, in the trainer (the client) and in the daemon (every thread, from SNAPSHOT until the tag is committed):
+- the product modules that ran a function meanwhile (helpers, bookkeeping and housekeeping threads included);
+- the modules a newcomer follows: those on the call stack each time the tensor is handed on (``HANDOVERS``: taken,
+  sent, read off the wire, placed in its file, copied, written, made durable, committed; matched to its target,
+  read, checked and copied in).
+Imports done before the save are not counted; start-up and the daemon's status are not either.
 
-    .venv/bin/python bench/files_touched.py           # the modules, by side, and the count of distinct ones
+    .venv/bin/python bench/files_touched.py           # the modules, by side, and the counts of distinct ones
 """
 
 from __future__ import annotations
@@ -31,28 +34,62 @@ from datastates.client import Client  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("protocol", "client", "daemon", "integrations", "datastates")
+HANDOVERS = {
+    "TensorProvider.capture", "Connection.request",  # the trainer: taken, and each request handed to the connection
+    "decode_body", "plan_snapshot", "Engine.run", "VmRegion.read_into", "VmRegion.read_batch", "ShmRegion.read_into",
+    "CudaIpcRegion.read_into", "FileHeader.encode", "PosixStorage.write", "PosixStorage.finalize",
+    "CommitLedger._publish", "PosixStorage.publish",  # the daemon: read off the wire ... committed
+    "open_file", "_Match.walk", "Stream.fill", "Stream._piece", "_File.preadv",  # load(into=)
+}
+"""The functions (qualified names) that take the tensor, or its bytes, on a step."""
+
+
+class Recorder:
+    """A profile hook for every thread: the code files that ran a function, and those on the stack at a handover."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.ran: set[str] = set()
+        self.path: set[str] = set()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if not self.on or event != "call":
+            return
+        self.ran.add(frame.f_code.co_filename)
+        if frame.f_code.co_qualname in HANDOVERS:
+            while frame is not None:
+                self.path.add(frame.f_code.co_filename)
+                frame = frame.f_back
+
+    def install(self) -> None:
+        threading.setprofile(self)
+        sys.setprofile(self)
+
+    def modules(self) -> dict[str, set[str]]:
+        return {"ran": {m for f in self.ran if (m := _module(f))}, "path": {m for f in self.path if (m := _module(f))}}
+
 
 _DAEMON = """
-import os, signal, sys, threading
-seen, on = set(), [False]
-def record(frame, event, arg):
-    if on[0] and event == 'call':
-        seen.add(frame.f_code.co_filename)
+import json, os, signal, sys
+sys.path.insert(0, os.environ['DS_BENCH'])
+from files_touched import Recorder
+recorder = Recorder()
 def start(*_):
-    on[0] = True
+    recorder.on = True
 def dump(*_):
-    on[0] = False
-    with open(os.environ['DS_TOUCHED'], 'w') as f:
-        f.write('\\n'.join(sorted(seen)))
+    recorder.on = False
+    with open(os.environ['DS_TOUCHED'] + '.part', 'w') as f:
+        json.dump({k: sorted(v) for k, v in recorder.modules().items()}, f)
+    os.rename(os.environ['DS_TOUCHED'] + '.part', os.environ['DS_TOUCHED'])
 signal.signal(signal.SIGRTMIN + 3, start)
 signal.signal(signal.SIGRTMIN + 4, dump)
-threading.setprofile(record)
-sys.setprofile(record)
+recorder.install()
 from datastates.daemon.main import main
 sys.argv[0] = 'datastatesd'
 main()
 """
-"""The daemon, run with a profile hook on every thread: one real-time signal starts recording, another writes what ran."""
+"""The daemon, run with a profile hook on every thread: one real-time signal starts recording, another writes what
+ran."""
 
 
 def _module(filename: str) -> str | None:
@@ -64,22 +101,17 @@ def _module(filename: str) -> str | None:
     return rel.as_posix() if rel.parts[0] in PRODUCT and rel.suffix == ".py" else None
 
 
-def _recorded(fn: Callable[[], Any]) -> set[str]:
-    """The product modules that ran a function in this process while ``fn`` ran, on any thread."""
-    seen: set[str] = set()
-
-    def record(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            seen.add(frame.f_code.co_filename)
-
-    threading.setprofile(record)
-    sys.setprofile(record)
+def _recorded(fn: Callable[[], Any]) -> dict[str, set[str]]:
+    """The product modules that ran, and those on a handover's stack, in this process while ``fn`` ran."""
+    recorder = Recorder()
+    recorder.on = True
+    recorder.install()
     try:
         fn()
     finally:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
-    return {m for f in seen if (m := _module(f))}
+    return recorder.modules()
 
 
 def main() -> None:
@@ -90,7 +122,8 @@ def main() -> None:
         path = os.path.join(root, "run", "step7", "model.pt")
         touched = os.path.join(folder, "touched.txt")
         command = [os.path.join(BIN, "python"), "-c", _DAEMON]
-        with daemon_process(root, command, env={**os.environ, "DS_TOUCHED": touched}) as (proc, endpoint):
+        env = {**os.environ, "DS_TOUCHED": touched, "DS_BENCH": os.path.dirname(os.path.abspath(__file__))}
+        with daemon_process(root, command, env=env) as (proc, endpoint):
             client = Client(endpoint)
             client.snapshot({"w": torch.zeros(4), "step": 0}, os.path.join(root, "warm", "t", "m.pt"), tag="t")
             client.wait()
@@ -106,22 +139,24 @@ def main() -> None:
             saving = _recorded(save)
             proc.send_signal(signal.SIGRTMIN + 4)
             for _ in range(100):
-                if os.path.exists(touched) and os.path.getsize(touched):
+                if os.path.exists(touched):
                     break
                 time.sleep(0.1)
-            daemon = {m for f in Path(touched).read_text().split("\n") if (m := _module(f))}
+            daemon = {k: set(v) for k, v in json.loads(Path(touched).read_text()).items()}
             client.close()
         into = {"w": torch.empty(1 << 16, dtype=torch.float32), "step": 0}
         datastates.load(path, into=into)  # lazy imports of the reader, as for any first load
         loading = _recorded(lambda: datastates.load(path, into=into))
         assert torch.equal(into["w"], state["w"]), "the restore differs from the save"
     sides = {"trainer, saving": saving, "daemon": daemon, "trainer, load(into=)": loading}
-    for side, modules in sides.items():
-        print(f"{side} ({len(modules)}):")
-        for module in sorted(modules):
-            print(f"  {module}")
-    every = set().union(*sides.values())
-    print(json.dumps({"distinct_modules": len(every), **{side: len(m) for side, m in sides.items()}}))
+    for kind, title in (("ran", "modules that ran"), ("path", "modules on the tensor's path")):
+        print(f"== {title}")
+        for side, modules in sides.items():
+            print(f"{side} ({len(modules[kind])}):")
+            for module in sorted(modules[kind]):
+                print(f"  {module}")
+    print(json.dumps({kind: {"distinct": len(set().union(*(m[kind] for m in sides.values()))),
+                             **{side: len(m[kind]) for side, m in sides.items()}} for kind in ("ran", "path")}))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,15 @@ def process_stats(pid: int) -> dict[str, int]:
             "threads": len(os.listdir(f"/proc/{pid}/task"))}
 
 
+def open_files(pid: int) -> list[str]:
+    """What process ``pid``'s descriptors are open on (sockets, pipes, files): to name a descriptor that moved."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return sorted(targets)
+
+
 def _shm_paths_used(pid: int) -> set[str]:
     """The /dev/shm paths ``pid`` maps or holds open."""
     used = set()
@@ -149,6 +158,7 @@ class Watched:
         out: dict[str, Any] = {"saves": saves, "time": time.time()}
         for who, pid in (("daemon", self.daemon_pid), ("trainer", self.trainer_pid)):
             out.update({f"{who}_{k}": v for k, v in process_stats(pid).items()})
+            out[f"{who}_open"] = open_files(pid)
         shm = [tree_usage(p, blocks=True) for p in self.shm_entries()]
         out["shm_entries"], out["shm_bytes"] = sum(e for e, _ in shm), sum(b for _, b in shm)
         out["root_entries"], out["root_bytes"] = tree_usage(self.root)

@@ -991,9 +991,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "superseded-replica-stays-locked",
-        "a superseded replica stays locked: locked memory grows with every rank file's old replicas",
-        (Edit("daemon/replica/table.py", "        self._locks.unpin(replica.job_id)\n", "        pass  # MUTATION\n"),),
-        ("tests/test_restore.py::test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restores_mapping_16_pages_a_fault",),
+        "a superseded replica a trainer was served stays locked: locked memory grows with every restored rank file",
+        (Edit("daemon/replica/table.py", "            self._locks.unpin(job_id)\n", "            pass  # MUTATION\n"),),
+        ("tests/test_restore.py::test_a_served_replica_once_superseded_is_unlocked_not_kept_as_a_spare",),
     ),
     Mutation(
         "removed-replica-stays-locked",
@@ -1429,8 +1429,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "marker-reads-hold-the-exit",
         "the marker reads a restore left waiting on a hung server hold its process at exit",
-        (Edit("protocol/storage/s3/markers.py", 'threading.Thread(target=work, name="datastates-markers", daemon=True)',
-              'threading.Thread(target=work, name="datastates-markers", daemon=False)  # MUTATION'),),
+        (Edit("protocol/fanout.py", 'threading.Thread(target=work, name=f"{name}-{i}", daemon=True)',
+              'threading.Thread(target=work, name=f"{name}-{i}", daemon=False)  # MUTATION'),),
         ("tests/test_s3.py::test_a_restore_goes_on_from_the_fast_tier_while_the_bucket_hangs_and_refuses_to_guess_with_nothing_else",),
     ),
     Mutation(

@@ -399,6 +399,30 @@ def test_committed_replicas_stay_locked_so_a_global_drop_of_caches_leaves_restor
     assert faults < pages // 4, f"{faults} page faults to map a replica of {pages} pages after a global drop of caches"
 
 
+def test_a_served_replica_once_superseded_is_unlocked_not_kept_as_a_spare(
+        start_daemon: Callable[..., DaemonProc]) -> None:
+    """A replica a trainer restored from may still be mapped there, so when a newer tag supersedes it, it is not
+    kept as a spare: it goes, and its locked pages with it; locked memory holds the newest replica alone (the spare
+    allocated in its stead is locked once a committed replica is written over it)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: locking replicas past RLIMIT_MEMLOCK")
+    d = start_daemon(memory_restore_budget="256MiB")
+    elements = 4 << 20  # 16 MiB
+    with Client(d.endpoint, timeout=60) as c:
+        save(c, {"w": torch.full((elements,), 1.0)}, d.root / "step1" / "rank0.pt")
+        served = c.restore(d.root, "rank0.pt")
+        assert served is not None and (served.tag, served.source) == ("step1", "memory"), served
+        save(c, {"w": torch.full((elements,), 2.0)}, d.root / "step2" / "rank0.pt")
+    for _ in range(600):  # unlocked on the daemon's own thread, moments after the commit
+        status = daemon_status(d.endpoint)["replicas"]
+        if not status["locks_pending"] and not status["spares_allocating"]:
+            break
+        time.sleep(0.05)
+    (replica,) = status["replicas"]
+    assert replica["tag"] == "step2", status
+    assert (status["locked_bytes"], status["lock_refused"]) == (replica["size"], ""), status  # a spare made anew is not
+
+
 def test_a_replica_removed_under_the_daemon_is_unlocked_and_unmapped_by_the_next_snapshot(
         start_daemon: Callable[..., DaemonProc]) -> None:
     """systemd's RemoveIPC or a /dev/shm clean-up deletes the daemon's replica folder: the locked pages of a replica

@@ -37,14 +37,15 @@ where a target is a tensor.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
-import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from datastates.protocol.errors import CorruptCheckpointError
+from datastates.protocol.fanout import map_on_threads
 from datastates.protocol.format import DATA_ALIGN, align_up, checksummer
 from datastates.protocol.storage import backend_for
 from datastates.protocol.tags import file_commits
@@ -250,39 +251,17 @@ class Stream:
     def _threads(self, source: Source, region: tuple[memoryview, int] | None, fill: bool) -> None:
         """The pieces on READ_THREADS threads: from ``region`` (the region in memory and its address; read into it
         first if ``fill``), or, without one, each read into the thread's bounce buffer."""
-        todo = iter(self.pieces)
-        lock = threading.Lock()
-        failed: list[BaseException] = []
-
-        def work() -> None:
-            bounce = None
+        @contextlib.contextmanager
+        def reader() -> Iterator[Callable[[ReadUnit], None]]:
+            bounce = _Bounce(self.ready) if region is None else None
             try:
-                if region is None:
-                    bounce = _Bounce(self.ready)
-                while not failed:
-                    with lock:
-                        piece = next(todo, None)
-                    if piece is None:
-                        return
-                    self._piece(piece, source, region, fill, bounce)
-            except BaseException as exc:  # noqa: BLE001 - the first failure stops every thread and is raised
-                failed.append(exc)
+                yield lambda piece: self._piece(piece, source, region, fill, bounce)
             finally:
                 if bounce is not None:
-                    try:
-                        bounce.close()  # waits for its GPU copies: an error of one fails the load too
-                    except BaseException as exc:  # noqa: BLE001
-                        failed.append(exc)
+                    bounce.close()  # waits for its GPU copies: an error of one fails the load too
 
         count = source.streams or (STEP_THREADS if region is None and self.aligned else READ_THREADS)
-        threads = [threading.Thread(target=work, name=f"ds-read-{i}", daemon=True)
-                   for i in range(min(count, len(self.pieces)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if failed:
-            raise failed[0]
+        map_on_threads(reader, self.pieces, count, "ds-read")
 
     def _piece(self, piece: ReadUnit, source: Source, region: tuple[memoryview, int] | None, fill: bool,
                bounce: _Bounce | None) -> None:

@@ -10,9 +10,11 @@ import logging
 import os
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence, TypeVar
+from contextlib import nullcontext
+from typing import Callable, Sequence, TypeVar
 
 from ...errors import CorruptCheckpointError, DatastatesError, InvalidRequestError
+from ...fanout import map_on_threads
 from ...format import TRACKER, CommitMarker, MarkerFile, check_tag, is_marker_name, marker_name
 from ...tags import CommittedTag, tag_files, trusted_marker
 
@@ -62,7 +64,7 @@ class ObjectMarkers:
                 log.warning("skipping the commit marker %s: %s", path, exc.message)
                 return None
 
-        return list(zip(paths, _on_daemon_threads(read, paths, MARKER_READS)))
+        return list(zip(paths, map_on_threads(lambda: nullcontext(read), paths, MARKER_READS, "datastates-markers")))
 
     def commits_of(self, path: str, depth: int, roots: Sequence[str] | None) -> list[tuple[str, CommitMarker,
                                                                                           MarkerFile]]:
@@ -168,36 +170,3 @@ def safe_name(path: str) -> bool:
     """Whether a marker's file entry names an object inside the marker's folder: a relative key, no '.', '..' or
     empty part (an object store resolves none of them: ``a/../b`` is a key of its own)."""
     return bool(path) and not path.startswith("/") and all(p not in ("", ".", "..") for p in path.split("/"))
-
-
-def _on_daemon_threads(fn: Callable[[str], T], items: list[str], at_once: int) -> list[T]:
-    """``fn`` of each of ``items``, ``at_once`` at a time, in order; the first error raised once the calls under way
-    end, and no new one started after it. On daemon threads: one waiting on a hung server never holds the process at
-    its exit, as a ThreadPoolExecutor's would (a restore goes on without that server, client/locate.py)."""
-    results: list[Any] = [None] * len(items)
-    errors: list[BaseException] = []
-    todo = iter(range(len(items)))
-    lock = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                i = None if errors else next(todo, None)
-            if i is None:
-                return
-            try:
-                results[i] = fn(items[i])
-            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-                with lock:
-                    errors.append(exc)
-
-    threads = [threading.Thread(target=work, name="datastates-markers", daemon=True)
-               for _ in range(min(at_once, len(items)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
