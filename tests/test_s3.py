@@ -878,7 +878,9 @@ def test_the_upload_process_killed_mid_upload_fails_that_transfer_alone_and_the_
         error = transfer(status, "step1")["error"]
         assert url in error and "upload process" in error and "signal 9" in error, error
         assert uploads(s3_client(proxy.url), bucket) == []  # its multipart upload aborted by the daemon
-        save(c, state(2, 5 << 20), fast / "step2" / "rank0.pt")  # the daemon serves on, and uploads the next tag
+        # the daemon serves on, and uploads the next tag: a small one, as a nice 19 upload process gets a small share
+        # of a busy machine
+        save(c, state(2), fast / "step2" / "rank0.pt")
         status = settle(d)
         assert tier_states(status, "step2") == {"fast": "committed", CLOUD: "committed"}, transfer(status, "step2")
         assert status["tier_transfers"]["uploader"]["started"] == 2, status["tier_transfers"]["uploader"]
@@ -888,7 +890,7 @@ def test_the_upload_process_killed_mid_upload_fails_that_transfer_alone_and_the_
     shown = d.ctl("status").stdout
     assert "upload process ended and was started again (2 in all)" in shown, shown
     assert datastates.latest(f"{url}/run") == "step2"
-    assert_state_equal(state(2, 5 << 20), datastates.load(f"{url}/run/step2/rank0.pt"))
+    assert_state_equal(state(2), datastates.load(f"{url}/run/step2/rank0.pt"))
     assert d.proc.poll() is None
 
 
