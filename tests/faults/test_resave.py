@@ -205,9 +205,9 @@ with Client(endpoint, timeout=120) as c:
         path = f"{root}/round{words[-1]}/step/m.pt"
         try:
             if words[0] == "commit":
-                c.commit("step").result(timeout=120)
+                c.commit(f"step{rank}").result(timeout=120)
             else:
-                c.snapshot({"t": torch.full((1 << 18,), 1000.0 * rank + int(words[0]))}, path, tag="step")
+                c.snapshot({"t": torch.full((1 << 18,), 1000.0 * rank + int(words[0]))}, path, tag=f"step{rank}")
                 c.wait()
             print("ok", flush=True)
         except DatastatesError as exc:
@@ -217,8 +217,9 @@ with Client(endpoint, timeout=120) as c:
 
 def test_two_clients_that_snapshot_one_file_at_the_same_instant_are_never_both_told_it_committed(
         start_daemon: Callable[..., DaemonProc]) -> None:
-    """Two trainers released together save the same path: one is refused, the other commits, and the file holds
-    exactly the committed one's state (the one-writer check and the snapshot's registration are one step)."""
+    """Two trainers released together save the same path, each under a tag of its own (one tag would be refused by
+    the tag's own one-writer check): one is refused, the other commits, and the file holds exactly the committed
+    one's state (the one-writer check and the snapshot's registration are one step)."""
     d = start_daemon()
     ranks = [subprocess.Popen([sys.executable, "-c", SAME_FILE_RANK, d.endpoint, str(d.root), str(r)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(2)]

@@ -95,8 +95,9 @@ def test_prune_never_deletes_a_folder_holding_a_newer_tags_marker(daemon: Daemon
 
 def test_a_tag_committed_again_after_the_listing_is_not_deleted(daemon: DaemonProc) -> None:
     """A prune lists step1, then the daemon commits a new version of step1 (the trainer is told "committed"),
-    then the prune deletes from its listing: the new version stands, and so does the listing's folder name.
-    Before, the new version was renamed away and deleted."""
+    then step3, then the prune deletes from its listing: the new version stands, and so does the listing's folder
+    name. Before, the new version was renamed away and deleted. (step3 moves the tracker on: a tracker naming step1
+    would keep it for a reason of its own.)"""
     d = daemon
     path = d.root / "step1" / "rank0.pt"
     with Client(d.endpoint, timeout=60) as c:
@@ -104,11 +105,12 @@ def test_a_tag_committed_again_after_the_listing_is_not_deleted(daemon: DaemonPr
         save(c, step_state(2), d.root / "step2" / "rank0.pt")
         listed = [t for t in committed_tags(str(d.root), own_folder=True) if t.tag == "step1"]
         save(c, step_state(11), path)  # a new version of step1, switched in whole
+        save(c, step_state(3), d.root / "step3" / "rank0.pt")
     assert [t.tag for t in listed] == ["step1"]
     deleted = delete_tag(listed[0], str(d.root))
     assert_state_equal(step_state(11), datastates.load(path))
     verify(str(path))
-    assert folders(d.root) == ["step1", "step2"]
+    assert folders(d.root) == ["step1", "step2", "step3"]
     assert deleted is False
 
 
