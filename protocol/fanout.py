@@ -20,6 +20,10 @@ def map_on_threads(per_thread: Callable[[], ContextManager[Callable[[T], R]]], i
     todo = iter(range(len(items)))
     lock = threading.Lock()
 
+    def failed(exc: BaseException) -> None:
+        with lock:
+            errors.append(exc)
+
     def work() -> None:
         try:
             with per_thread() as fn:
@@ -28,10 +32,13 @@ def map_on_threads(per_thread: Callable[[], ContextManager[Callable[[T], R]]], i
                         i = None if errors else next(todo, None)
                     if i is None:
                         return
-                    results[i] = fn(items[i])
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-            with lock:
-                errors.append(exc)
+                    try:
+                        results[i] = fn(items[i])
+                    except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                        failed(exc)  # before the thread's own clean-up, whose error (if any) comes second
+                        return
+        except BaseException as exc:  # noqa: BLE001 - the thread's set-up or clean-up
+            failed(exc)
 
     threads = [threading.Thread(target=work, name=f"{name}-{i}", daemon=True)
                for i in range(min(at_once, len(items)))]
